@@ -165,7 +165,7 @@ class TrainStep:
     carry_in = buf is not None
 
     def local(w_P, batch_local, count_1, *carry):
-      params_var = layout.unravel(lax.pcast(w_P, axis, to="varying"))
+      params_var = layout.unravel(lax.pcast(w_P, axis, to="varying"), self.comm_dtype)
       mbs = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch_local)
       zero = lax.pcast(jnp.zeros((), jnp.float32), axis, to="varying")
       if carry_in:
@@ -236,7 +236,7 @@ class TrainStep:
   def _update(self, g_rows, opt_state, params):
     grads = self.layout.rows_to_shards(g_rows)
     updates, opt_state = self.tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
   # -- programs -----------------------------------------------------------------------------------
 
@@ -379,7 +379,8 @@ class TrainStep:
 
   def compute_params(self, state: TrainState) -> PyTree:
     """The weights the next stage computes at (θ̃ after an ACCO estimate), in ``comm_dtype``."""
-    return jax.jit(self.layout.unravel, out_shardings=self._sharding(P()))(state.w)
+    fn = lambda w: self.layout.unravel(w, self.comm_dtype)
+    return jax.jit(fn, out_shardings=self._sharding(P()))(state.w)
 
   # -- input placement ----------------------------------------------------------------------------
 
