@@ -1,8 +1,8 @@
 """GPT-2-style decoder-only transformer (Flax NNX inside, pure functions outside).
 
-The training core works on plain pytrees, so this module exposes pure functions over a nested dict of
-float32 arrays; Flax NNX modules are only used to build the parameters and to run the forward pass
-(`nnx.merge` of a cached graph definition with the dict).
+The training core works on plain pytrees, so this module exposes pure functions over a nested dict
+of float32 arrays; Flax NNX modules are only used to build the parameters and to run the forward
+pass (`nnx.merge` of a cached graph definition with the dict).
 
 Architecture: learned position embeddings, pre-LayerNorm blocks (causal self-attention through
 `jax.nn.dot_product_attention`, tanh-GELU MLP), final LayerNorm, output head tied to the token
@@ -11,10 +11,10 @@ sqrt(2N)), biases 0, LayerNorm scales 1. Parameters are float32 "master" weights
 (float32 or bfloat16 on input) to `cfg.dtype` and returns float32 logits.
 
 Sizes (`SIZES`, parameter counts with tied embeddings):
-  tiny             V=256   L=64   D=64   H=4  N=2    ~0.12M  (CPU tests)
-  tinystories-36m  V=10000 L=512  D=768  H=16 N=4    ~36.4M  (ACCO paper's GPT-Neo-like ablation model)
-  gpt2             V=50257 L=1024 D=768  H=12 N=12   124,439,808
-  gpt2-medium      V=50257 L=1024 D=1024 H=16 N=24   354,823,168
+  tiny             V=256   L=64   D=64   H=4  N=2   120,576  (CPU tests)
+  tinystories-36m  V=10000 L=512  D=768  H=16 N=4   36,426,240  (ACCO's GPT-Neo-like ablation)
+  gpt2             V=50257 L=1024 D=768  H=12 N=12  124,439,808
+  gpt2-medium      V=50257 L=1024 D=1024 H=16 N=24  354,823,168
 
 Usage:
   cfg = model.get_config('gpt2', dtype='bfloat16', remat=True)
@@ -176,9 +176,15 @@ class GPT(nnx.Module):
 
 
 def _to_key(seed_or_key) -> jax.Array:
-  if isinstance(seed_or_key, int | np.integer):
-    return jax.random.key(int(seed_or_key))
-  return seed_or_key
+  """Typed PRNG key from an int seed (also traced), a typed key or a raw uint32[2] key."""
+  x = seed_or_key
+  if isinstance(x, int | np.integer):
+    return jax.random.key(int(x))
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return x
+  if x.dtype == jnp.uint32 and x.shape == (2,):
+    return jax.random.wrap_key_data(x)
+  return jax.random.key(x)  # integer scalar seed, e.g. a jit argument
 
 
 def init_params(cfg: GPTConfig, seed_or_key) -> Params:
@@ -199,7 +205,7 @@ def init_params(cfg: GPTConfig, seed_or_key) -> Params:
 
 @functools.lru_cache(maxsize=32)
 def _graphdef_and_shapes(cfg: GPTConfig):
-  """Graph definition of the model and the expected parameter shapes, built without FLOPs."""
+  """Graph definition and expected flat parameter shapes (built abstractly, nothing allocated)."""
   graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
   return graphdef, _flat_shapes(nnx.to_pure_dict(state))
 
@@ -351,8 +357,8 @@ def generate(params, cfg, prompt_tokens, num_new, key, temperature=1.0, top_k=No
     n = T + i
     window = out_BxS[:, max(0, n - cfg.L) : n]
     padded_BxL = np.pad(window, ((0, 0), (0, cfg.L - window.shape[1])))
+    step_key = jax.random.fold_in(key, i)
     out_BxS[:, n] = _sample_next(
-      params, cfg, padded_BxL, window.shape[1] - 1, jax.random.fold_in(key, i),
-      temperature, top_k, temperature <= 0,
-    )  # fmt: skip
+      params, cfg, padded_BxL, window.shape[1] - 1, step_key, temperature, top_k, temperature <= 0
+    )
   return jnp.asarray(out_BxS[0] if prompt.ndim == 1 else out_BxS)

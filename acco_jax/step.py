@@ -304,6 +304,26 @@ class TrainStep:
 
   # -- public API ---------------------------------------------------------------------------------
 
+  def _build(self, params: PyTree) -> TrainState:
+    layout, plan = self.layout, self.plan
+    shards = layout.to_shards(params, jnp.float32)
+    return TrainState(
+      w=layout.ravel(params, self.comm_dtype),
+      params=shards,
+      opt_state=self.tx.init(shards),
+      buf=self._zeros_buf() if plan.delayed else None,
+      buf_count=self._zeros_count() if plan.delayed else None,
+      stage=jnp.zeros((), jnp.int32),
+    )
+
+  def abstract_state(self, params: PyTree) -> TrainState:
+    """``jax.ShapeDtypeStruct`` tree of the state, with shardings (a checkpoint restore target)."""
+    shapes = jax.eval_shape(self._build, params)
+    shardings = self._state_sharding(shapes)
+    return jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+    )
+
   def init(self, params: PyTree, microbatch: PyTree | None = None) -> TrainState:
     """Builds the sharded train state from float32 parameters (original shapes).
 
@@ -311,21 +331,9 @@ class TrainStep:
     device in the buffer (the paper's initial condition); pass that ``microbatch`` (leading dim
     ``N * B``, one microbatch per device).
     """
-    layout, plan = self.layout, self.plan
-
-    def build(params):
-      shards = layout.to_shards(params, jnp.float32)
-      return TrainState(
-        w=layout.ravel(params, self.comm_dtype),
-        params=shards,
-        opt_state=self.tx.init(shards),
-        buf=self._zeros_buf() if plan.delayed else None,
-        buf_count=self._zeros_count() if plan.delayed else None,
-        stage=jnp.zeros((), jnp.int32),
-      )
-
-    sharding = self._state_sharding(jax.eval_shape(build, params))
-    state = jax.jit(build, out_shardings=sharding)(params)
+    plan = self.plan
+    sharding = self._state_sharding(jax.eval_shape(self._build, params))
+    state = jax.jit(self._build, out_shardings=sharding)(params)
     if plan.delayed and plan.warmup_steps == 0:
       if microbatch is None:
         raise ValueError(

@@ -1,0 +1,110 @@
+"""Devices, meshes, multi-host start-up and XLA flag presets.
+
+Everything here must run before or right after the JAX backend starts, so it is kept apart from the
+algorithm. The data axis name lives here (:data:`DATA`) and is what every method uses by default.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA = "data"
+
+# Latency-hiding scheduler and collective pipelining for NVIDIA GPUs (see docs/overlap.md). The
+# latency-hiding scheduler is off by default in XLA:GPU and is what lets an async reduce-scatter /
+# all-gather stay in flight across the microbatch loop.
+GPU_OVERLAP_FLAGS = (
+  "--xla_gpu_enable_latency_hiding_scheduler=true",
+  "--xla_gpu_enable_highest_priority_async_stream=true",
+  "--xla_gpu_enable_command_buffer=",
+  "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+  "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
+  "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+)
+
+
+def _add_xla_flags(flags) -> None:
+  current = os.environ.get("XLA_FLAGS", "")
+  names = {f.split("=")[0] for f in current.split()}
+  extra = [f for f in flags if f.split("=")[0] not in names]  # the user's own settings win
+  os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+
+
+def configure_platform(*, cpu_devices: int = 0, gpu_overlap: bool = True) -> None:
+  """Sets XLA flags; call before the first JAX operation (train.py does).
+
+  Args:
+    cpu_devices: if > 0, the host (CPU) platform exposes this many devices (simulated data
+      parallelism on one machine; it does nothing on GPU, where the GPUs are the devices).
+    gpu_overlap: add :data:`GPU_OVERLAP_FLAGS` (read by XLA:GPU only; harmless elsewhere).
+  """
+  if cpu_devices > 0:
+    _add_xla_flags([f"--xla_force_host_platform_device_count={cpu_devices}"])
+  if gpu_overlap:
+    _add_xla_flags(GPU_OVERLAP_FLAGS)
+
+
+def initialize_distributed(mode: str = "auto", *, coordinator_address: str = "",
+                           num_processes: int = 0, process_id: int = -1,
+                           timeout_s: int = 300) -> bool:  # fmt: skip
+  """Starts ``jax.distributed`` for multi-host runs. Returns whether it was initialised.
+
+  Args:
+    mode: ``'off'`` (single process), ``'auto'`` (initialise when a cluster environment is detected:
+      SLURM with more than one task, or ``JAX_COORDINATOR_ADDRESS`` set; JAX reads the rest), or
+      ``'on'`` (always; with the explicit arguments below when given).
+    coordinator_address: ``host:port`` of process 0.
+    num_processes: total processes.
+    process_id: this process's index.
+    timeout_s: how long to wait for all processes to join.
+  """
+  if mode not in ("auto", "on", "off"):
+    raise ValueError(f"dist.initialize must be 'auto', 'on' or 'off', got {mode!r}")
+  if mode == "off":
+    return False
+  in_slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
+  explicit = bool(coordinator_address)
+  if mode == "auto" and not (in_slurm or explicit or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+    return False
+  kwargs = {"initialization_timeout": timeout_s}
+  if explicit:
+    if num_processes < 1 or process_id < 0:
+      raise ValueError(
+        "dist.coordinator_address needs dist.num_processes >= 1 and dist.process_id >= 0 as well"
+      )
+    kwargs.update(
+      coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
+  jax.distributed.initialize(**kwargs)
+  return True
+
+
+def make_mesh(num_devices: int = 0, axis: str = DATA) -> jax.sharding.Mesh:
+  """A 1-D mesh over ``num_devices`` devices (0 = all), ordered so that each process's devices are
+  contiguous (process-local batches then map to contiguous global rows)."""
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  if num_devices:
+    if num_devices > len(devices):
+      raise ValueError(
+        f"mesh.num_devices={num_devices} but only {len(devices)} devices are visible; "
+        "on CPU set mesh.cpu_devices (simulated devices) or lower mesh.num_devices"
+      )
+    if jax.process_count() > 1 and num_devices != len(devices):
+      raise ValueError("multi-host runs must use all devices (mesh.num_devices=0)")
+    devices = devices[:num_devices]
+  return jax.sharding.Mesh(
+    np.array(devices), (axis,), axis_types=(jax.sharding.AxisType.Auto,)
+  )
+
+
+def global_batch(local_batch: dict, mesh: jax.sharding.Mesh, axis: str = DATA) -> dict:
+  """Process-local rows -> global arrays sharded over ``axis`` (rows concatenated over processes)."""
+  sharding = NamedSharding(mesh, P(axis))
+  return jax.tree.map(
+    lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_batch
+  )
