@@ -88,7 +88,7 @@ class MetricWriter:
 def _jsonable(v):
   if hasattr(v, "item"):
     v = v.item()
-  if isinstance(v, bool | int | str) or v is None:
+  if isinstance(v, bool | int | str | dict | list) or v is None:
     return v
   return float(v)
 

@@ -1,0 +1,333 @@
+"""Atomic, asynchronous, self-checking checkpoints of a sharded train state (orbax).
+
+:class:`Checkpointer` saves any pytree of ``jax.Array`` (normally a :class:`acco_jax.step.TrainState`)
+together with a JSON-able ``extra`` dict (data-iterator position, RNG, config, metrics). ``None`` fields
+(``buf``/``buf_count`` of synchronous methods) are empty subtrees: they are not stored and come back as
+``None`` from the target's tree structure. On disk, one directory per step:
+
+.. code-block:: none
+
+  DIR/
+    <step>/                       written as <step>.orbax-checkpoint-tmp, renamed when complete
+      _CHECKPOINT_METADATA        orbax's step metadata
+      state/                      orbax StandardSave: one entry per array leaf (OCDBT + zarr),
+                                  named "<index>_<path>", e.g. "003_params_out_bias"
+      meta/metadata               JSON: {"version", "leaves": [{path, key, shape, dtype, fingerprint}],
+                                  "extra"}
+
+Each leaf's ``fingerprint`` is a position-sensitive 32-bit hash of its bits, computed on device (a
+global reduction, so every process agrees) at save time and recomputed after a restore: a checkpoint
+whose files are missing, truncated or garbled fails either in orbax/TensorStore or at this check, since
+a flipped byte in a compressed chunk can decode without error into wrong numbers. ``restore(None, ...)``
+then falls back to the newest checkpoint that passes. Steps appear in :meth:`latest_step` only once
+finalized (renamed), so a save killed half-way leaves an ignored ``*.orbax-checkpoint-tmp`` directory
+(replaced if that step is saved again; not swept at start-up, so that a reader such as an evaluator
+can never delete a writer's save in progress).
+
+Orbax coordinates processes itself (the primary host writes metadata and renames); every process must
+call :meth:`Checkpointer.save` and :meth:`Checkpointer.restore` with its part of the global arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from orbax.checkpoint.path import step as step_lib
+
+PyTree = Any
+_VERSION = 1
+_log = logging.getLogger(__name__)
+
+
+class _Corrupt(Exception):
+  """A checkpoint step that cannot be read back intact."""
+
+
+def _hash_leaf(x: jax.Array) -> jax.Array:
+  """Position-sensitive uint32 hash of the bits of ``x`` (wrapping sum of mixed words)."""
+  if x.dtype == jnp.bool_:
+    words = x.astype(jnp.uint32)
+  else:
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+  words = words.reshape(-1)
+  position = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1)
+  h = (words ^ position) * jnp.uint32(0x85EBCA77)
+  return jnp.sum(h ^ (h >> 13), dtype=jnp.uint32)
+
+
+def _hashable(dtype) -> bool:
+  """Whether the bits of ``dtype`` fill whole bytes (not int4, complex, ...): bool, ints, floats."""
+  dtype = jnp.dtype(dtype)
+  for info in (jnp.finfo, jnp.iinfo):
+    try:
+      return info(dtype).bits == 8 * dtype.itemsize and dtype.kind != "c"
+    except ValueError:
+      pass
+  return dtype == jnp.bool_
+
+
+@jax.jit
+def _hash_leaves(leaves):
+  return [_hash_leaf(x) if _hashable(x.dtype) else None for x in leaves]
+
+
+def _fingerprints(leaves: list[jax.Array]) -> list[int | None]:
+  """Per-leaf hashes as Python ints (``None`` for dtypes without a plain bit pattern, e.g. int4)."""
+  groups: dict[frozenset, list[int]] = {}  # one jitted call per set of devices
+  for i, x in enumerate(leaves):
+    groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+  out: list[int | None] = [None] * len(leaves)
+  for idx in groups.values():
+    for i, v in zip(idx, jax.device_get(_hash_leaves([leaves[i] for i in idx])), strict=True):
+      out[i] = None if v is None else int(v)
+  return out
+
+
+def _spec(shape, dtype) -> str:
+  return f"{jnp.dtype(dtype).name}[{','.join(map(str, shape))}]"
+
+
+def _all_processes_agree(ok: bool) -> bool:
+  """True iff ``ok`` on every process (so all take the same fallback branch)."""
+  if jax.process_count() == 1:
+    return ok
+  with jax.transfer_guard("allow"):
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+class Checkpointer:
+  """Saves and restores ``(state, extra)`` under ``directory``, one subdirectory per step.
+
+  Args:
+    directory: local path or URL (``gs://...``); created if missing. Relative paths are made absolute.
+    keep: how many of the newest checkpoints to keep (older ones are deleted after a newer save is
+      complete); ``None`` keeps all.
+    async_save: write in a background thread; :meth:`save` returns once the arrays are copied to host.
+  """
+
+  def __init__(self, directory: str, *, keep: int | None = 3, async_save: bool = True):
+    directory = str(directory)
+    self.directory = directory if "://" in directory else os.path.abspath(directory)
+    if keep is not None and keep < 1:
+      raise ValueError(f"keep must be >= 1 or None, got {keep}")
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._bad: set[int] = set()  # steps this object found corrupt (may be replaced by a save)
+    self._last_saved: int | None = None
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # -- queries ------------------------------------------------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    """Steps of the complete (finalized) checkpoints, ascending; a save in flight is not included."""
+    root = self._manager.directory
+    return sorted(s for s in self._manager.all_steps() if step_lib.is_path_finalized(root / str(s)))
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint step, or ``None``."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  # -- save ---------------------------------------------------------------------------------------
+
+  def save(self, step: int, state: PyTree, *, extra: dict) -> None:
+    """Starts saving ``state`` and ``extra`` as ``step`` (waits for the previous save first).
+
+    Args:
+      step: a non-negative int, larger than every step already in the directory.
+      state: a pytree of ``jax.Array``; ``None`` fields are allowed (not stored).
+      extra: a JSON-serialisable dict, returned as is by :meth:`restore`.
+
+    Saving again the step this object saved last is a no-op (e.g. a final save right after a
+    periodic one that is still in flight, so not yet in :meth:`latest_step`).
+
+    Raises:
+      ValueError: the directory already holds a checkpoint at ``step`` or later (orbax would silently
+        skip the save), except ones :meth:`restore` found corrupt: those are deleted first.
+      TypeError: a leaf is not a ``jax.Array`` or ``extra`` is not JSON-serialisable.
+    """
+    step = int(step)
+    self._manager.wait_until_finished()
+    if step == self._last_saved and step in self._manager.all_steps():
+      return
+    paths, leaves = self._flatten(state, "state")
+    bad_type = [p for p, x in zip(paths, leaves, strict=True) if not isinstance(x, jax.Array)]
+    if bad_type:
+      raise TypeError(f"checkpoint state leaves must be jax.Arrays; {bad_type[0]} is not")
+    try:  # fail here, not in the writer thread
+      extra = json.loads(json.dumps(extra))
+    except (TypeError, ValueError) as e:
+      raise TypeError(f"checkpoint extra must be JSON-serialisable: {e}") from None
+    for s in sorted(s for s in self._bad.intersection(self._manager.all_steps()) if s >= step):
+      _log.warning(
+        "deleting corrupt checkpoint step %d in %s to save step %d", s, self.directory, step
+      )
+      self._manager.delete(s)
+      self._bad.discard(s)
+    later = [s for s in self._manager.all_steps() if s >= step]
+    if later:
+      raise ValueError(
+        f"cannot save step {step} in {self.directory}: it already holds step(s) {later} >= {step}; "
+        "resume from the latest step, delete those, or use a new directory"
+      )
+    keys = [f"{i:03d}_{re.sub(r'[^A-Za-z0-9]+', '_', p).strip('_')}" for i, p in enumerate(paths)]
+    meta = {
+      "version": _VERSION,
+      "leaves": [
+        {"path": p, "key": k, "shape": list(x.shape), "dtype": x.dtype.name, "fingerprint": f}
+        for p, k, x, f in zip(paths, keys, leaves, _fingerprints(leaves), strict=True)
+      ],
+      "extra": extra,
+    }
+    args = ocp.args.Composite(
+      state=ocp.args.StandardSave(dict(zip(keys, leaves, strict=True))),
+      meta=ocp.args.JsonSave(meta),
+    )
+    with jax.transfer_guard("allow"):
+      if not self._manager.save(step, args=args):
+        raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
+    self._last_saved = step
+
+  def wait(self) -> None:
+    """Blocks until every pending save is complete on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for pending saves and releases orbax's resources."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  # -- restore ------------------------------------------------------------------------------------
+
+  def restore(self, step: int | None, target: PyTree) -> tuple[PyTree, dict]:
+    """Reads a checkpoint into arrays with the target's tree structure, shardings and dtypes.
+
+    Args:
+      step: the step to read, or ``None`` for the newest one that reads back intact (corrupt newer
+        steps are skipped with a warning).
+      target: a pytree of ``jax.Array`` or ``jax.ShapeDtypeStruct`` with ``sharding`` set, e.g. a
+        freshly initialised state or its ``jax.eval_shape`` plus shardings.
+
+    Returns:
+      ``(state, extra)``.
+
+    Raises:
+      FileNotFoundError: no checkpoint (at ``step``) in the directory.
+      ValueError: the checkpoint was written for a different state (tree paths or shapes differ).
+      RuntimeError: the requested step, or every step when ``step`` is ``None``, is corrupt.
+    """
+    self._manager.wait_until_finished()
+    steps = self.all_steps()
+    if step is not None:
+      if int(step) not in steps:
+        raise FileNotFoundError(f"no checkpoint at step {step} in {self.directory}; found {steps}")
+      try:
+        return self._restore_step(int(step), target)
+      except _Corrupt as e:
+        raise RuntimeError(f"checkpoint step {step} in {self.directory} is corrupt: {e}") from None
+    if not steps:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    for s in reversed(steps):
+      try:
+        return self._restore_step(s, target)
+      except _Corrupt as e:
+        _log.warning(
+          "checkpoint step %d in %s is corrupt, trying an older one: %s", s, self.directory, e
+        )
+    raise RuntimeError(f"no readable checkpoint in {self.directory}: steps {steps} are all corrupt")
+
+  def _read(self, step: int, what: str, fn):
+    """Returns ``fn()``; if it fails on any process, marks ``step`` corrupt and raises ``_Corrupt``."""
+    try:
+      with jax.transfer_guard("allow"):
+        result, reason = fn(), ""
+    except Exception as e:  # orbax/TensorStore raise many types on damaged files
+      result, reason = None, " ".join(str(e).split())[:200] or type(e).__name__
+    if not _all_processes_agree(not reason):
+      self._bad.add(step)
+      raise _Corrupt(f"{what}: {reason or 'unreadable on another process'}")
+    return result
+
+  def _read_meta(self, step: int) -> tuple[dict, dict]:
+    meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    if meta["version"] != _VERSION or not isinstance(meta["extra"], dict):
+      raise ValueError(f"unknown metadata version {meta['version']}")
+    saved = {e["path"]: e for e in meta["leaves"]}
+    for e in saved.values():  # malformed entries count as corruption, not as a mismatch
+      e.update(shape=tuple(map(int, e["shape"])), dtype=jnp.dtype(e["dtype"]), key=str(e["key"]))
+    return saved, meta["extra"]
+
+  def _restore_step(self, step: int, target: PyTree) -> tuple[PyTree, dict]:
+    paths, leaves = self._flatten(target, "target")
+    saved, extra = self._read(step, "metadata", lambda: self._read_meta(step))
+    self._check_matches(step, saved, paths, leaves)
+    for p, x in zip(paths, leaves, strict=True):
+      if getattr(x, "sharding", None) is None:
+        raise ValueError(f"restore target leaf {p} has no sharding; pass arrays or sharded structs")
+    entries = [saved[p] for p in paths]
+    abstract = {
+      e["key"]: jax.ShapeDtypeStruct(e["shape"], e["dtype"], sharding=x.sharding)
+      for e, x in zip(entries, leaves, strict=True)
+    }
+
+    def read_arrays():
+      args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+      arrays = self._manager.restore(step, args=args).state
+      restored = [arrays[e["key"]] for e in entries]
+      got = _fingerprints(restored)
+      bad = [e["path"] for e, f in zip(entries, got, strict=True) if f != e["fingerprint"]]
+      if bad:
+        raise ValueError(f"{bad[0]} does not match its fingerprint ({len(bad)} leaves differ)")
+      return restored
+
+    restored = self._read(step, "arrays", read_arrays)
+    cast = lambda r, x: jax.jit(lambda a: a.astype(x.dtype), out_shardings=x.sharding)(r)
+    out = [r if r.dtype == x.dtype else cast(r, x) for r, x in zip(restored, leaves, strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(target), out), extra
+
+  def _check_matches(self, step: int, saved: dict, paths: list[str], leaves: list) -> None:
+    """Raises a one-line ValueError if the target is not the state the checkpoint was written for."""
+    want = dict(zip(paths, leaves, strict=True))
+    details = [
+      f"target leaf {p} ({_spec(x.shape, x.dtype)}) is not in the checkpoint"
+      for p, x in want.items()
+      if p not in saved
+    ]
+    details += [
+      f"{p} is {_spec(saved[p]['shape'], saved[p]['dtype'])} in the checkpoint but "
+      f"{_spec(x.shape, x.dtype)} in the target"
+      for p, x in want.items()
+      if p in saved and saved[p]["shape"] != tuple(x.shape)
+    ]
+    details += [
+      f"checkpoint leaf {p} ({_spec(e['shape'], e['dtype'])}) is not in the target"
+      for p, e in saved.items()
+      if p not in want
+    ]
+    if details:
+      raise ValueError(
+        f"the checkpoint at {self.directory} (step {step}) was written for a different state: "
+        f"{details[0]} ({len(details)} leaves differ; {len(saved)} saved, {len(want)} in the target)"
+      )
+
+  @staticmethod
+  def _flatten(tree: PyTree, what: str) -> tuple[list[str], list[Any]]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if not flat:
+      raise ValueError(f"the {what} has no array leaves")
+    return [jax.tree_util.keystr(p) for p, _ in flat], [x for _, x in flat]

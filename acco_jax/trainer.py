@@ -1,0 +1,276 @@
+"""The training loop: data, model, method, checkpoints and metrics, driven by a config.
+
+``train_and_evaluate(config, workdir)`` is what ``train.py`` calls. Reading order: set-up (mesh,
+data, model, optimizer, step), restore or initialise, the stage loop (log, evaluate, checkpoint),
+the end (final evaluation, sample, last checkpoint).
+
+Units: a *stage* is one call of the step (``k`` microbatches per device); an *update* is one
+optimizer step (ACCO: a commit, every second stage; the others: every stage). Schedules, evaluation
+and checkpoint periods count updates; the checkpoint step number counts stages.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from acco_jax import checkpoint, data, methods, model, optim, parallel
+from acco_jax import metrics as metrics_lib
+from acco_jax.step import make_train_step
+
+
+class Run(NamedTuple):
+  """Everything built from the config before the loop starts."""
+
+  mesh: Any
+  tokens: data.TokenData
+  model_cfg: model.GPTConfig
+  train: Any  # acco_jax.step.TrainStep
+  stages_per_update: int
+  total_stages: int
+
+
+def _model_config(config, vocab_size: int) -> model.GPTConfig:
+  overrides = {k: config.model[k] for k in ("D", "N", "H", "F") if config.model[k]}
+  return model.get_config(
+    config.model.size, V=vocab_size, L=config.data.seq_len, dtype=config.model.dtype,
+    remat=config.model.remat, attention=config.model.attention, **overrides,
+  )  # fmt: skip
+
+
+def stage_plan(config) -> tuple[int, int, int]:
+  """(microbatches per stage, stages per update, total stages) for the method in ``config``."""
+  k = int(config.batch.microbatches)
+  if config.method == "acco":
+    if k < 2 or k % 2:
+      raise ValueError(
+        f"batch.microbatches={k}: ACCO splits an update into two stages of equal size, so it "
+        "must be an even number >= 2"
+      )
+    return k // 2, 2, 2 * config.train.num_updates
+  warmup = int(config.dpu_warmup_updates) if config.method == "dpu" else 0
+  return k, 1, config.train.num_updates + (1 if warmup else 0)  # dpu: one fill stage after warm-up
+
+
+def updates_done(config, stage: int) -> int:
+  """Optimizer updates completed after ``stage`` stages."""
+  if config.method == "acco":
+    return stage // 2
+  warmup = int(config.dpu_warmup_updates) if config.method == "dpu" else 0
+  return stage - 1 if warmup and stage > warmup else stage
+
+
+def build(config) -> Run:
+  if config.method not in methods.METHODS:
+    raise ValueError(
+      f"method={config.method!r} is unknown: choose one of {', '.join(methods.METHODS)}"
+    )
+  mesh = parallel.make_mesh(config.mesh.num_devices)
+  cache = config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
+  tokens = data.prepare(
+    config.data.source, config.data.tokenizer, cache_dir=cache,
+    eval_fraction=config.data.eval_fraction, seed=config.train.seed,
+    data_dir=config.data.data_dir or None, text_key=config.data.text_key,
+  )  # fmt: skip
+  model_cfg = _model_config(config, tokens.tokenizer.vocab_size)
+  k, per_update, total = stage_plan(config)
+  shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
+  if config.opt.decay not in ("matrices", "all"):
+    raise ValueError(f"opt.decay={config.opt.decay!r}: choose 'matrices' or 'all'")
+  mask = model.decay_mask(shapes) if config.opt.decay == "matrices" else None
+  inner = optim.inner_optimizer(config.opt, config.train.num_updates, mask)
+  kwargs = {"comm_dtype": jnp.dtype(config.comm_dtype)}
+  if config.method == "dpu":
+    kwargs["warmup_steps"] = int(config.dpu_warmup_updates)
+  tx = methods.get_method(config.method, inner, **kwargs)
+  loss = lambda p, b: model.loss_fn(p, model_cfg, b)
+  train = make_train_step(loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True)
+  return Run(mesh, tokens, model_cfg, train, per_update, total)
+
+
+def _stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None):
+  return data.batches(
+    tokens, seq_len=config.data.seq_len, global_batch_rows=rows, seed=seed,
+    process_index=jax.process_index(), process_count=jax.process_count(),
+    shuffle=shuffle, num_epochs=epochs,
+  )  # fmt: skip
+
+
+def evaluate(run: Run, config, params, eval_fn) -> dict:
+  """Mean token loss and perplexity of ``params`` on the first ``eval_batches`` held-out batches."""
+  rows = run.mesh.size * config.batch.microbatch_size
+  it = _stream(run, config, run.tokens.eval, rows, seed=0, shuffle=False)
+  loss_sum = tokens = 0.0
+  for _ in range(config.train.eval_batches):
+    aux = jax.device_get(eval_fn(params, parallel.global_batch(next(it), run.mesh)))
+    loss_sum, tokens = loss_sum + float(aux["loss_sum"]), tokens + float(aux["tokens"])
+  loss = loss_sum / max(tokens, 1.0)
+  return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+class _Preemption:
+  """SIGTERM/SIGINT ask the loop to checkpoint at the next stage boundary and stop."""
+
+  def __init__(self):
+    self.requested = None
+    self._old = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._old[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread
+        pass
+
+  def _handle(self, signum, frame):
+    self.requested = signal.Signals(signum).name
+
+  def restore(self):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -> dict:
+  """Trains the config's model with its method; returns the final metrics.
+
+  ``max_stages`` stops early (with a checkpoint) after that many stages in total, as a preemption
+  would; rerunning continues the same trajectory.
+  """
+  lead = jax.process_index() == 0
+  run = build(config)
+  train, mesh, n = run.train, run.mesh, run.mesh.size
+  writer = metrics_lib.MetricWriter(workdir, enabled=lead)
+  ckpt = checkpoint.Checkpointer(
+    os.path.join(workdir, "checkpoints"), keep=config.ckpt.keep, async_save=config.ckpt.async_save
+  )
+  rows_per_stage = n * train.num_microbatches * config.batch.microbatch_size
+  stream = _stream(run, config, run.tokens.train, rows_per_stage, seed=config.train.seed)
+  params_shapes = jax.eval_shape(lambda: model.init_params(run.model_cfg, 0))
+
+  # -- restore or initialise ----------------------------------------------------------------------
+  start = ckpt.latest_step()
+  if start is not None:
+    state, extra = ckpt.restore(None, train.abstract_state(params_shapes))
+    start = int(extra["stage"])
+    stream.set_state(extra["data"])
+    writer.event("restored", stage=start, workdir=workdir)
+  else:
+    start = 0
+    params = model.init_params(run.model_cfg, config.train.seed)
+    prime_rows = n * config.batch.microbatch_size
+    prime = next(_stream(run, config, run.tokens.train, prime_rows, seed=config.train.seed + 1))
+    state = train.init(params, parallel.global_batch(prime, mesh))
+    writer.event("config", config=json.loads(config.to_json_best_effort()))
+
+  eval_fn = jax.jit(lambda p, b: model.loss_fn(p, run.model_cfg, b)[1])
+  baseline = data.unigram_entropy(run.tokens.train)
+  n_params = train.layout.num_params
+  flops_token = model.flops_per_token(run.model_cfg)
+  peak = metrics_lib.peak_flops(jax.devices()[0])
+  comm_stage = metrics_lib.comm_bytes_per_stage(train.plan, train.layout.padded_size, n)
+  if lead:
+    print(
+      f"method={config.method} devices={n} params={n_params:,} vocab={run.model_cfg.V} "
+      f"k/stage={train.num_microbatches} B={config.batch.microbatch_size} L={config.data.seq_len} "
+      f"stages={run.total_stages} unigram_baseline={baseline:.3f} nats",
+      flush=True,
+    )
+
+  # -- the loop -----------------------------------------------------------------------------------
+  preempt = _Preemption()
+  progress = metrics_lib.Progress(run.total_stages, start, enabled=lead)
+  last = {"time": time.time(), "tokens": 0.0, "stage": start}
+  summary: dict = {"unigram_baseline": baseline}
+  stage = start
+
+  def save(stage):
+    ckpt.save(stage, state, extra={"stage": stage, "data": stream.get_state(),
+                                   "config": config.to_json_best_effort()})  # fmt: skip
+
+  try:
+    while stage < run.total_stages:
+      batch = parallel.global_batch(next(stream), mesh)
+      state, m = train.step(state, batch)
+      stage += 1
+      done = updates_done(config, stage)
+      at_update = done != updates_done(config, stage - 1)
+      if stage % config.train.log_every == 0 or stage == run.total_stages:
+        m = jax.device_get(m)
+        now = time.time()
+        tokens = float(m["tokens"])
+        rate = (tokens * (stage - last["stage"])) / max(now - last["time"], 1e-9)
+        last.update(time=now, stage=stage)
+        loss = float(m["loss"])
+        if not math.isfinite(loss) and config.train.on_nonfinite == "stop":
+          raise FloatingPointError(
+            f"non-finite loss {loss} at stage {stage}; last good checkpoint kept"
+          )
+        lr = methods.hyperparams(state.opt_state).get("learning_rate", float("nan"))
+        row = {
+          "stage": stage, "update": done, "loss": loss, "grad_norm": float(m["grad_norm"]),
+          "lr": float(lr), "tokens_per_s": rate, "microbatches": float(m["microbatches"]),
+          "committed": bool(m["committed"]), "comm_bytes_per_device": comm_stage,
+          "tokens_seen": stage * tokens,
+        }  # fmt: skip
+        if peak:
+          row["mfu"] = rate * flops_token / (peak * n)
+        writer.write(stage, row)
+        progress.update(stage, f"loss {loss:.3f} {rate:,.0f} tok/s")
+        summary.update(loss=loss, tokens_per_s=rate)
+      if at_update and config.train.eval_every and done % config.train.eval_every == 0:
+        ev = evaluate(run, config, train.params(state), eval_fn)
+        writer.write(stage, {"update": done, **ev})
+        summary.update(ev)
+      if at_update and config.ckpt.every and done % config.ckpt.every == 0:
+        save(stage)
+      stop = preempt.requested or (
+        "max_stages" if max_stages is not None and stage >= max_stages else None
+      )
+      if stop and stage < run.total_stages:
+        if ckpt.latest_step() != stage:
+          save(stage)
+        ckpt.wait()
+        writer.event("stopped", reason=stop, stage=stage)
+        if lead:
+          print(f"{stop}: checkpoint saved at stage {stage}; rerun the same command to resume",
+                flush=True)  # fmt: skip
+        summary["stopped"] = stage
+        return summary
+    # -- the end ----------------------------------------------------------------------------------
+    final = train.params(state)
+    ev = evaluate(run, config, final, eval_fn)
+    writer.write(stage, {"update": updates_done(config, stage), **ev})
+    summary.update(ev, stages=stage, updates=updates_done(config, stage))
+    if ckpt.latest_step() != stage:
+      save(stage)
+    if config.train.sample_tokens and lead:
+      summary["sample"] = sample(run, config, final, workdir)
+  finally:
+    progress.close()
+    preempt.restore()
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+  if lead:
+    print(json.dumps({k: v for k, v in summary.items() if k != "sample"}), flush=True)
+  return summary
+
+
+def sample(run: Run, config, params, workdir: str) -> str:
+  tok = run.tokens.tokenizer
+  prompt = np.asarray(tok.encode(config.train.sample_prompt) or [tok.eot_id], np.int32)
+  out = model.generate(
+    params, run.model_cfg, prompt, config.train.sample_tokens, jax.random.key(config.train.seed),
+    temperature=0.8, top_k=40,
+  )  # fmt: skip
+  text = tok.decode([int(t) for t in np.asarray(out).reshape(-1)])
+  with open(os.path.join(workdir, "sample.txt"), "w") as f:
+    f.write(text + "\n")
+  print(f"sample: {text!r}", flush=True)
+  return text

@@ -1,0 +1,112 @@
+"""Shared defaults for every config; each config file sets its method and size preset.
+
+Every field is documented inline. Override anything on the command line, e.g.
+``--config.opt.lr=1e-3 --config.train.num_updates=500``.
+"""
+
+import ml_collections
+
+# Size presets selected by the argument after the colon: configs/gpt2_acco.py:<preset>.
+#   cpu    the README's quick start: a 4-layer d256 GPT on the embedded corpus, 8 simulated CPU
+#          devices, finishes in a few minutes on a 2-core machine
+#   tiny   the smallest run (tests and CI smoke)
+#   gpt2   GPT-2 124M, 1024 tokens, GPT-2 BPE (GPU)
+#   gpt2-medium  GPT-2 355M (GPU)
+PRESETS = ("cpu", "tiny", "gpt2", "gpt2-medium")
+
+
+def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.ConfigDict:
+  if preset not in PRESETS:
+    raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
+  c = ml_collections.ConfigDict()
+  c.method = method  # acco | zero1 | ddp | dpu | wp
+  c.comm_dtype = "bfloat16"  # dtype of the reduce-scatter / all-gather / all-reduce
+  c.dpu_warmup_updates = 0  # dpu only: synchronous updates before the delay starts
+
+  c.model = ml_collections.ConfigDict()
+  c.model.size = "tiny"  # acco_jax.model.SIZES name; fields below override it when > 0
+  c.model.D = 0  # width
+  c.model.N = 0  # layers
+  c.model.H = 0  # heads
+  c.model.F = 0  # MLP width (0: 4*D)
+  c.model.dtype = "bfloat16"  # compute dtype (params stay float32)
+  c.model.remat = False  # rematerialise each block in the backward pass
+  c.model.attention = "auto"  # auto | xla | cudnn
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "embedded"  # embedded | text:<path or glob> | tfds:<name>[:<split>]
+  c.data.tokenizer = "bpe:2048"  # byte | gpt2 | bpe:<vocab size> (trained on the corpus, cached)
+  c.data.seq_len = 128  # tokens per row (the model's context)
+  c.data.eval_fraction = 0.05  # share of documents held out for evaluation
+  c.data.cache_dir = ""  # token / tokenizer cache ('' = ~/.cache/acco_jax)
+  c.data.data_dir = ""  # TFDS data dir ('' = TFDS default)
+  c.data.text_key = "text"  # TFDS text feature
+
+  c.batch = ml_collections.ConfigDict()
+  c.batch.microbatch_size = 2  # rows per device per microbatch
+  c.batch.microbatches = (
+    4  # microbatches per device per optimizer update (ACCO: two stages of half)
+  )
+
+  c.opt = ml_collections.ConfigDict()
+  c.opt.name = "adamw"  # adamw | sgd | lion
+  c.opt.lr = 2e-3  # peak learning rate
+  c.opt.b1 = 0.9
+  c.opt.b2 = 0.95
+  c.opt.eps = 1e-8
+  c.opt.weight_decay = 0.1
+  c.opt.decay = "matrices"  # matrices (2-D weights) | all (the paper's reference code)
+  c.opt.clip_norm = 1.0  # global-norm clipping; 0 = off
+  c.opt.schedule = "cosine"  # cosine | linear | constant, after the warm-up
+  c.opt.warmup_updates = 20  # linear LR warm-up, in optimizer updates
+  c.opt.min_lr_ratio = 0.1  # final LR / peak LR
+
+  c.train = ml_collections.ConfigDict()
+  c.train.num_updates = 150  # optimizer updates (ACCO: commits; each spans two stages)
+  c.train.seed = 0  # parameter init and data order
+  c.train.log_every = 10  # stages between metric lines
+  c.train.eval_every = 50  # updates between evaluations (0 = only at the end)
+  c.train.eval_batches = 8  # held-out batches per evaluation
+  c.train.sample_tokens = 64  # tokens generated at the end (0 = none)
+  c.train.sample_prompt = "And God said"  # prompt of the final sample
+  c.train.on_nonfinite = (
+    "stop"  # stop: a non-finite loss ends the run; the last good checkpoint stays
+  )
+
+  c.ckpt = ml_collections.ConfigDict()
+  c.ckpt.every = 50  # updates between checkpoints (0 = only at the end)
+  c.ckpt.keep = 3  # newest checkpoints kept
+  c.ckpt.async_save = True  # write checkpoints in the background
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.num_devices = 0  # devices on the data axis (0 = all)
+  c.mesh.cpu_devices = 8  # simulated host devices (CPU only; ignored where GPUs are the devices)
+
+  c.dist = ml_collections.ConfigDict()
+  c.dist.initialize = "auto"  # auto (SLURM / JAX_COORDINATOR_ADDRESS) | on | off
+  c.dist.coordinator_address = ""  # host:port of process 0 (explicit launch)
+  c.dist.num_processes = 0
+  c.dist.process_id = -1
+  c.dist.timeout_s = 300  # how long processes wait for each other at start-up
+
+  if preset == "cpu":
+    c.model.size, c.model.D, c.model.N, c.model.H = "tiny", 256, 4, 4
+  elif preset == "tiny":
+    c.model.size = "tiny"
+    c.data.tokenizer, c.data.seq_len = "byte", 32
+    c.batch.microbatch_size, c.batch.microbatches = 1, 2
+    c.train.num_updates, c.train.log_every, c.train.eval_every = 6, 2, 3
+    c.train.eval_batches, c.train.sample_tokens = 2, 8
+    c.opt.warmup_updates = 1
+    c.ckpt.every = 3
+  elif preset in ("gpt2", "gpt2-medium"):
+    c.model.size = preset
+    c.model.attention = "auto"
+    c.data.tokenizer, c.data.seq_len = "gpt2", 1024
+    c.batch.microbatch_size, c.batch.microbatches = 8, 6
+    c.opt.lr, c.opt.warmup_updates = 6e-4, 200
+    c.train.num_updates, c.train.log_every, c.train.eval_every = 5000, 10, 250
+    c.train.eval_batches, c.train.sample_tokens = 20, 64
+    c.ckpt.every = 500
+    c.mesh.cpu_devices = 0
+  return c

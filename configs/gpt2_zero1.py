@@ -1,0 +1,13 @@
+r"""GPT-2 trained with the `zero1` method (see acco_jax.methods).
+
+  python train.py --config configs/gpt2_zero1.py --workdir runs/zero1            # CPU quick start
+  python train.py --config configs/gpt2_zero1.py:gpt2 --workdir runs/zero1-124m  # GPT-2 124M on GPUs
+
+The argument after the colon picks a size preset (configs/common.py: cpu, tiny, gpt2, gpt2-medium).
+"""
+
+from configs import common
+
+
+def get_config(arg: str = "cpu"):
+  return common.get_base(arg or "cpu", method="zero1")
