@@ -76,7 +76,9 @@ class MetricWriter:
 
   def event(self, name: str, **fields) -> None:
     if self.enabled:
-      self._jsonl.write(json.dumps({"event": name, **{k: _jsonable(v) for k, v in fields.items()}}) + "\n")
+      self._jsonl.write(
+        json.dumps({"event": name, **{k: _jsonable(v) for k, v in fields.items()}}) + "\n"
+      )
 
   def close(self) -> None:
     if self._jsonl is not None:

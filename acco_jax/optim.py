@@ -14,7 +14,9 @@ SCHEDULES = ("cosine", "constant", "linear")
 def schedule(opt, num_updates: int) -> optax.Schedule:
   """Linear warm-up over ``opt.warmup_updates``, then ``opt.schedule`` down to ``lr * min_lr_ratio``."""
   if opt.schedule not in SCHEDULES:
-    raise ValueError(f"opt.schedule={opt.schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
+    raise ValueError(
+      f"opt.schedule={opt.schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}"
+    )
   if opt.lr <= 0:
     raise ValueError(f"opt.lr must be > 0, got {opt.lr}")
   warmup = int(opt.warmup_updates)

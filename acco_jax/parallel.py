@@ -97,9 +97,7 @@ def make_mesh(num_devices: int = 0, axis: str = DATA) -> jax.sharding.Mesh:
     if jax.process_count() > 1 and num_devices != len(devices):
       raise ValueError("multi-host runs must use all devices (mesh.num_devices=0)")
     devices = devices[:num_devices]
-  return jax.sharding.Mesh(
-    np.array(devices), (axis,), axis_types=(jax.sharding.AxisType.Auto,)
-  )
+  return jax.sharding.Mesh(np.array(devices), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def global_batch(local_batch: dict, mesh: jax.sharding.Mesh, axis: str = DATA) -> dict:
