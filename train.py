@@ -8,7 +8,7 @@ Rerunning the same command resumes from the newest checkpoint in ``--workdir``.
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file(
@@ -22,6 +22,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   config = flags.FLAGS.config
+  if not flags.FLAGS["verbosity"].present:  # keep the terminal to progress lines and results
+    logging.set_verbosity(logging.WARNING)
   from acco_jax import parallel  # imports jax, but the backend starts only at the first operation
 
   parallel.configure_platform(cpu_devices=config.mesh.cpu_devices)

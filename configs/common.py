@@ -62,10 +62,10 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.opt.min_lr_ratio = 0.1  # final LR / peak LR
 
   c.train = ml_collections.ConfigDict()
-  c.train.num_updates = 150  # optimizer updates (ACCO: commits; each spans two stages)
+  c.train.num_updates = 100  # optimizer updates (ACCO: commits; each spans two stages)
   c.train.seed = 0  # parameter init and data order
   c.train.log_every = 10  # stages between metric lines
-  c.train.eval_every = 50  # updates between evaluations (0 = only at the end)
+  c.train.eval_every = 25  # updates between evaluations (0 = only at the end)
   c.train.eval_batches = 8  # held-out batches per evaluation
   c.train.sample_tokens = 64  # tokens generated at the end (0 = none)
   c.train.sample_prompt = "And God said"  # prompt of the final sample
