@@ -77,7 +77,9 @@ class TrainStep:
     num_microbatches: ``k``, microbatches per device per stage (the maximum when counts vary).
   """
 
-  def __init__(self, loss_fn, tx, mesh, num_microbatches, has_aux, params_like):
+  def __init__(
+    self, loss_fn, tx, mesh, num_microbatches, has_aux, params_like, skip_nonfinite=False
+  ):
     self.plan = methods.comm_plan(tx)
     self.tx = tx
     axis = self.plan.axis_name
@@ -98,6 +100,7 @@ class TrainStep:
     self.num_microbatches = int(num_microbatches)
     self.loss_fn = loss_fn
     self.has_aux = has_aux
+    self.skip_nonfinite = skip_nonfinite
     self.layout = FlatLayout(params_like, self.num_devices)
     self.comm_dtype = jnp.dtype(self.plan.comm_dtype)
     self._check_elementwise(params_like)
@@ -180,20 +183,33 @@ class TrainStep:
       aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32) + zero, aux_shape)
 
       def body(j, carry):
-        acc, loss_sum, aux_sum = carry
+        acc, used, loss_sum, aux_sum = carry
         mb = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, j, keepdims=False), mbs)
         (loss, aux), g = grad_fn(params_var, mb)
-        acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
-        aux_sum = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux_sum, aux)
-        return acc, loss_sum + loss.astype(jnp.float32), aux_sum
+        ok = jnp.bool_(True)
+        if self.skip_nonfinite:  # drop the whole microbatch: its gradient and its count
+          ok = jnp.isfinite(loss) & jnp.all(
+            jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)])
+          )
+        add = lambda a, b: a + jnp.where(ok, b.astype(jnp.float32), 0.0)
+        acc = jax.tree.map(add, acc, g)
+        aux_sum = jax.tree.map(add, aux_sum, aux)
+        return acc, used + ok.astype(jnp.int32), add(loss_sum, loss), aux_sum
 
       count = count_1[0]
-      acc, loss_sum, aux_sum = lax.fori_loop(0, count, body, (acc0, zero, aux0))
+      carry0 = (acc0, jnp.zeros_like(count), zero, aux0)
+      acc, used, loss_sum, aux_sum = lax.fori_loop(0, count, body, carry0)
       buf_next = layout.ravel(acc, self.comm_dtype)[None]
       totals = lax.psum(
-        {"loss_sum": loss_sum, "microbatches": count.astype(jnp.float32), "aux": aux_sum}, axis
+        {
+          "loss_sum": loss_sum,
+          "microbatches": used.astype(jnp.float32),
+          "skipped": (count - used).astype(jnp.float32),
+          "aux": aux_sum,
+        },
+        axis,
       )
-      return buf_next, (n0 + count)[None], totals
+      return buf_next, (n0 + used)[None], totals
 
     d = P(axis)
     args, specs = (w, batch, counts), (P(), d, d)
@@ -207,15 +223,17 @@ class TrainStep:
     axis, layout = self.plan.axis_name, self.layout
 
     def local(buf_1xP, count_1):
-      total = lax.psum(count_1[0], axis).astype(jnp.float32)
+      count = lax.psum(count_1[0], axis)
+      total = jnp.maximum(count, 1).astype(jnp.float32)
       flat = buf_1xP[0].astype(self.comm_dtype)
       if self.plan.sharded:
         g_S = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
-        return (g_S.astype(jnp.float32) / total)[None]
+        return (g_S.astype(jnp.float32) / total)[None], count > 0
       g_P = lax.psum(flat, axis)
-      return (g_P.astype(jnp.float32) / total).reshape(layout.num_shards, layout.shard_size)
+      g = (g_P.astype(jnp.float32) / total).reshape(layout.num_shards, layout.shard_size)
+      return g, count > 0
 
-    out = P(axis) if self.plan.sharded else P()
+    out = (P(axis) if self.plan.sharded else P(), P())
     fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(axis), P(axis)), out_specs=out)
     return fn(buf, buf_count)
 
@@ -233,10 +251,15 @@ class TrainStep:
     )
     return fn(rows)
 
-  def _update(self, g_rows, opt_state, params):
+  def _update(self, reduced, opt_state, params):
+    """Inner step on the mean gradient; a stage whose microbatches were all skipped changes nothing."""
+    g_rows, valid = reduced
     grads = self.layout.rows_to_shards(g_rows)
-    updates, opt_state = self.tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+    updates, new_opt_state = self.tx.update(grads, opt_state, params)
+    new = (optax.apply_updates(params, updates), new_opt_state)
+    if self.skip_nonfinite:
+      new = jax.tree.map(lambda a, b: jnp.where(valid, a, b), new, (params, opt_state))
+    return *new, optax.tree.norm(grads)
 
   # -- programs -----------------------------------------------------------------------------------
 
@@ -248,6 +271,7 @@ class TrainStep:
       "grad_norm": grad_norm,
       "committed": committed,
       "stage": state.stage,
+      "skipped": totals["skipped"],
     }
     out.update(totals["aux"])
     return out
@@ -263,8 +287,8 @@ class TrainStep:
       else:
         committed, keep = jnp.bool_(kind != "fill"), jnp.bool_(False)
       if kind == "delayed":
-        g_rows = self._reduce(state.buf, state.buf_count)
-        params, opt_state, gnorm = self._update(g_rows, state.opt_state, state.params)
+        reduced = self._reduce(state.buf, state.buf_count)
+        params, opt_state, gnorm = self._update(reduced, state.opt_state, state.params)
         w_next = self._gather(params)
         buf, buf_count, totals = self._accumulate(
           state.w, batch, counts, k, state.buf, state.buf_count, keep
@@ -275,8 +299,8 @@ class TrainStep:
           params, opt_state, w_next, gnorm = state.params, state.opt_state, state.w, jnp.float32(0)
           buf, buf_count = acc, acc_count
         else:
-          g_rows = self._reduce(acc, acc_count)
-          params, opt_state, gnorm = self._update(g_rows, state.opt_state, state.params)
+          reduced = self._reduce(acc, acc_count)
+          params, opt_state, gnorm = self._update(reduced, state.opt_state, state.params)
           w_next = self._gather(params)
           buf, buf_count = state.buf, state.buf_count
       new = TrainState(w_next, params, opt_state, buf, buf_count, state.stage + 1)
@@ -369,7 +393,8 @@ class TrainStep:
     Returns:
       ``(state, metrics)``; metrics: ``loss`` (mean over this stage's microbatches), ``microbatches``
       (summed over devices), ``grad_norm`` (of the mean gradient applied this stage), ``committed``,
-      ``stage``, plus the summed aux values of ``loss_fn``.
+      ``stage``, ``skipped`` (microbatches dropped as non-finite), plus the summed aux values of
+      ``loss_fn``.
     """
     plan = self.plan
     kind = "delayed" if plan.delayed else "sync"
@@ -426,6 +451,7 @@ def make_train_step(
   num_microbatches: int,
   params: PyTree,
   has_aux: bool = False,
+  skip_nonfinite: bool = False,
 ) -> TrainStep:
   """Builds the data-parallel training step of a method.
 
@@ -448,8 +474,12 @@ def make_train_step(
       (``2k`` microbatches per device); the others update every stage.
     params: the parameters, or a tree of ``jax.ShapeDtypeStruct`` with their shapes.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    skip_nonfinite: drop every microbatch whose loss or gradient is not finite (its gradient and
+      its count), so buffers and ACCO's accumulator stay finite and the mean is over the good
+      microbatches; a stage with no good microbatch anywhere leaves weights and optimizer state
+      unchanged. Off by default (a non-finite loss then shows in the metrics).
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``params`` and ``compute_params``.
   """
-  return TrainStep(loss_fn, tx, mesh, num_microbatches, has_aux, params)
+  return TrainStep(loss_fn, tx, mesh, num_microbatches, has_aux, params, skip_nonfinite)

@@ -91,8 +91,13 @@ def build(config) -> Run:
   if config.method == "dpu":
     kwargs["warmup_steps"] = int(config.dpu_warmup_updates)
   tx = methods.get_method(config.method, inner, **kwargs)
+  if config.train.on_nonfinite not in ("stop", "skip"):
+    raise ValueError(f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'")
   loss = lambda p, b: model.loss_fn(p, model_cfg, b)
-  train = make_train_step(loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True)
+  train = make_train_step(
+    loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True,
+    skip_nonfinite=config.train.on_nonfinite == "skip",
+  )  # fmt: skip
   return Run(mesh, tokens, model_cfg, train, per_update, total)
 
 
@@ -189,7 +194,17 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   summary: dict = {"unigram_baseline": baseline}
   stage = start
 
+  nonfinite = jnp.zeros((), bool)  # device-side flag, read only at log and checkpoint time
+
+  def check_finite():
+    if config.train.on_nonfinite == "stop" and bool(nonfinite):
+      raise FloatingPointError(
+        f"non-finite loss before stage {stage}; the last good checkpoint is kept. Lower opt.lr, "
+        "or set train.on_nonfinite=skip to drop non-finite microbatches"
+      )
+
   def save(stage):
+    check_finite()
     ckpt.save(stage, state, extra={"stage": stage, "data": stream.get_state(),
                                    "config": config.to_json_best_effort()})  # fmt: skip
 
@@ -197,6 +212,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
     while stage < run.total_stages:
       batch = parallel.global_batch(next(stream), mesh)
       state, m = train.step(state, batch)
+      nonfinite = nonfinite | ~jnp.isfinite(m["loss"])
       stage += 1
       done = updates_done(config, stage)
       at_update = done != updates_done(config, stage - 1)
@@ -207,15 +223,13 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
         rate = (tokens * (stage - last["stage"])) / max(now - last["time"], 1e-9)
         last.update(time=now, stage=stage)
         loss = float(m["loss"])
-        if not math.isfinite(loss) and config.train.on_nonfinite == "stop":
-          raise FloatingPointError(
-            f"non-finite loss {loss} at stage {stage}; last good checkpoint kept"
-          )
+        check_finite()
         lr = methods.hyperparams(state.opt_state).get("learning_rate", float("nan"))
         row = {
           "stage": stage, "update": done, "loss": loss, "grad_norm": float(m["grad_norm"]),
           "lr": float(lr), "tokens_per_s": rate, "microbatches": float(m["microbatches"]),
           "committed": bool(m["committed"]), "comm_bytes_per_device": comm_stage,
+          "skipped_microbatches": float(m["skipped"]),
           "tokens_seen": stage * tokens,
         }  # fmt: skip
         if peak:

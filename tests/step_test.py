@@ -203,3 +203,52 @@ def test_aux_metrics_are_summed():
   assert float(metrics["rows"]) == 12 * B
   assert float(metrics["microbatches"]) == 12
   assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["grad_norm"]) > 0
+
+
+def test_nonfinite_microbatches_are_skipped():
+  """skip_nonfinite: a NaN microbatch drops out of the mean; buffers and ACCO state stay finite."""
+  from tests.methods_test import assert_trees_close, device_microbatches, grad
+
+  params = as_f32(init_params())
+  mesh = jax.make_mesh((N,), ("data",))
+  batch = make_batches(1, k=2)[0]
+  bad_rows = [0, 2 * B * 3 + B]  # device 0 microbatch 0, device 3 microbatch 1
+  for r in bad_rows:
+    batch["x"][r, 0] = np.nan
+  tx = acco_jax.zero1(optax.sgd(1.0), comm_dtype=jnp.float32)
+  train = acco_jax.make_train_step(
+    loss_fn, tx, mesh, num_microbatches=2, params=params, skip_nonfinite=True
+  )
+  state, metrics = train.step(train.init(params), batch)
+  good = [
+    mb for i in range(N) for mb in device_microbatches(batch, i, 2) if np.isfinite(mb["x"]).all()
+  ]
+  assert len(good) == 2 * N - 2 and float(metrics["skipped"]) == 2
+  mean = jax.tree.map(lambda *g: sum(g) / len(good), *[grad(params, mb) for mb in good])
+  assert_trees_close(train.params(state), jax.tree.map(lambda p, g: p - g, params, mean))
+
+  # ACCO: the buffer keeps only finite sums, so training continues finitely
+  acco_step = acco_jax.make_train_step(
+    loss_fn,
+    acco_jax.acco(optax.adam(1e-2)),
+    mesh,
+    num_microbatches=2,
+    params=params,
+    skip_nonfinite=True,
+  )
+  state = acco_step.init(params, first_microbatch())
+  for _ in range(4):
+    state, metrics = acco_step.step(state, batch)
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+  assert float(metrics["skipped"]) == 2
+
+  # every microbatch bad: weights and optimizer state do not move
+  all_bad = jax.tree.map(lambda x: np.full_like(x, np.nan), batch)
+  state0 = train.init(params)
+  before = jax.device_get(state0.params)
+  state1, metrics = train.step(state0, all_bad)
+  assert float(metrics["microbatches"]) == 0
+  for x, y in zip(
+    jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state1.params)), strict=True
+  ):
+    np.testing.assert_array_equal(x, y)

@@ -74,3 +74,23 @@ def test_odd_microbatches_for_acco_is_a_clear_error(tmp_path):
   config.batch.microbatches = 3
   with pytest.raises(ValueError, match="must be an even number"):
     trainer.train_and_evaluate(config, str(tmp_path))
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+  import jax
+
+  from acco_jax import model
+  from acco_jax.checkpoint import Checkpointer
+
+  config = tiny(gpt2_acco)
+  config.ckpt.every = 1
+  trainer.train_and_evaluate(config, str(tmp_path), max_stages=4)  # good checkpoints at 2 and 4
+  config.opt.lr = 1e30  # resume with an exploding learning rate (same optimizer structure)
+  with pytest.raises(FloatingPointError, match="non-finite loss"):
+    trainer.train_and_evaluate(config, str(tmp_path))
+  ckpt = Checkpointer(str(tmp_path / "checkpoints"))
+  assert ckpt.latest_step() == 4, ckpt.all_steps()
+  run = trainer.build(config)
+  target = run.train.abstract_state(jax.eval_shape(lambda: model.init_params(run.model_cfg, 0)))
+  state, _ = ckpt.restore(None, target)
+  assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(state))
