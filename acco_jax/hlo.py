@@ -49,6 +49,7 @@ class DataflowReport(NamedTuple):
 
   Attributes:
     loops: number of loops (``while``/``scan``) outside other loops.
+    (``optimization_barrier`` is treated as what it is, an identity on each operand.)
     collectives: every collective, with ``in_loop`` set for those inside a loop body.
     loop_feeds_comm: some reduce-scatter/all-gather/large psum depends on a loop output (no overlap).
     comm_feeds_loop: some loop input depends on a reduce-scatter/all-gather/large psum output.
@@ -128,6 +129,10 @@ def dataflow_report(closed_jaxpr, *, psum_limit: int = 64) -> DataflowReport:
       name = eqn.primitive.name
       ins = frozenset().union(*(dep(v) for v in eqn.invars)) if eqn.invars else frozenset()
       subs = _sub_jaxprs(eqn)
+      if name == "optimization_barrier":  # identity per operand: orders, moves no data
+        for iv, ov in zip(eqn.invars, eqn.outvars, strict=True):
+          deps[ov] = dep(iv)
+        continue
       if name in LOOPS:
         state["loops"] += 1
         tag = ("loop", id(eqn), i)

@@ -5,12 +5,16 @@ of ``k`` microbatches per device as one XLA program. For a delayed method (ACCO,
 
 .. code-block:: none
 
-  g_rows  = reduce_scatter(buf) / psum(buf_count)        # previous stage's gradients   } no data
-  params' = params + tx.update(g_rows, opt_state, params)  # sharded inner step (GSPMD)   } dependence
-  w'      = all_gather(params')                             # next compute weights         } on the loop
   acc     = buf if keep else 0                              # ACCO keeps g̃ after a commit
-  acc    += Σ_{j < k_i} ∇loss(w, microbatch_j)              # local loop at the *current* w, no collectives
-  buf'    = acc;  metrics = psum(...)                       # one reduction after the loop
+  g_rows  = reduce_scatter(buf) / psum(buf_count)        # previous stage's gradients  } run during
+  acc    += Σ_{j < h} ∇loss(w, microbatch_j)                # loop A, at the *current* w   } loop A
+  params' = params + tx.update(g_rows, opt_state, params)  # sharded inner step (GSPMD)
+  w'      = all_gather(params')                             # next compute weights       } run during
+  acc    += Σ_{h <= j < k_i} ∇loss(w, microbatch_j)         # loop B                      } loop B
+  buf'    = acc;  metrics = psum(...)                       # one reduction after the loops
+
+No collective depends on a loop and no loop on a collective; an ``optimization_barrier`` (an
+identity) places the update between the loops so that each collective has a loop to hide behind.
 
 For a synchronous method (ZeRO-1, DDP) the same pieces run in the other order: loop, reduce, update,
 gather. The optimizer step runs on the logical shards tree (see :mod:`acco_jax.flat`) under GSPMD, so
@@ -154,12 +158,20 @@ class TrainStep:
 
   # -- building blocks (each a shard_map over the data axis) --------------------------------------
 
-  def _accumulate(self, w, batch, counts, k, buf=None, buf_count=None, keep=None):
-    """Local microbatch loop at ``w``.
+  def _accumulate(self, w, batch, counts, k, buf=None, buf_count=None, keep=None, rows=None):
+    """Local microbatch loops at ``w``, and (delayed methods) the all-gather of the new weights.
 
     Each device sums the gradients of its first ``counts[i]`` microbatches (of ``k``) on top of its
     ``buf`` row when ``keep`` (ACCO after a commit), else from zero. Returns the new per-device buffer
-    ``[N, N*S]``, its counts ``[N]`` and metrics summed over devices (one psum after the loop).
+    ``[N, N*S]``, its counts ``[N]``, metrics summed over devices (one psum after the loops) and,
+    when ``rows`` (the updated ``[N, S]`` shards) is given, the all-gathered weights ``[N*S]``.
+
+    With ``rows``, the microbatches run as two loops, ``[0, h)`` and ``[h, counts[i])`` with
+    ``h = ceil(k/2)``, and an ``optimization_barrier`` joins the first loop's result with ``rows``.
+    The barrier is an identity on each value (no data moves between them); it only orders the
+    schedule: the reduce-scatter and the inner update, which ``rows`` needs, sit between the loops,
+    so the reduce-scatter can run during the first loop and the all-gather during the second. One
+    loop could hide only one of them (the update between them is compute on the same stream).
     """
     axis, layout = self.plan.axis_name, self.layout
     grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
@@ -168,6 +180,8 @@ class TrainStep:
     carry_in = buf is not None
 
     def local(w_P, batch_local, count_1, *carry):
+      if rows is not None:
+        *carry, rows_1xS = carry
       params_var = layout.unravel(lax.pcast(w_P, axis, to="varying"), self.comm_dtype)
       mbs = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch_local)
       zero = lax.pcast(jnp.zeros((), jnp.float32), axis, to="varying")
@@ -197,8 +211,17 @@ class TrainStep:
         return acc, used + ok.astype(jnp.int32), add(loss_sum, loss), aux_sum
 
       count = count_1[0]
-      carry0 = (acc0, jnp.zeros_like(count), zero, aux0)
-      acc, used, loss_sum, aux_sum = lax.fori_loop(0, count, body, carry0)
+      carry = (acc0, jnp.zeros_like(count), zero, aux0)
+      w_next = None
+      if rows is None:
+        carry = lax.fori_loop(0, count, body, carry)
+      else:
+        h = -(-k // 2)
+        carry = lax.fori_loop(0, jnp.minimum(count, h), body, carry)
+        carry, rows_1xS = lax.optimization_barrier((carry, rows_1xS))
+        w_next = _all_gather_invariant(rows_1xS[0], axis)
+        carry = lax.fori_loop(h, jnp.maximum(count, h), body, carry)
+      acc, used, loss_sum, aux_sum = carry
       buf_next = layout.ravel(acc, self.comm_dtype)[None]
       totals = lax.psum(
         {
@@ -209,13 +232,17 @@ class TrainStep:
         },
         axis,
       )
-      return buf_next, (n0 + used)[None], totals
+      out = (buf_next, (n0 + used)[None], totals)
+      return out if rows is None else (*out, w_next)
 
     d = P(axis)
     args, specs = (w, batch, counts), (P(), d, d)
     if carry_in:
       args, specs = args + (buf, buf_count, keep), specs + (d, d, P())
-    fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(d, d, P()))
+    out_specs = (d, d, P())
+    if rows is not None:
+      args, specs, out_specs = args + (rows,), specs + (d,), out_specs + (P(),)
+    fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=out_specs)
     return fn(*args)
 
   def _reduce(self, buf, buf_count):
@@ -237,9 +264,12 @@ class TrainStep:
     fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(axis), P(axis)), out_specs=out)
     return fn(buf, buf_count)
 
+  def _rows(self, params):
+    return self.layout.shards_to_rows(params).astype(self.comm_dtype)
+
   def _gather(self, params):
     """New compute weights ``[N*S]`` (replicated) from the optimizer's shards."""
-    rows = self.layout.shards_to_rows(params).astype(self.comm_dtype)
+    rows = self._rows(params)
     if not self.plan.sharded:
       return rows.reshape(-1)
     axis = self.plan.axis_name
@@ -289,9 +319,8 @@ class TrainStep:
       if kind == "delayed":
         reduced = self._reduce(state.buf, state.buf_count)
         params, opt_state, gnorm = self._update(reduced, state.opt_state, state.params)
-        w_next = self._gather(params)
-        buf, buf_count, totals = self._accumulate(
-          state.w, batch, counts, k, state.buf, state.buf_count, keep
+        buf, buf_count, totals, w_next = self._accumulate(
+          state.w, batch, counts, k, state.buf, state.buf_count, keep, rows=self._rows(params)
         )
       else:
         acc, acc_count, totals = self._accumulate(state.w, batch, counts, k)

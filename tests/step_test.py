@@ -36,7 +36,8 @@ def test_jaxpr_dataflow(name):
   train, state = build(name)
   fn, args = stage_program(train, state)
   report = hlo.dataflow_report(jax.make_jaxpr(fn)(*args), psum_limit=16)
-  assert report.loops == 1
+  # delayed methods split the microbatches into two loops, one for each collective to hide behind
+  assert report.loops == (2 if train.plan.delayed else 1)
   assert report.collectives_in_loop == ()
   if name == "ddp":  # the gradient all-reduce of DDP is the one large psum, after the loop
     assert len(report.large_psums) == 1 and report.loop_feeds_comm
