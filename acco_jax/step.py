@@ -461,8 +461,12 @@ class TrainStep:
     )
 
   def _put_counts(self, counts, k: int):
-    if counts is None:
-      counts = np.full((self.num_devices,), k, np.int32)
+    if counts is None:  # placed once: re-placing host data every stage is a cross-process check
+      key = ("counts", k)
+      if key not in self._compiled:
+        full = np.full((self.num_devices,), k, np.int32)
+        self._compiled[key] = jax.device_put(full, self._sharding(P(self.plan.axis_name)))
+      return self._compiled[key]
     if not isinstance(counts, jax.Array):
       counts = np.asarray(counts, np.int32)
       if counts.shape != (self.num_devices,) or counts.min() < 1 or counts.max() > k:
