@@ -1,0 +1,133 @@
+"""Shared helpers of the benchmarks: device-count subprocesses, machine info, tables and JSON.
+
+XLA reads ``--xla_force_host_platform_device_count`` once, when the backend starts, so a benchmark that
+needs several simulated device counts runs each in its own Python process: :func:`run_worker` re-invokes
+the benchmark script with ``--worker`` and the device count set in ``XLA_FLAGS``, and reads back the
+JSON the worker wrote.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def cpu_env(num_devices: int) -> dict[str, str]:
+  """The environment for a child process with ``num_devices`` simulated CPU devices."""
+  env = dict(os.environ)
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_COUNT_FLAG)]
+  env["XLA_FLAGS"] = " ".join([*flags, f"{_COUNT_FLAG}={num_devices}"])
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def run_worker(script: str, num_devices: int, args: list[str], timeout: float) -> dict:
+  """Runs ``python script --worker <out.json> *args`` on ``num_devices`` CPU devices; returns its JSON.
+
+  The child's stderr passes through (progress lines); a non-zero exit or a timeout raises with the
+  tail of its output so the failure is visible in the benchmark's own output.
+  """
+  with tempfile.TemporaryDirectory() as tmp:
+    out = Path(tmp) / "worker.json"
+    cmd = [sys.executable, script, "--worker", str(out), *args]
+    start = time.perf_counter()
+    try:
+      proc = subprocess.run(
+        cmd, env=cpu_env(num_devices), timeout=timeout, stdout=subprocess.PIPE, text=True
+      )
+    except subprocess.TimeoutExpired as e:
+      raise RuntimeError(
+        f"worker with {num_devices} devices timed out after {timeout:.0f} s"
+      ) from e
+    if proc.returncode != 0:
+      raise RuntimeError(
+        f"worker with {num_devices} devices failed (exit {proc.returncode}) after "
+        f"{time.perf_counter() - start:.0f} s; stdout tail:\n{proc.stdout[-2000:]}"
+      )
+    return json.loads(out.read_text())
+
+
+def machine() -> dict:
+  """A short description of the host and the software versions."""
+  import jax
+
+  mem_gib = None
+  try:
+    with open("/proc/meminfo") as f:
+      kib = int(re.search(r"MemTotal:\s+(\d+)", f.read()).group(1))
+    mem_gib = round(kib / 2**20, 1)
+  except (OSError, AttributeError):
+    pass
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      m = re.search(r"model name\s*:\s*(.+)", f.read())
+    if m:
+      cpu = m.group(1).strip()
+  except OSError:
+    pass
+  return {
+    "cpu": cpu,
+    "arch": platform.machine(),
+    "cores": os.cpu_count(),
+    "mem_gib": mem_gib,
+    "python": platform.python_version(),
+    "jax": jax.__version__,
+    "date": datetime.date.today().isoformat(),
+    "loadavg_1m_at_end": loadavg(),
+  }
+
+
+def loadavg() -> float:
+  """The 1-minute load average (other jobs on a shared machine show up here)."""
+  return round(os.getloadavg()[0], 2)
+
+
+def shard_bytes(tree) -> int:
+  """Bytes of one device's addressable shard of every leaf (``ShapeDtypeStruct`` with shardings).
+
+  A replicated leaf counts fully, a leaf sharded N ways counts 1/N (``sharding.shard_shape``).
+  """
+  import jax
+
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    total += math.prod(shape) * x.dtype.itemsize
+  return total
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+  """A GitHub-markdown table of ``rows`` (dicts) with ``columns`` as ``(key, header)`` pairs."""
+  cells = [[str(r.get(k, "")) for k, _ in columns] for r in rows]
+  head = [h for _, h in columns]
+  widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+  line = lambda vals: (
+    "| " + " | ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True)) + " |"
+  )
+  sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+  return "\n".join([line(head), sep, *(line(c) for c in cells)])
+
+
+def write_json(path: Path, data: dict) -> Path:
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+  return path
+
+
+def log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,98 @@
+"""Smoke test of bench/memory.py and bench/overhead.py: tiny models, a few steps, JSON checked.
+
+Both benchmarks run as subprocesses (they start their own JAX processes with their own device counts),
+concurrently, writing JSON to a temporary directory.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 240
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("bench")
+  procs = {}
+  for name in ("memory", "overhead"):
+    cmd = [sys.executable, str(REPO / "bench" / f"{name}.py"), "--smoke", "--out", str(tmp / name)]
+    procs[name] = subprocess.Popen(
+      cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+  out = {}
+  for name, proc in procs.items():
+    try:
+      log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      log, _ = proc.communicate()
+      pytest.fail(f"bench/{name}.py --smoke timed out after {TIMEOUT_S} s:\n{log[-3000:]}")
+    assert proc.returncode == 0, f"bench/{name}.py --smoke failed:\n{log[-3000:]}"
+    out[name] = (json.loads((tmp / name).read_text()), log)
+  return out
+
+
+def test_memory_smoke(results):
+  data, log = results["memory"]
+  assert data["benchmark"] == "memory"
+  assert data["failures"] == []
+  assert {"cpu", "jax", "date"} <= set(data["machine"])
+  assert "state/paper" in data["table"] and "state/paper" in log
+  rows = {(r["method"], r["N"]): r for r in data["rows"]}
+  assert set(rows) == {(m, n) for m in ("zero1", "acco") for n in (2, 4)}
+  for (method, n), r in rows.items():
+    psi = r["psi"]
+    assert psi > 10_000
+    # The state bytes from shard shapes are exactly what XLA passes as arguments (minus the batch).
+    assert r["state_bytes"] == r["argument_minus_inputs"], (method, n)
+    # ...and match this layout's formula up to the per-leaf padding to a multiple of N.
+    assert 1.0 <= r["ratio_to_layout"] < 1.02, (method, n, r["ratio_to_layout"])
+    assert r["ratio_to_paper"] == pytest.approx(
+      r["state_bytes"] / (r["paper_formula_per_param"] * psi)
+    )
+    comp = r["state_components"]
+    assert comp["w"] == pytest.approx(2 * psi, rel=0.02)
+    assert comp["opt"] == pytest.approx(8 * psi / n, rel=0.02)
+    mem = r["compiled"]
+    assert mem["temp"] > 0 and mem["argument"] > r["state_bytes"]
+    assert mem["alias"] >= r["state_bytes"] - 8  # the donated state is aliased to the output
+    cats = r["temp_breakdown"]["bytes_by_category"]
+    assert 0 < sum(cats.values()) <= mem["temp"]
+    assert r["compile_s"] > 0
+  for n in (2, 4):
+    acco, zero1 = rows[("acco", n)], rows[("zero1", n)]
+    psi = acco["psi"]
+    extra = acco["state_bytes"] - zero1["state_bytes"]
+    # ACCO adds the bf16 gradient buffer (2Ψ) and the committed fp32 master shard (4Ψ/N).
+    assert extra == pytest.approx((2 + 4 / n) * psi, rel=0.02), (n, extra / psi)
+    assert acco["state_components"]["buf"] == pytest.approx(2 * psi, rel=0.02)
+    assert zero1["state_components"]["buf"] == 0
+  # Sharded state shrinks with N; the replicated weights and buffer do not.
+  assert rows[("zero1", 4)]["state_bytes"] < rows[("zero1", 2)]["state_bytes"]
+
+
+def test_overhead_smoke(results):
+  data, log = results["overhead"]
+  assert data["benchmark"] == "overhead"
+  assert "acco/plain" in log
+  cfg = data["config"]
+  assert data["tokens_per_step"] == cfg["microbatches"] * cfg["rows"] * data["model"]["L"]
+  res = data["results"]
+  assert set(res) == {"plain", "acco"}
+  for name, r in res.items():
+    assert len(r["step_s"]) == cfg["rounds"], name
+    assert all(t > 0 for t in r["step_s"])
+    assert r["tokens_per_s"] == pytest.approx(data["tokens_per_step"] / r["median_step_s"])
+    assert r["ratio_to_plain"] > 0 and r["ratio_to_plain_paired_median"] > 0
+    assert r["static"]["temp_bytes"] > 0
+  assert res["plain"]["ratio_to_plain"] == pytest.approx(1.0)
+  assert data["acco_ratio"] == pytest.approx(res["acco"]["ratio_to_plain"])
+  assert isinstance(data["target_holds"], bool)
+  assert isinstance(data["target_holds_cpu_time"], bool)
