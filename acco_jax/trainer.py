@@ -77,7 +77,7 @@ def build(config) -> Run:
   cache = config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
   tokens = data.prepare(
     config.data.source, config.data.tokenizer, cache_dir=cache,
-    eval_fraction=config.data.eval_fraction, seed=config.train.seed,
+    eval_fraction=config.data.eval_fraction, seed=config.data.split_seed,
     data_dir=config.data.data_dir or None, text_key=config.data.text_key,
   )  # fmt: skip
   model_cfg = _model_config(config, tokens.tokenizer.vocab_size)
@@ -240,7 +240,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       if at_update and config.train.eval_every and done % config.train.eval_every == 0:
         ev = evaluate(run, config, train.params(state), eval_fn)
         writer.write(stage, {"update": done, **ev})
-        summary.update(ev)
+        summary.update(ev, evaluated_stage=stage)
       if at_update and config.ckpt.every and done % config.ckpt.every == 0:
         save(stage)
       stop = preempt.requested or (
@@ -258,9 +258,12 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
         return summary
     # -- the end ----------------------------------------------------------------------------------
     final = train.params(state)
-    ev = evaluate(run, config, final, eval_fn)
-    writer.write(stage, {"update": updates_done(config, stage), **ev})
-    summary.update(ev, stages=stage, updates=updates_done(config, stage))
+    if summary.get("evaluated_stage") != stage:  # not already evaluated at this very stage
+      ev = evaluate(run, config, final, eval_fn)
+      writer.write(stage, {"update": updates_done(config, stage), **ev})
+      summary.update(ev)
+    summary.pop("evaluated_stage", None)
+    summary.update(stages=stage, updates=updates_done(config, stage))
     if ckpt.latest_step() != stage:
       save(stage)
     if config.train.sample_tokens and lead:

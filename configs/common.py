@@ -38,6 +38,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.data.tokenizer = "bpe:2048"  # byte | gpt2 | bpe:<vocab size> (trained on the corpus, cached)
   c.data.seq_len = 128  # tokens per row (the model's context)
   c.data.eval_fraction = 0.05  # share of documents held out for evaluation
+  c.data.split_seed = 0  # which documents are held out (fixed across training seeds)
   c.data.cache_dir = ""  # token / tokenizer cache ('' = ~/.cache/acco_jax)
   c.data.data_dir = ""  # TFDS data dir ('' = TFDS default)
   c.data.text_key = "text"  # TFDS text feature

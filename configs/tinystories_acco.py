@@ -20,6 +20,7 @@ def get_config(arg: str = "cpu"):
   c = common.get_base("cpu", method="acco")
   c.opt.schedule, c.opt.warmup_updates, c.opt.min_lr_ratio = "constant", 0, 1.0
   c.opt.lr, c.opt.weight_decay, c.opt.decay = 5e-4, 0.1, "all"
+  c.opt.clip_norm = 0.0  # the paper used no gradient clipping
   if arg == "full":
     c.model.size = "tinystories-36m"
     c.model.D = c.model.N = c.model.H = 0
