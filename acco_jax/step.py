@@ -343,9 +343,14 @@ class TrainStep:
   def _zeros_count(self):
     return jnp.zeros((self.num_devices,), jnp.int32)
 
-  def _jit(self, kind: str, state_sharding):
-    key = (kind, jax.tree.structure(state_sharding))
+  def _jit(self, kind: str, state_like):
+    """The jitted stage program for ``kind`` and the state's structure (``buf`` present or not).
+
+    ``state_like``: a state or its ``ShapeDtypeStruct`` tree; shardings are built only on a miss.
+    """
+    key = (kind, jax.tree.structure(state_like))
     if key not in self._compiled:
+      state_sharding = self._state_sharding(state_like)
       data = self._sharding(P(self.plan.axis_name))
       self._compiled[key] = jax.jit(
         self._stage_fn(kind),
@@ -385,7 +390,7 @@ class TrainStep:
     ``N * B``, one microbatch per device).
     """
     plan = self.plan
-    sharding = self._state_sharding(jax.eval_shape(self._build, params))
+    sharding = jax.tree.map(lambda s: s.sharding, self.abstract_state(params))
     state = jax.jit(self._build, out_shardings=sharding)(params)
     if plan.delayed and plan.warmup_steps == 0:
       if microbatch is None:
@@ -432,7 +437,7 @@ class TrainStep:
       kind = "sync" if stage < plan.warmup_steps else "fill" if stage == plan.warmup_steps else kind
     batch = self._put_batch(batch, per_device=self.num_microbatches)
     counts = self._put_counts(counts, k=self.num_microbatches)
-    return self._jit(kind, self._state_sharding(state))(state, batch, counts)
+    return self._jit(kind, state)(state, batch, counts)
 
   def params(self, state: TrainState) -> PyTree:
     """The committed parameters θ as a float32 pytree of the original shapes (replicated)."""

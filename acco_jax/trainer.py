@@ -33,6 +33,7 @@ class Run(NamedTuple):
   mesh: Any
   tokens: data.TokenData
   model_cfg: model.GPTConfig
+  params_shapes: Any  # ShapeDtypeStruct tree of the model's parameters
   train: Any  # acco_jax.step.TrainStep
   stages_per_update: int
   total_stages: int
@@ -98,7 +99,7 @@ def build(config) -> Run:
     loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True,
     skip_nonfinite=config.train.on_nonfinite == "skip",
   )  # fmt: skip
-  return Run(mesh, tokens, model_cfg, train, per_update, total)
+  return Run(mesh, tokens, model_cfg, shapes, train, per_update, total)
 
 
 def _stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None):
@@ -156,12 +157,11 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   )
   rows_per_stage = n * train.num_microbatches * config.batch.microbatch_size
   stream = _stream(run, config, run.tokens.train, rows_per_stage, seed=config.train.seed)
-  params_shapes = jax.eval_shape(lambda: model.init_params(run.model_cfg, 0))
 
   # -- restore or initialise ----------------------------------------------------------------------
   start = ckpt.latest_step()
   if start is not None:
-    state, extra = ckpt.restore(None, train.abstract_state(params_shapes))
+    state, extra = ckpt.restore(None, train.abstract_state(run.params_shapes))
     start = int(extra["stage"])
     stream.set_state(extra["data"])
     writer.event("restored", stage=start, workdir=workdir)
@@ -190,9 +190,10 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   # -- the loop -----------------------------------------------------------------------------------
   preempt = _Preemption()
   progress = metrics_lib.Progress(run.total_stages, start, enabled=lead)
-  last = {"time": time.time(), "tokens": 0.0, "stage": start}
+  last = {"time": time.time(), "stage": start}
   summary: dict = {"unigram_baseline": baseline}
   stage = start
+  evaluated_at = None  # the stage of the last evaluation
 
   nonfinite = jnp.zeros((), bool)  # device-side flag, read only at log and checkpoint time
 
@@ -240,7 +241,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       if at_update and config.train.eval_every and done % config.train.eval_every == 0:
         ev = evaluate(run, config, train.params(state), eval_fn)
         writer.write(stage, {"update": done, **ev})
-        summary.update(ev, evaluated_stage=stage)
+        summary.update(ev)
+        evaluated_at = stage
       if at_update and config.ckpt.every and done % config.ckpt.every == 0:
         save(stage)
       stop = preempt.requested or (
@@ -258,11 +260,10 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
         return summary
     # -- the end ----------------------------------------------------------------------------------
     final = train.params(state)
-    if summary.get("evaluated_stage") != stage:  # not already evaluated at this very stage
+    if evaluated_at != stage:  # the last update may have been evaluated already
       ev = evaluate(run, config, final, eval_fn)
       writer.write(stage, {"update": updates_done(config, stage), **ev})
       summary.update(ev)
-    summary.pop("evaluated_stage", None)
     summary.update(stages=stage, updates=updates_done(config, stage))
     if ckpt.latest_step() != stage:
       save(stage)

@@ -153,7 +153,7 @@ def worker(args) -> dict:
     )
     state = train.abstract_state(params)
     kind = "delayed" if train.plan.delayed else "sync"
-    fn = train._jit(kind, train._state_sharding(state))
+    fn = train._jit(kind, state)
     data = NamedSharding(train.mesh, P("data"))
     rows_total = n * args.rows
     batch = {

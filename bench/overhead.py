@@ -126,7 +126,7 @@ def worker(args) -> dict:
     placed = train._put_batch(host_batch, per_device=k)
     counts = train._put_counts(None, k=k)
     t = time.perf_counter()
-    compiled = train._jit(kind, train._state_sharding(state)).lower(state, placed, counts).compile()
+    compiled = train._jit(kind, state).lower(state, placed, counts).compile()
     compile_s[method] = time.perf_counter() - t
     static[method] = static_costs(compiled)
 

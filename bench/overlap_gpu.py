@@ -70,7 +70,7 @@ def build_stage(model_name: str, devices, k: int, rows: int, seq: int):
   loss = lambda p, b: model.loss_fn(p, cfg, b)
   train = acco_jax.make_train_step(loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True)
   state = train.abstract_state(shapes)
-  fn = train._jit("delayed", train._state_sharding(state))
+  fn = train._jit("delayed", state)
   data = NamedSharding(train.mesh, P("data"))
   n = len(devices)
   batch = {key: jax.ShapeDtypeStruct((n * k * rows, seq), jnp.int32, sharding=data)

@@ -25,7 +25,7 @@ def build(name, inner=None, comm_dtype=jnp.float32, k=K):
 
 def stage_program(train, state):
   kind = "delayed" if train.plan.delayed else "sync"
-  fn = train._jit(kind, train._state_sharding(state))
+  fn = train._jit(kind, state)
   batch = train._put_batch(make_batches(1)[0], K)
   counts = train._put_counts(None, K)
   return fn, (state, batch, counts)

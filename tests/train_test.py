@@ -79,7 +79,6 @@ def test_odd_microbatches_for_acco_is_a_clear_error(tmp_path):
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   import jax
 
-  from acco_jax import model
   from acco_jax.checkpoint import Checkpointer
 
   config = tiny(gpt2_acco)
@@ -91,6 +90,6 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "checkpoints"))
   assert ckpt.latest_step() == 4, ckpt.all_steps()
   run = trainer.build(config)
-  target = run.train.abstract_state(jax.eval_shape(lambda: model.init_params(run.model_cfg, 0)))
+  target = run.train.abstract_state(run.params_shapes)
   state, _ = ckpt.restore(None, target)
   assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(state))
