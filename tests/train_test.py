@@ -85,6 +85,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   config.ckpt.every = 1
   trainer.train_and_evaluate(config, str(tmp_path), max_stages=4)  # good checkpoints at 2 and 4
   config.opt.lr = 1e30  # resume with an exploding learning rate (same optimizer structure)
+  config.train.log_every = 1000  # no log line in between: the checkpoint save itself must refuse
   with pytest.raises(FloatingPointError, match="non-finite loss"):
     trainer.train_and_evaluate(config, str(tmp_path))
   ckpt = Checkpointer(str(tmp_path / "checkpoints"))
