@@ -24,6 +24,11 @@ finalized (renamed), so a save killed half-way leaves an ignored ``*.orbax-check
 (replaced if that step is saved again; not swept at start-up, so that a reader such as an evaluator
 can never delete a writer's save in progress).
 
+A checkpoint written on another device count (leaf shapes that differ only by ``N``) is restored by
+``restore(..., reshard=fn)``: the arrays are read into host memory with their saved shapes, checked
+against their fingerprints, converted by ``fn`` (e.g. :meth:`acco_jax.step.TrainStep.reshard`, see
+:mod:`acco_jax.reshard`) and placed with the target's shardings.
+
 Orbax coordinates processes itself (the primary host writes metadata and renames); every process must
 call :meth:`Checkpointer.save` and :meth:`Checkpointer.restore` with its part of the global arrays.
 """
@@ -34,6 +39,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -63,6 +69,24 @@ def _hash_leaf(x: jax.Array) -> jax.Array:
   position = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1)
   h = (words ^ position) * jnp.uint32(0x85EBCA77)
   return jnp.sum(h ^ (h >> 13), dtype=jnp.uint32)
+
+
+def _hash_host(x: np.ndarray) -> int | None:
+  """:func:`_hash_leaf` of a host array, computed with numpy in blocks (``None`` if not hashable)."""
+  x = np.ascontiguousarray(x).reshape(-1)
+  if not _hashable(x.dtype):
+    return None
+  if x.dtype == np.bool_:
+    words = x.astype(np.uint32)
+  else:
+    words = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[x.dtype.itemsize])
+  total, block = 0, 1 << 22
+  for start in range(0, words.size, block):
+    w = words[start : start + block].astype(np.uint32)
+    position = np.arange(start, start + w.size, dtype=np.uint64).astype(np.uint32)
+    h = (w ^ (position * np.uint32(0x9E3779B1))) * np.uint32(0x85EBCA77)
+    total += int(np.sum(h ^ (h >> np.uint32(13)), dtype=np.uint32))
+  return total % (1 << 32)
 
 
 def _hashable(dtype) -> bool:
@@ -214,7 +238,9 @@ class Checkpointer:
 
   # -- restore ------------------------------------------------------------------------------------
 
-  def restore(self, step: int | None, target: PyTree) -> tuple[PyTree, dict]:
+  def restore(
+    self, step: int | None, target: PyTree, *, reshard: Callable[[PyTree], PyTree] | None = None
+  ) -> tuple[PyTree, dict]:
     """Reads a checkpoint into arrays with the target's tree structure, shardings and dtypes.
 
     Args:
@@ -222,13 +248,18 @@ class Checkpointer:
         steps are skipped with a warning).
       target: a pytree of ``jax.Array`` or ``jax.ShapeDtypeStruct`` with ``sharding`` set, e.g. a
         freshly initialised state or its ``jax.eval_shape`` plus shardings.
+      reshard: used when the checkpoint has the target's leaves but other shapes (it was written on
+        another device count): called with the saved arrays as host numpy arrays in the target's
+        tree structure, it returns numpy arrays of the target's shapes, e.g.
+        :meth:`acco_jax.step.TrainStep.reshard`. Without it, other shapes are a ``ValueError``.
 
     Returns:
       ``(state, extra)``.
 
     Raises:
       FileNotFoundError: no checkpoint (at ``step``) in the directory.
-      ValueError: the checkpoint was written for a different state (tree paths or shapes differ).
+      ValueError: the checkpoint was written for a different state (tree paths or shapes differ,
+        or ``reshard`` rejects it).
       RuntimeError: the requested step, or every step when ``step`` is ``None``, is corrupt.
     """
     self._manager.wait_until_finished()
@@ -237,14 +268,14 @@ class Checkpointer:
       if int(step) not in steps:
         raise FileNotFoundError(f"no checkpoint at step {step} in {self.directory}; found {steps}")
       try:
-        return self._restore_step(int(step), target)
+        return self._restore_step(int(step), target, reshard)
       except _Corrupt as e:
         raise RuntimeError(f"checkpoint step {step} in {self.directory} is corrupt: {e}") from None
     if not steps:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
     for s in reversed(steps):
       try:
-        return self._restore_step(s, target)
+        return self._restore_step(s, target, reshard)
       except _Corrupt as e:
         _log.warning(
           "checkpoint step %d in %s is corrupt, trying an older one: %s", s, self.directory, e
@@ -272,14 +303,21 @@ class Checkpointer:
       e.update(shape=tuple(map(int, e["shape"])), dtype=jnp.dtype(e["dtype"]), key=str(e["key"]))
     return saved, meta["extra"]
 
-  def _restore_step(self, step: int, target: PyTree) -> tuple[PyTree, dict]:
+  def _restore_step(self, step: int, target: PyTree, reshard=None) -> tuple[PyTree, dict]:
     paths, leaves = self._flatten(target, "target")
     saved, extra = self._read(step, "metadata", lambda: self._read_meta(step))
-    self._check_matches(step, saved, paths, leaves)
+    convert = (
+      reshard is not None
+      and set(saved) == set(paths)
+      and any(saved[p]["shape"] != tuple(x.shape) for p, x in zip(paths, leaves, strict=True))
+    )
+    self._check_matches(step, saved, paths, leaves, not convert)
     for p, x in zip(paths, leaves, strict=True):
       if getattr(x, "sharding", None) is None:
         raise ValueError(f"restore target leaf {p} has no sharding; pass arrays or sharded structs")
     entries = [saved[p] for p in paths]
+    if convert:
+      return self._restore_resharded(step, target, entries, reshard), extra
     abstract = {
       e["key"]: jax.ShapeDtypeStruct(e["shape"], e["dtype"], sharding=x.sharding)
       for e, x in zip(entries, leaves, strict=True)
@@ -300,8 +338,46 @@ class Checkpointer:
     out = [r if r.dtype == x.dtype else cast(r, x) for r, x in zip(restored, leaves, strict=True)]
     return jax.tree.unflatten(jax.tree.structure(target), out), extra
 
-  def _check_matches(self, step: int, saved: dict, paths: list[str], leaves: list) -> None:
-    """Raises a one-line ValueError if the target is not the state the checkpoint was written for."""
+  def _read_host(self, step: int, entries: list[dict]) -> list[np.ndarray]:
+    """The arrays of ``entries`` as numpy with their saved shapes, checked against fingerprints."""
+    abstract = {e["key"]: np.broadcast_to(np.zeros((), e["dtype"]), e["shape"]) for e in entries}
+    arrays = self._manager.restore(
+      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+    ).state
+    restored = [np.asarray(arrays[e["key"]]) for e in entries]
+    got = [_hash_host(x) for x in restored]
+    bad = [e["path"] for e, f in zip(entries, got, strict=True) if f != e["fingerprint"]]
+    if bad:
+      raise ValueError(f"{bad[0]} does not match its fingerprint ({len(bad)} leaves differ)")
+    return restored
+
+  def _restore_resharded(self, step: int, target: PyTree, entries: list[dict], reshard) -> PyTree:
+    """Reads host arrays, converts them with ``reshard`` and places them like the target."""
+    restored = self._read(step, "arrays", lambda: self._read_host(step, entries))
+    treedef = jax.tree.structure(target)
+    try:
+      converted = reshard(jax.tree.unflatten(treedef, restored))
+    except ValueError as e:
+      raise ValueError(
+        f"cannot restore the checkpoint at {self.directory} (step {step}) on this device count: {e}"
+      ) from None
+    leaves, got = jax.tree.leaves(target), jax.tree.leaves(converted)
+    if jax.tree.structure(converted) != treedef or any(
+      np.shape(a) != tuple(x.shape) for a, x in zip(got, leaves, strict=True)
+    ):
+      raise ValueError(f"reshard returned arrays not shaped like the target (step {step})")
+    _log.info("resharded checkpoint step %d in %s to the target's shapes", step, self.directory)
+
+    def place(a, x):
+      a = np.asarray(a).astype(x.dtype, copy=False)
+      return jax.make_array_from_callback(a.shape, x.sharding, lambda index: a[index])
+
+    with jax.transfer_guard("allow"):
+      return jax.tree.unflatten(treedef, [place(a, x) for a, x in zip(got, leaves, strict=True)])
+
+  def _check_matches(self, step: int, saved: dict, paths: list, leaves: list, shapes=True) -> None:
+    """Raises a one-line ValueError if the target is not the state the checkpoint was written for
+    (with ``shapes=False``, if their leaf paths differ: a reshard converts the shapes)."""
     want = dict(zip(paths, leaves, strict=True))
     details = [
       f"target leaf {p} ({_spec(x.shape, x.dtype)}) is not in the checkpoint"
@@ -312,7 +388,7 @@ class Checkpointer:
       f"{p} is {_spec(saved[p]['shape'], saved[p]['dtype'])} in the checkpoint but "
       f"{_spec(x.shape, x.dtype)} in the target"
       for p, x in want.items()
-      if p in saved and saved[p]["shape"] != tuple(x.shape)
+      if shapes and p in saved and saved[p]["shape"] != tuple(x.shape)
     ]
     details += [
       f"checkpoint leaf {p} ({_spec(e['shape'], e['dtype'])}) is not in the target"

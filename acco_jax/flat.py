@@ -19,6 +19,10 @@ So ``psum_scatter(flat, tiled=True)`` hands device ``i`` exactly row ``i``, and 
 
 The same functions work inside ``shard_map`` on a device's local block: pass ``rows``/``shards`` whose
 leading dimension is 1.
+
+The layout depends on ``N``. :func:`reshard_chunks` and :func:`reshard_flat` convert host (numpy) arrays
+between the layouts of two device counts (:meth:`FlatLayout.resized`) by dropping one padding and
+adding the other: the real elements are moved, never changed (elastic restore, :mod:`acco_jax.reshard`).
 """
 
 from __future__ import annotations
@@ -142,6 +146,13 @@ class FlatLayout:
       [jax.ShapeDtypeStruct((n, s.chunk), jnp.float32) for s in self.specs]
     )
 
+  # -- another device count ---------------------------------------------------------------------
+
+  def resized(self, num_shards: int) -> FlatLayout:
+    """The same leaves (shapes, dtypes, order) laid out for ``num_shards`` devices."""
+    leaves = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self.specs]
+    return FlatLayout(self.treedef.unflatten(leaves), num_shards)
+
   def _leaves(self, tree: PyTree) -> list:
     leaves, treedef = jax.tree.flatten(tree)
     if treedef != self.treedef:
@@ -149,3 +160,42 @@ class FlatLayout:
         f"pytree structure does not match the layout: got {treedef}, expected {self.treedef}"
       )
     return leaves
+
+
+# -- converting host arrays between layouts of different N (elastic restore) ----------------------
+
+
+def _check_same_leaves(src: FlatLayout, dst: FlatLayout) -> None:
+  if src.treedef != dst.treedef or [s.shape for s in src.specs] != [s.shape for s in dst.specs]:
+    raise ValueError(f"layouts of different parameters: {src} and {dst}")
+
+
+def reshard_chunks(x, src: FlatLayout, dst: FlatLayout, index: int) -> np.ndarray:
+  """Leaf ``index``'s chunks ``[src.N, s_l]`` -> ``[dst.N, s'_l]``, as numpy on the host.
+
+  The unpadded values (the first ``size`` elements of the row-major chunks) are kept bit for bit; the
+  padding of ``src`` is dropped and ``dst``'s is zero. The dtype is ``x``'s.
+  """
+  _check_same_leaves(src, dst)
+  a, b = src.specs[index], dst.specs[index]
+  x = np.asarray(x)
+  if x.shape != (src.num_shards, a.chunk):
+    raise ValueError(f"leaf {index} chunks are {x.shape}, expected {(src.num_shards, a.chunk)}")
+  out = np.zeros(dst.num_shards * b.chunk, x.dtype)
+  out[: a.size] = x.reshape(-1)[: a.size]
+  return out.reshape(dst.num_shards, b.chunk)
+
+
+def reshard_flat(x, src: FlatLayout, dst: FlatLayout) -> np.ndarray:
+  """A flat buffer ``[src.N * src.S]`` -> ``[dst.N * dst.S]``, leaf by leaf (see :func:`reshard_chunks`)."""
+  _check_same_leaves(src, dst)
+  x = np.asarray(x)
+  if x.shape != (src.padded_size,):
+    raise ValueError(f"flat buffer is {x.shape}, expected {(src.padded_size,)}")
+  rows = x.reshape(src.num_shards, src.shard_size)
+  out = np.zeros((dst.num_shards, dst.shard_size), x.dtype)
+  for i, (a, b) in enumerate(zip(src.specs, dst.specs, strict=True)):
+    out[:, b.offset : b.offset + b.chunk] = reshard_chunks(
+      rows[:, a.offset : a.offset + a.chunk], src, dst, i
+    )
+  return out.reshape(-1)

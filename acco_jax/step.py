@@ -29,6 +29,7 @@ gradient (the transpose of the implicit broadcast of invariant weights).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -42,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from acco_jax import methods
 from acco_jax.flat import FlatLayout
+from acco_jax.reshard import reshard_state
 
 PyTree = Any
 
@@ -449,6 +451,17 @@ class TrainStep:
     fn = lambda w: self.layout.unravel(w, self.comm_dtype)
     return jax.jit(fn, out_shardings=self._sharding(P()))(state.w)
 
+  # -- elastic restore ----------------------------------------------------------------------------
+
+  def reshard(self, saved: TrainState) -> TrainState:
+    """A state saved on another device count (host numpy leaves) -> numpy leaves for this step.
+
+    Pass it as ``reshard=`` to :meth:`acco_jax.checkpoint.Checkpointer.restore`; weights and
+    optimizer state move bit for bit, the gradient buffers keep their sums over devices (see
+    :mod:`acco_jax.reshard`).
+    """
+    return reshard_state(saved, self.layout, self.tx)
+
   # -- input placement ----------------------------------------------------------------------------
 
   def _put_batch(self, batch, per_device: int):
@@ -466,19 +479,76 @@ class TrainStep:
     )
 
   def _put_counts(self, counts, k: int):
-    if counts is None:  # placed once: re-placing host data every stage is a cross-process check
-      key = ("counts", k)
-      if key not in self._compiled:
-        full = np.full((self.num_devices,), k, np.int32)
-        self._compiled[key] = jax.device_put(full, self._sharding(P(self.plan.axis_name)))
-      return self._compiled[key]
-    if not isinstance(counts, jax.Array):
-      counts = np.asarray(counts, np.int32)
-      if counts.shape != (self.num_devices,) or counts.min() < 1 or counts.max() > k:
-        raise ValueError(
-          f"counts must be {self.num_devices} ints in [1, {k}] (microbatches per device), got {counts}"
-        )
-    return jax.device_put(counts, self._sharding(P(self.plan.axis_name)))
+    if isinstance(counts, jax.Array):
+      return counts
+    counts = np.full((self.num_devices,), k, np.int32) if counts is None else np.asarray(counts)
+    if counts.shape != (self.num_devices,) or counts.min() < 1 or counts.max() > k:
+      raise ValueError(
+        f"counts must be {self.num_devices} ints in [1, {k}] (microbatches per device), got {counts}"
+      )
+    # placed once per distinct value: re-placing host data every stage is a cross-process check
+    key = ("counts", k, tuple(int(c) for c in counts))
+    if key not in self._compiled:
+      counts = counts.astype(np.int32)
+      self._compiled[key] = jax.device_put(counts, self._sharding(P(self.plan.axis_name)))
+    return self._compiled[key]
+
+  # -- timing probes (heterogeneous budgets, slow-worker detection) -------------------------------
+
+  def probe(self, state: TrainState, batch: PyTree, repeats: int = 2) -> tuple[float, float]:
+    """Seconds per microbatch on this process's devices, and seconds of one stage's communication.
+
+    Two programs, timed apart on each process. The microbatch program runs ``repeats`` forward and
+    backward passes of the first microbatches of ``batch`` at the compute weights with no
+    collective, so every process times its own devices (the slowest of them) without waiting for
+    the others. The communication program runs the stage's collectives on a buffer of the flat
+    size (reduce-scatter and all-gather, or the all-reduce of a replicated method), after a
+    separate scalar all-reduce that lines the processes up. Each program runs once untimed first
+    (compilation, warm-up). Not overlapped with anything: the inputs of
+    :class:`acco_jax.hetero.BudgetPolicy`.
+    """
+    axis, layout, k = self.plan.axis_name, self.layout, self.num_microbatches
+    repeats = min(repeats, k)
+    batch = self._put_batch(batch, per_device=k)
+    if "probe" not in self._compiled:
+      grad_fn = jax.grad(lambda p, b: self.loss_fn(p, b)[0] if self.has_aux else self.loss_fn(p, b))
+
+      def compute(w_P, batch_local):
+        params_var = layout.unravel(lax.pcast(w_P, axis, to="varying"), self.comm_dtype)
+        mbs = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch_local)
+
+        def body(j, total):
+          g = grad_fn(params_var, jax.tree.map(lambda x: x[j], mbs))
+          return total + sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(g))
+
+        zero = lax.pcast(jnp.zeros((), jnp.float32), axis, to="varying")
+        return lax.fori_loop(0, repeats, body, zero)[None]
+
+      def comm(buf_1xP):
+        flat = buf_1xP[0]
+        if self.plan.sharded:
+          return _all_gather_invariant(lax.psum_scatter(flat, axis, tiled=True), axis)
+        return lax.psum(flat, axis)
+
+      d = P(axis)
+      sm = functools.partial(jax.shard_map, mesh=self.mesh)
+      self._compiled["probe"] = (
+        jax.jit(sm(compute, in_specs=(P(), d), out_specs=d)),
+        jax.jit(sm(comm, in_specs=d, out_specs=P())),
+        jax.jit(sm(lambda x: lax.psum(x[0], axis), in_specs=d, out_specs=P())),
+        jax.device_put(self._zeros_buf(), self._sharding(d)),
+      )
+    compute_fn, comm_fn, line_up, buf = self._compiled["probe"]
+    ones = self._put_counts(None, k=1)
+
+    def timed(fn, *args):
+      jax.block_until_ready(fn(*args))
+      jax.block_until_ready(line_up(ones))
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      return time.perf_counter() - start
+
+    return timed(compute_fn, state.w, batch) / repeats, timed(comm_fn, buf)
 
 
 def make_train_step(

@@ -21,9 +21,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
-from acco_jax import checkpoint, data, methods, model, optim, parallel
+from acco_jax import checkpoint, data, hetero, methods, model, optim, parallel
 from acco_jax import metrics as metrics_lib
+from acco_jax import reshard as reshard_lib
 from acco_jax.step import make_train_step
 
 
@@ -37,6 +39,8 @@ class Run(NamedTuple):
   train: Any  # acco_jax.step.TrainStep
   stages_per_update: int
   total_stages: int
+  base_microbatches: int  # per device per stage without heterogeneous budgets
+  budgets: np.ndarray | None  # fixed per-device budgets per stage (hetero.budgets), else None
 
 
 def _model_config(config, vocab_size: int) -> model.GPTConfig:
@@ -95,11 +99,38 @@ def build(config) -> Run:
   if config.train.on_nonfinite not in ("stop", "skip"):
     raise ValueError(f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'")
   loss = lambda p, b: model.loss_fn(p, model_cfg, b)
+  if config.hetero.slowdown:
+    delays = hetero.parse_slowdown(config.hetero.slowdown, mesh.size)
+    loss = hetero.slowed(loss, delays, tx.plan.axis_name)
+  budgets, k_max = _budgets(config, mesh.size, k)
   train = make_train_step(
-    loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True,
+    loss, tx, mesh, num_microbatches=k_max, params=shapes, has_aux=True,
     skip_nonfinite=config.train.on_nonfinite == "skip",
   )  # fmt: skip
-  return Run(mesh, tokens, model_cfg, shapes, train, per_update, total)
+  return Run(mesh, tokens, model_cfg, shapes, train, per_update, total, k, budgets)
+
+
+def _budgets(config, n: int, k: int) -> tuple[np.ndarray | None, int]:
+  """(fixed per-device budgets or None, the step's block of microbatches per device)."""
+  h = config.hetero
+  if h.budgets and h.adaptive:
+    raise ValueError("hetero.budgets and hetero.adaptive are exclusive: set one of them to ''")
+  if h.budgets:
+    budgets = hetero.parse_budgets(h.budgets, n)
+    return budgets, int(budgets.max())
+  if h.adaptive:
+    if h.adaptive not in hetero.POLICIES:
+      raise ValueError(
+        f"hetero.adaptive={h.adaptive!r}: choose one of {', '.join(hetero.POLICIES)} (or '')"
+      )
+    k_max = int(h.max_microbatches) or 4 * k
+    if k_max < k or h.adapt_every < 1:
+      raise ValueError(
+        f"hetero.max_microbatches={k_max} must be >= the base budget {k} per stage and "
+        f"hetero.adapt_every={h.adapt_every} >= 1"
+      )
+    return None, k_max
+  return None, k
 
 
 def _stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None):
@@ -159,11 +190,29 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   stream = _stream(run, config, run.tokens.train, rows_per_stage, seed=config.train.seed)
 
   # -- restore or initialise ----------------------------------------------------------------------
-  start = ckpt.latest_step()
+  start, tokens_seen = ckpt.latest_step(), 0
   if start is not None:
-    state, extra = ckpt.restore(None, train.abstract_state(run.params_shapes))
-    start = int(extra["stage"])
-    stream.set_state(extra["data"])
+    # A checkpoint written on another device count is resharded (acco_jax.reshard): weights and
+    # optimizer state exactly, gradient buffers by their sums. The stage count, hence the schedule,
+    # carries over; the global batch is now n/n_old times as large, and the data continues from
+    # the same number of consumed rows (reshard_lib.data_state).
+    saved_n = []
+
+    def reshard(saved):
+      saved_n.append(reshard_lib.saved_num_devices(saved))
+      return train.reshard(saved)
+
+    target = train.abstract_state(run.params_shapes)
+    state, extra = ckpt.restore(None, target, reshard=reshard)
+    start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
+    position = extra["data"]
+    if saved_n:
+      position = reshard_lib.data_state(position, rows_per_stage)
+      writer.event("resharded", stage=start, from_devices=saved_n[-1], to_devices=n)
+      if lead:
+        print(f"resharded the checkpoint of stage {start} from {saved_n[-1]} to {n} devices; "
+              f"data continues at global batch {position['step']}", flush=True)  # fmt: skip
+    stream.set_state(position)
     writer.event("restored", stage=start, workdir=workdir)
   else:
     start = 0
@@ -187,10 +236,21 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       flush=True,
     )
 
+  budgets, policy = run.budgets, None
+  if config.hetero.adaptive:
+    policy = hetero.BudgetPolicy(
+      n, base=run.base_microbatches, k_max=train.num_microbatches,
+      policy=config.hetero.adaptive, hysteresis=config.hetero.hysteresis,
+    )  # fmt: skip
+  if budgets is not None:
+    writer.event("budgets", stage=start, budgets=budgets.tolist())
+  rows_per_microbatch = config.batch.microbatch_size
+
   # -- the loop -----------------------------------------------------------------------------------
   preempt = _Preemption()
   progress = metrics_lib.Progress(run.total_stages, start, enabled=lead)
-  last = {"time": time.time(), "stage": start}
+  t_start = time.time()
+  last = {"time": t_start, "tokens": tokens_seen}
   summary: dict = {"unigram_baseline": baseline}
   stage = start
   evaluated_at = None  # the stage of the last evaluation
@@ -207,12 +267,20 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   def save(stage):
     check_finite()
     ckpt.save(stage, state, extra={"stage": stage, "data": stream.get_state(),
+                                   "tokens_seen": tokens_seen,
                                    "config": config.to_json_best_effort()})  # fmt: skip
 
   try:
     while stage < run.total_stages:
       batch = parallel.global_batch(next(stream), mesh)
-      state, m = train.step(state, batch)
+      if policy is not None and (stage == start or stage % config.hetero.adapt_every == 0):
+        changed = _adapt(policy, train, state, batch)
+        budgets = policy.budgets
+        writer.event("budgets", stage=stage, budgets=budgets.tolist(), changed=changed,
+                     mb_time_s=policy.mb_time_s.tolist(), comm_time_s=policy.comm_time_s)  # fmt: skip
+      state, m = train.step(state, batch, budgets)
+      used = n * train.num_microbatches if budgets is None else int(budgets.sum())
+      tokens_seen += used * rows_per_microbatch * config.data.seq_len
       nonfinite = nonfinite | ~jnp.isfinite(m["loss"])
       stage += 1
       done = updates_done(config, stage)
@@ -220,9 +288,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       if stage % config.train.log_every == 0 or stage == run.total_stages:
         m = jax.device_get(m)
         now = time.time()
-        tokens = float(m["tokens"])
-        rate = (tokens * (stage - last["stage"])) / max(now - last["time"], 1e-9)
-        last.update(time=now, stage=stage)
+        rate = (tokens_seen - last["tokens"]) / max(now - last["time"], 1e-9)
+        last.update(time=now, tokens=tokens_seen)
         loss = float(m["loss"])
         check_finite()
         lr = methods.hyperparams(state.opt_state).get("learning_rate", float("nan"))
@@ -231,8 +298,10 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
           "lr": float(lr), "tokens_per_s": rate, "microbatches": float(m["microbatches"]),
           "committed": bool(m["committed"]), "comm_bytes_per_device": comm_stage,
           "skipped_microbatches": float(m["skipped"]),
-          "tokens_seen": stage * tokens,
+          "tokens_seen": tokens_seen, "wall_s": now - t_start,
         }  # fmt: skip
+        if budgets is not None:  # every device's budget this stage
+          row["budgets"] = budgets.tolist()
         if peak:
           row["mfu"] = rate * flops_token / (peak * n)
         writer.write(stage, row)
@@ -278,6 +347,14 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   if lead:
     print(json.dumps({k: v for k, v in summary.items() if k != "sample"}), flush=True)
   return summary
+
+
+def _adapt(policy: hetero.BudgetPolicy, train, state, batch) -> bool:
+  """Probes this process's speeds, shares them with all processes, updates ``policy``."""
+  mb_s, comm_s = train.probe(state, batch)
+  times = np.asarray(multihost_utils.process_allgather(np.array([mb_s, comm_s]))).reshape(-1, 2)
+  per_device = np.array([times[d.process_index, 0] for d in train.mesh.devices.flat])
+  return policy.observe(per_device, float(times[:, 1].max()))
 
 
 def sample(run: Run, config, params, workdir: str) -> str:

@@ -49,6 +49,16 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
     4  # microbatches per device per optimizer update (ACCO: two stages of half)
   )
 
+  # Heterogeneous workers: per-device microbatch budgets per stage (acco_jax.hetero). The update
+  # is the mean over all microbatches of all devices, whatever each device's budget.
+  c.hetero = ml_collections.ConfigDict()
+  c.hetero.budgets = ""  # fixed budgets, one per device: "4,4,4,1" ('' = the same for all)
+  c.hetero.adaptive = ""  # '' | balance (fixed total, split by speed) | fill (fill the window)
+  c.hetero.max_microbatches = 0  # largest adaptive budget per stage (0 = 4x the base)
+  c.hetero.adapt_every = 20  # stages between timing probes of the adaptive policy
+  c.hetero.hysteresis = 0.1  # ignore plans that move less than this share of the microbatches
+  c.hetero.slowdown = ""  # simulate stragglers: "device:seconds,..." of sleep per microbatch
+
   c.opt = ml_collections.ConfigDict()
   c.opt.name = "adamw"  # adamw | sgd | lion
   c.opt.lr = 2e-3  # peak learning rate
