@@ -163,8 +163,8 @@ class Checkpointer:
     return sorted(s for s in self._manager.all_steps() if step_lib.is_path_finalized(root / str(s)))
 
   def latest_step(self) -> int | None:
-    """The newest complete checkpoint step, or ``None``."""
-    steps = self.all_steps()
+    """The newest complete checkpoint step (not one :meth:`restore` found corrupt), or ``None``."""
+    steps = [s for s in self.all_steps() if s not in self._bad]
     return steps[-1] if steps else None
 
   # -- save ---------------------------------------------------------------------------------------
@@ -398,7 +398,8 @@ class Checkpointer:
     if details:
       raise ValueError(
         f"the checkpoint at {self.directory} (step {step}) was written for a different state: "
-        f"{details[0]} ({len(details)} leaves differ; {len(saved)} saved, {len(want)} in the target)"
+        f"{details[0]} ({len(details)} leaves differ; {len(saved)} saved, {len(want)} in the "
+        "target); resume with the config it was written with, or start in a new directory"
       )
 
   @staticmethod

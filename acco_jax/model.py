@@ -60,13 +60,29 @@ class GPTConfig:
   ln_eps: float = 1e-5  # LayerNorm epsilon (GPT-2 value)
 
   def __post_init__(self):
+    sizes = {"V": self.V, "L": self.L, "D": self.D, "H": self.H, "N": self.N}
+    bad = {k: v for k, v in sizes.items() if v < 1}
+    if bad or (self.F is not None and self.F < 1):
+      bad = ", ".join(f"{k}={v}" for k, v in (bad or {"F": self.F}).items())
+      raise ValueError(
+        f"model sizes must be >= 1, got {bad} (in the trainer's config: L is data.seq_len, "
+        "D, H, N, F are model.D, model.H, model.N, model.F)"
+      )
     if self.D % self.H:
-      raise ValueError(f"D={self.D} is not divisible by H={self.H}")
+      raise ValueError(
+        f"D={self.D} is not divisible by H={self.H}: choose heads that divide the width "
+        "(model.D, model.H)"
+      )
     if self.attention not in ("auto", "xla", "cudnn"):
       raise ValueError(f"attention must be 'auto', 'xla' or 'cudnn', got {self.attention!r}")
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-    jnp.dtype(self.dtype)  # raises TypeError for an unknown dtype name
+    try:
+      jnp.dtype(self.dtype)
+    except TypeError:
+      raise ValueError(
+        f"dtype={self.dtype!r} is not a dtype name: use 'bfloat16', 'float32' or 'float16'"
+      ) from None
 
   @property
   def mlp_dim(self) -> int:

@@ -7,6 +7,8 @@ algorithm. The data axis name lives here (:data:`DATA`) and is what every method
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 import jax
 import numpy as np
@@ -72,6 +74,10 @@ def initialize_distributed(mode: str = "auto", *, coordinator_address: str = "",
   if mode == "auto" and not (in_slurm or explicit or os.environ.get("JAX_COORDINATOR_ADDRESS")):
     return False
   kwargs = {"initialization_timeout": timeout_s}
+  if not explicit and (num_processes > 0 or process_id >= 0):  # JAX reads only the address
+    kwargs.update(
+      num_processes=num_processes or None, process_id=None if process_id < 0 else process_id
+    )
   if explicit:
     if num_processes < 1 or process_id < 0:
       raise ValueError(
@@ -80,13 +86,46 @@ def initialize_distributed(mode: str = "auto", *, coordinator_address: str = "",
     kwargs.update(
       coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
     )
-  jax.distributed.initialize(**kwargs)
+    if process_id > 0:  # process 0 serves the coordinator; JAX aborts if it cannot reach it
+      _wait_for_coordinator(coordinator_address, timeout_s)
+  try:
+    jax.distributed.initialize(**kwargs)
+  except ValueError as e:  # JAX found no cluster environment to fill in what is missing
+    raise ValueError(
+      f"jax.distributed.initialize: {e} Set dist.coordinator_address, dist.num_processes and "
+      "dist.process_id, or launch under SLURM; dist.initialize=off runs a single process"
+    ) from None
   return True
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+  """Returns once something listens at ``address``; raises a one-line error after ``timeout_s``.
+
+  Without it, a process that cannot reach the coordinator dies in XLA's client (a C++ check failure
+  that blames "another task"), with no Python exception.
+  """
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(f"dist.coordinator_address={address!r} must be host:port")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), max(min(timeout_s, 5), 0.1)):
+        return
+    except OSError as e:
+      if time.monotonic() >= deadline:
+        raise TimeoutError(
+          f"dist.coordinator_address={address}: no coordinator answered in {timeout_s} s ({e}); "
+          "start process 0 (it serves the coordinator), or fix the address or dist.timeout_s"
+        ) from None
+      time.sleep(0.2)
 
 
 def make_mesh(num_devices: int = 0, axis: str = DATA) -> jax.sharding.Mesh:
   """A 1-D mesh over ``num_devices`` devices (0 = all), ordered so that each process's devices are
   contiguous (process-local batches then map to contiguous global rows)."""
+  if num_devices < 0:
+    raise ValueError(f"mesh.num_devices={num_devices} must be >= 0 (0 = all visible devices)")
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   if num_devices:
     if num_devices > len(devices):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from acco_jax import checkpoint, data, hetero, methods, model, optim, parallel
+from acco_jax import checkpoint, data, hetero, methods, model, monitor, optim, parallel
 from acco_jax import metrics as metrics_lib
 from acco_jax import reshard as reshard_lib
 from acco_jax.step import make_train_step
@@ -78,6 +78,7 @@ def build(config) -> Run:
     raise ValueError(
       f"method={config.method!r} is unknown: choose one of {', '.join(methods.METHODS)}"
     )
+  _check_config(config)
   mesh = parallel.make_mesh(config.mesh.num_devices)
   cache = config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
   tokens = data.prepare(
@@ -108,6 +109,28 @@ def build(config) -> Run:
     skip_nonfinite=config.train.on_nonfinite == "skip",
   )  # fmt: skip
   return Run(mesh, tokens, model_cfg, shapes, train, per_update, total, k, budgets)
+
+
+_AT_LEAST = {
+  "batch.microbatches": 1, "batch.microbatch_size": 1, "train.num_updates": 1,
+  "train.log_every": 1, "train.eval_every": 0, "train.eval_batches": 1, "ckpt.every": 0,
+  "ckpt.keep": 1,
+}  # fmt: skip
+
+
+def _check_config(config) -> None:
+  """Refuses out-of-range sizes and counts before anything is built (one line naming the key)."""
+  for key, low in _AT_LEAST.items():
+    group, field = key.split(".")
+    value = config[group][field]
+    if not isinstance(value, int) or value < low:
+      raise ValueError(f"{key}={value!r} must be >= {low} (an integer)")
+  try:
+    jnp.dtype(config.comm_dtype)
+  except TypeError:
+    raise ValueError(
+      f"comm_dtype={config.comm_dtype!r} is not a dtype name: use 'bfloat16' or 'float32'"
+    ) from None
 
 
 def _budgets(config, n: int, k: int) -> tuple[np.ndarray | None, int]:
@@ -180,6 +203,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   would; rerunning continues the same trajectory.
   """
   lead = jax.process_index() == 0
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"workdir {workdir!r} is a file: pass --workdir a directory (new or a run's)")
   run = build(config)
   train, mesh, n = run.train, run.mesh, run.mesh.size
   writer = metrics_lib.MetricWriter(workdir, enabled=lead)
@@ -247,6 +272,12 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   rows_per_microbatch = config.batch.microbatch_size
 
   # -- the loop -----------------------------------------------------------------------------------
+  watchdog, in_flight = None, None
+  if jax.process_count() > 1 and config.health.hang_timeout_s > 0:
+    watchdog = monitor.Watchdog(
+      config.health.hang_timeout_s, process_index=jax.process_index(),
+      process_count=jax.process_count(),
+    ).start()  # fmt: skip
   preempt = _Preemption()
   progress = metrics_lib.Progress(run.total_stages, start, enabled=lead)
   t_start = time.time()
@@ -273,12 +304,20 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   try:
     while stage < run.total_stages:
       batch = parallel.global_batch(next(stream), mesh)
-      if policy is not None and (stage == start or stage % config.hetero.adapt_every == 0):
-        changed = _adapt(policy, train, state, batch)
-        budgets = policy.budgets
-        writer.event("budgets", stage=stage, budgets=budgets.tolist(), changed=changed,
-                     mb_time_s=policy.mb_time_s.tolist(), comm_time_s=policy.comm_time_s)  # fmt: skip
+      adapt = policy is not None and (stage == start or stage % config.hetero.adapt_every == 0)
+      if adapt or (config.health.probe_every and stage % config.health.probe_every == 0):
+        times = _probe(train, state, batch, stage, config.health.slow_factor, writer)
+        if policy is not None:
+          per_device = [times[d.process_index, 0] for d in mesh.devices.flat]
+          changed = policy.observe(per_device, float(times[:, 1].max()))
+          budgets = policy.budgets
+          writer.event("budgets", stage=stage, budgets=budgets.tolist(), changed=changed)
       state, m = train.step(state, batch, budgets)
+      if watchdog is not None:  # keep one stage in flight; a hang shows within the timeout
+        if in_flight is not None:
+          jax.block_until_ready(in_flight)
+          watchdog.progress(stage)
+        in_flight = m["loss"]
       used = n * train.num_microbatches if budgets is None else int(budgets.sum())
       tokens_seen += used * rows_per_microbatch * config.data.seq_len
       nonfinite = nonfinite | ~jnp.isfinite(m["loss"])
@@ -314,6 +353,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
         evaluated_at = stage
       if at_update and config.ckpt.every and done % config.ckpt.every == 0:
         save(stage)
+      if watchdog is not None:
+        watchdog.progress(stage)
       stop = preempt.requested or (
         "max_stages" if max_stages is not None and stage >= max_stages else None
       )
@@ -338,23 +379,36 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       save(stage)
     if config.train.sample_tokens and lead:
       summary["sample"] = sample(run, config, final, workdir)
+  except jax.errors.JaxRuntimeError as e:
+    if watchdog is not None:  # a failed collective: say which peer is gone
+      e.add_note(f"process {jax.process_index()}: {watchdog.diagnose(settle=True)}")
+    raise
   finally:
     progress.close()
     preempt.restore()
     ckpt.wait()
     ckpt.close()
     writer.close()
+    if watchdog is not None:
+      watchdog.stop()
   if lead:
     print(json.dumps({k: v for k, v in summary.items() if k != "sample"}), flush=True)
   return summary
 
 
-def _adapt(policy: hetero.BudgetPolicy, train, state, batch) -> bool:
-  """Probes this process's speeds, shares them with all processes, updates ``policy``."""
+def _probe(train, state, batch, stage: int, slow_factor: float, writer) -> np.ndarray:
+  """``[processes, 2]`` seconds per microbatch and per stage communication of every process
+  (:meth:`TrainStep.probe`, gathered); logged, and slow processes named in a warning."""
   mb_s, comm_s = train.probe(state, batch)
   times = np.asarray(multihost_utils.process_allgather(np.array([mb_s, comm_s]))).reshape(-1, 2)
-  per_device = np.array([times[d.process_index, 0] for d in train.mesh.devices.flat])
-  return policy.observe(per_device, float(times[:, 1].max()))
+  writer.event("probe", stage=stage, mb_time_s=times[:, 0].tolist(),
+               comm_time_s=times[:, 1].tolist())  # fmt: skip
+  warning = monitor.slow_message(times[:, 0], slow_factor, stage)
+  if warning:
+    writer.event("slow_workers", stage=stage, message=warning)
+    if jax.process_index() == 0:
+      print(warning, flush=True)
+  return times
 
 
 def sample(run: Run, config, params, workdir: str) -> str:

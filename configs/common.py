@@ -59,6 +59,12 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.hetero.hysteresis = 0.1  # ignore plans that move less than this share of the microbatches
   c.hetero.slowdown = ""  # simulate stragglers: "device:seconds,..." of sleep per microbatch
 
+  # Health of multi-process runs (acco_jax.monitor).
+  c.health = ml_collections.ConfigDict()
+  c.health.hang_timeout_s = 600.0  # no progress this long ends the run naming the dead peer (0 = off)
+  c.health.probe_every = 0  # stages between speed probes that name slow workers (0 = off)
+  c.health.slow_factor = 2.0  # warn about processes this many times slower than the median
+
   c.opt = ml_collections.ConfigDict()
   c.opt.name = "adamw"  # adamw | sgd | lion
   c.opt.lr = 2e-3  # peak learning rate

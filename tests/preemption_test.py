@@ -60,3 +60,35 @@ def test_sigterm_checkpoints_and_resumes(tmp_path):
   assert summary["stages"] == 300 and summary["updates"] == 150
   events = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert any(e.get("event") == "restored" and e["stage"] == stopped for e in events)
+
+
+def test_sigint_in_process_checkpoints_at_the_stage_boundary(tmp_path):
+  """Ctrl-C (SIGINT) takes the same path as SIGTERM: save at the next stage boundary and return."""
+  import threading
+
+  from acco_jax import trainer
+  from acco_jax.checkpoint import Checkpointer
+  from configs import gpt2_acco
+
+  config = gpt2_acco.get_config("tiny")
+  config.data.cache_dir = str(REPO / ".pytest_cache" / "acco_data")
+  config.train.num_updates, config.train.eval_every, config.train.sample_tokens = 400, 0, 0
+  config.ckpt.every, config.ckpt.async_save = 0, False
+  workdir = tmp_path / "run"
+  rows = workdir / "metrics.jsonl"
+
+  def interrupt_once_training():
+    deadline = time.time() + 120
+    while time.time() < deadline:  # after the first logged stage: compiled and running
+      if rows.exists() and '"loss"' in rows.read_text():
+        os.kill(os.getpid(), signal.SIGINT)
+        return
+      time.sleep(0.05)
+
+  threading.Thread(target=interrupt_once_training, daemon=True).start()
+  summary = trainer.train_and_evaluate(config, str(workdir))
+  stopped = summary["stopped"]  # a KeyboardInterrupt would have ended the test instead
+  assert 2 <= stopped < 800
+  assert Checkpointer(workdir / "checkpoints").latest_step() == stopped
+  events = [json.loads(x) for x in rows.read_text().splitlines()]
+  assert {"event": "stopped", "reason": "SIGINT", "stage": stopped} in events

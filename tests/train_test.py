@@ -94,3 +94,26 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   target = run.train.abstract_state(run.params_shapes)
   state, _ = ckpt.restore(None, target)
   assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(state))
+
+
+def test_nonfinite_skip_drops_the_bad_microbatches_and_keeps_training(tmp_path):
+  import jax
+
+  from acco_jax.checkpoint import Checkpointer
+
+  config = tiny(gpt2_acco)
+  config.ckpt.every = 1
+  trainer.train_and_evaluate(config, str(tmp_path), max_stages=4)
+  config.opt.lr = 1e30  # every update now overflows: the first bad stage's microbatches are dropped
+  config.train.on_nonfinite = "skip"
+  config.train.log_every = 1
+  summary = trainer.train_and_evaluate(config, str(tmp_path))
+  assert summary["stages"] == 2 * config.train.num_updates  # finished, did not stop
+  logged = [r for r in rows(tmp_path) if "loss" in r and r["stage"] > 4]
+  assert any(r["skipped_microbatches"] > 0 for r in logged), logged
+  run = trainer.build(config)
+  with Checkpointer(str(tmp_path / "checkpoints")) as ckpt:
+    state, _ = ckpt.restore(None, run.train.abstract_state(run.params_shapes))
+  after = jax.device_get(run.train.params(state))
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(after))
+  assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(state))

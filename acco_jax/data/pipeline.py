@@ -218,7 +218,11 @@ class BatchIterator:
     """Continues from `state` (from `get_state` of an iterator over the same data and config)."""
     differing = {k: (state.get(k), v) for k, v in self._config.items() if state.get(k) != v}
     if differing:
-      raise ValueError(f"iterator state does not match this iterator (saved, current): {differing}")
+      raise ValueError(
+        f"the saved data position is for another stream, {differing} (saved, current): continue "
+        "with the same data, seq_len, batch size and seed (data.*, batch.*, train.seed), or start "
+        "in a new directory"
+      )
     self._step = int(state["step"])
 
 

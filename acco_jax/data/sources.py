@@ -26,7 +26,9 @@ import importlib.util
 import json
 import os
 import re
+import socket
 import sqlite3
+import threading
 from pathlib import Path
 
 from absl import logging
@@ -96,7 +98,15 @@ def _text_documents(pattern: str, data_dir: str) -> list[str]:
   )
   if not builder.is_prepared():
     logging.info("text source: preparing %d file(s) into %s", len(files), builder.data_dir)
-    builder.download_and_prepare()
+    try:
+      builder.download_and_prepare()
+    except AssertionError as e:  # TFDS refuses to write a split without examples
+      if "No examples were yielded" not in str(e):
+        raise
+      raise ValueError(
+        f"text source {pattern!r}: its {len(files)} file(s) hold no text (empty or blank lines "
+        "only); point data.source at files with text"
+      ) from None
   return _read_all(builder.as_data_source(split="train"), "text")
 
 
@@ -134,6 +144,13 @@ def _tfds_documents(spec: str, data_dir: str | None, text_key: str, download: bo
         f"TFDS dataset {name!r} is not prepared under {builder.data_dir}: pass download=True on a "
         "machine with internet, or data_dir= a directory where it was prepared as array_record"
       )
+    offline = _offline_reason()
+    if offline:
+      raise RuntimeError(
+        f"TFDS dataset {name!r} is not prepared under {builder.data_dir} and this machine cannot "
+        f"download it ({offline}): prepare it once where there is internet and set data_dir "
+        "(data.data_dir) to that directory"
+      )
     try:
       builder.download_and_prepare()
     except Exception as e:
@@ -149,6 +166,34 @@ def _tfds_documents(spec: str, data_dir: str | None, text_key: str, download: bo
       f"({type(e).__name__}: {e})"
     ) from e
   return _read_all(data_source, text_key)
+
+
+_PROBE_HOST = "storage.googleapis.com"  # TFDS's bucket (dataset metadata, many mirrors)
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _offline_reason(timeout_s: float = 5.0) -> str | None:
+  """Why downloads cannot work here (a DNS lookup of TFDS's host fails or hangs), else ``None``.
+
+  Checked before a TFDS download because TFDS retries a failed request 10 times with exponential
+  back-off, about 3.5 minutes, before reporting it. Behind a proxy (``*_PROXY`` set) the proxy
+  resolves names, so nothing is checked.
+  """
+  if any(os.environ.get(v) for v in _PROXY_VARS):
+    return None
+  result: list = []
+
+  def lookup():
+    try:
+      socket.getaddrinfo(_PROBE_HOST, 443)
+      result.append(None)
+    except OSError as e:
+      result.append(f"cannot resolve {_PROBE_HOST}: {e}")
+
+  thread = threading.Thread(target=lookup, daemon=True)  # getaddrinfo has no timeout of its own
+  thread.start()
+  thread.join(timeout_s)
+  return result[0] if result else f"no DNS answer for {_PROBE_HOST} in {timeout_s:.0f} s"
 
 
 def load_documents(

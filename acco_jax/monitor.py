@@ -1,0 +1,158 @@
+"""Health of a multi-process run: slow workers from timings, hung collectives from a watchdog.
+
+In the spirit of C4 (collective timings expose slow or dead ranks), with what a JAX job has:
+
+* **Slow workers.** :meth:`acco_jax.step.TrainStep.probe` times each process's microbatch (no
+  collective) and the stage's collectives; the trainer gathers them every ``health.probe_every``
+  stages and :func:`slow_workers` names the processes much slower than the median.
+* **Hung collectives.** A collective whose peer died never returns (or returns an error much later,
+  when the coordination service notices). :class:`Watchdog` is a daemon thread: it publishes this
+  process's heartbeat (stage, time) in the ``jax.distributed`` key-value store every few seconds,
+  and when the training loop has made no progress for ``timeout_s`` it reads every process's
+  heartbeat, names the processes that went silent, and ends this process with
+  :data:`HANG_EXIT_CODE` (the main thread is stuck inside the collective, so nothing can be saved;
+  rerunning resumes from the last checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+HANG_EXIT_CODE = 75  # EX_TEMPFAIL: the run can be retried (it resumes from its last checkpoint)
+_PREFIX = "acco_jax/heartbeat/"
+
+
+def slow_workers(mb_time_s, factor: float) -> list[tuple[int, float]]:
+  """``(process, slowdown)`` for each process whose microbatch takes more than ``factor`` times
+  the median of the *other* processes (so that one slow process of two is found too)."""
+  t = np.asarray(mb_time_s, np.float64)
+  out = []
+  for i, x in enumerate(t):
+    others = float(np.median(np.delete(t, i))) if len(t) > 1 else x
+    if others > 0 and x > factor * others:
+      out.append((i, float(x / others)))
+  return out
+
+
+def slow_message(mb_time_s, factor: float, stage: int) -> str | None:
+  """A one-line warning naming the slow processes, or ``None``."""
+  slow = slow_workers(mb_time_s, factor)
+  if not slow:
+    return None
+  names = ", ".join(
+    f"process {i} ({s:.1f}x the others: {mb_time_s[i] * 1e3:.0f} ms per microbatch)"
+    for i, s in slow
+  )
+  return (
+    f"stage {stage}: slow worker(s): {names}; the others wait for them at every collective "
+    "(method=acco with hetero.adaptive=balance lets the fast ones take more)"
+  )
+
+
+def _client():
+  """The ``jax.distributed`` client, or ``None`` in a single-process run."""
+  try:
+    from jax._src import distributed
+  except ImportError:  # pragma: no cover - moved in a future JAX
+    return None
+  return distributed.global_state.client
+
+
+class Watchdog:
+  """Ends the process, naming the silent peers, when training stops progressing.
+
+  Args:
+    timeout_s: seconds without :meth:`progress` before the run is declared hung.
+    process_index: this process.
+    process_count: processes in the job.
+    interval_s: heartbeat period (default: a tenth of the timeout, at most 5 s).
+    on_hang: called with the message instead of printing it and exiting (tests).
+    client: the key-value store (default: the ``jax.distributed`` client).
+  """
+
+  def __init__(
+    self, timeout_s: float, *, process_index: int, process_count: int,
+    interval_s: float | None = None, on_hang: Callable[[str], None] | None = None, client=None,
+  ):  # fmt: skip
+    self.timeout_s = float(timeout_s)
+    self.process_index, self.process_count = process_index, process_count
+    self.interval_s = interval_s or min(self.timeout_s / 10, 5.0)
+    self.client = client if client is not None else _client()
+    self.on_hang = on_hang or self._exit
+    self._stage, self._last = 0, time.time()
+    self._armed = False
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="acco-watchdog", daemon=True)
+
+  def start(self) -> Watchdog:
+    self._beat()
+    self._thread.start()
+    return self
+
+  def progress(self, stage: int) -> None:
+    """The loop completed ``stage`` (its results are on the host); arms the watchdog."""
+    self._stage, self._last, self._armed = stage, time.time(), True
+
+  def stop(self) -> None:
+    self._stop.set()
+
+  def _beat(self) -> None:
+    if self.client is not None:
+      try:
+        key = f"{_PREFIX}{self.process_index}"
+        self.client.key_value_set(key, f"{self._stage} {time.time():.3f}", allow_overwrite=True)
+      except Exception:  # the coordinator is gone; diagnose() says so
+        pass
+
+  def diagnose(self, settle: bool = False) -> str:
+    """Which processes went silent, from their heartbeats.
+
+    ``settle``: first wait long enough for a peer that died just now to look silent (after a
+    collective failed at once, e.g. a connection reset).
+    """
+    if settle:
+      time.sleep(3.5 * self.interval_s)
+    if self.client is None:
+      return "no jax.distributed key-value store to ask which peer stopped"
+    try:
+      beats = dict(self.client.key_value_dir_get(_PREFIX))
+    except Exception as e:
+      return f"the coordinator (process 0) is unreachable ({type(e).__name__})"
+    now, silent = time.time(), []
+    for p in range(self.process_count):
+      value = beats.get(f"{_PREFIX}{p}")
+      if value is None:
+        silent.append(f"process {p} (no heartbeat)")
+        continue
+      stage, at = value.split()
+      if now - float(at) > 3 * self.interval_s:
+        silent.append(f"process {p} (silent for {now - float(at):.0f} s, last at stage {stage})")
+    if not silent:
+      return "every process still sends heartbeats: a collective or the network is stuck"
+    return "peer(s) stopped: " + ", ".join(silent)
+
+  def message(self) -> str:
+    idle = time.time() - self._last
+    return (
+      f"process {self.process_index}: no progress for {idle:.1f} s after stage {self._stage} "
+      f"(health.hang_timeout_s={self.timeout_s:g}); {self.diagnose()}. Ending the run; restart "
+      "all processes with the same command to resume from the last checkpoint"
+    )
+
+  def _run(self) -> None:
+    while not self._stop.wait(self.interval_s):
+      self._beat()
+      if self._armed and time.time() - self._last > self.timeout_s:
+        self._armed = False
+        self.on_hang(self.message())
+
+  @staticmethod
+  def _exit(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(HANG_EXIT_CODE)

@@ -1,0 +1,444 @@
+"""Bad input: each mistake a user can make is a one-line error that names the problem and the fix,
+raised before anything is written, and a workdir's checkpoints are never overwritten by it.
+
+Configs and data are checked in-process through ``trainer.build`` / ``train_and_evaluate``; command
+line flags and the environment through ``train.py`` in a subprocess (they fail before JAX starts, or
+in XLA). ``docs/reliability.md`` lists every case with its message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import pathlib
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from acco_jax import checkpoint, model, parallel, trainer
+from configs import gpt2_acco, gpt2_zero1
+
+# orbax leaves reader coroutines of a failed restore to the garbage collector, which reports them
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CACHE = REPO / ".pytest_cache" / "acco_data"  # shared with train_test (tokenized corpus)
+
+
+def tiny(module=gpt2_acco, **overrides):
+  config = module.get_config("tiny")
+  config.data.cache_dir = str(CACHE)
+  config.ckpt.async_save = False
+  config.train.sample_tokens = 0
+  config.train.num_updates = 2  # 4 ACCO stages
+  for key, value in overrides.items():
+    group, _, field = key.rpartition(".")
+    (config[group] if group else config)[field] = value
+  return config
+
+
+def one_line(error: BaseException) -> str:
+  message = str(error)
+  assert message and "\n" not in message, f"not a one-line message: {message!r}"
+  print(f"MESSAGE {type(error).__name__}: {message}")  # collected for docs/reliability.md
+  return message
+
+
+# -- configs: trainer.build refuses them before it touches the workdir -----------------------------
+
+CONFIGS = [
+  (
+    "unknown-method",
+    {"method": "adam"},
+    ValueError,
+    r"method='adam' is unknown: choose one of acco",
+  ),
+  (
+    "acco-odd-microbatches",
+    {"batch.microbatches": 3},
+    ValueError,
+    r"batch.microbatches=3: ACCO .* must be an even number >= 2",
+  ),
+  ("acco-zero-microbatches", {"batch.microbatches": 0}, ValueError, r"batch.microbatches=0"),
+  (
+    "unknown-optimizer",
+    {"opt.name": "adamx"},
+    ValueError,
+    r"opt.name='adamx' is unknown: choose adamw, sgd or lion",
+  ),
+  (
+    "unknown-schedule",
+    {"opt.schedule": "cosin"},
+    ValueError,
+    r"opt.schedule='cosin' is unknown: choose one of cosine",
+  ),
+  (
+    "unknown-decay",
+    {"opt.decay": "none"},
+    ValueError,
+    r"opt.decay='none': choose 'matrices' or 'all'",
+  ),
+  (
+    "unknown-on-nonfinite",
+    {"train.on_nonfinite": "ignore"},
+    ValueError,
+    r"train.on_nonfinite='ignore': choose 'stop' or 'skip'",
+  ),
+  ("zero-lr", {"opt.lr": 0.0}, ValueError, r"opt.lr must be > 0, got 0.0"),
+  (
+    "warmup-past-the-end",
+    {"opt.warmup_updates": 2},
+    ValueError,
+    r"opt.warmup_updates=2 must be in \[0, train.num_updates=2\); lower it",
+  ),
+  ("unknown-model-size", {"model.size": "huge"}, ValueError, r"unknown model size 'huge'; known"),
+  (
+    "heads-not-dividing-width",
+    {"model.H": 3},
+    ValueError,
+    r"D=64 is not divisible by H=3: choose heads .*model.H",
+  ),
+  ("negative-width", {"model.D": -64}, ValueError, r"model sizes must be >= 1, got D=-64"),
+  ("zero-seq-len", {"data.seq_len": 0}, ValueError, r"got L=0 .*L is data.seq_len"),
+  ("negative-seq-len", {"data.seq_len": -5}, ValueError, r"got L=-5 .*L is data.seq_len"),
+  (
+    "unknown-model-dtype",
+    {"model.dtype": "float33"},
+    ValueError,
+    r"dtype='float33' is not a dtype name: use 'bfloat16'",
+  ),
+  (
+    "unknown-attention",
+    {"model.attention": "flash"},
+    ValueError,
+    r"attention must be 'auto', 'xla' or 'cudnn', got 'flash'",
+  ),
+  (
+    "more-devices-than-visible",
+    {"mesh.num_devices": 16},
+    ValueError,
+    r"mesh.num_devices=16 but only 8 devices are visible; on CPU set mesh.cpu_devices",
+  ),
+  ("negative-devices", {"mesh.num_devices": -1}, ValueError, r"mesh.num_devices=-1 must be >= 0"),
+  (
+    "eval-fraction-out-of-range",
+    {"data.eval_fraction": 1.5},
+    ValueError,
+    r"eval_fraction=1.5 must be in \[0, 1\)",
+  ),
+]
+CONFIGS += [  # sizes and counts (trainer._check_config); the last field: what happened before it
+  ("zero1-zero-microbatches", {"method": "zero1", "batch.microbatches": 0}, ValueError,
+   r"batch.microbatches=0 must be >= 1", "step.py says num_microbatches, not the config key"),
+  ("zero-microbatch-size", {"batch.microbatch_size": 0}, ValueError,
+   r"batch.microbatch_size=0 must be >= 1", "fails later, as global_batch_rows=0"),
+  ("zero-updates", {"train.num_updates": 0}, ValueError, r"train.num_updates=0 must be >= 1",
+   "blames opt.warmup_updates; negative values train 0 stages silently"),
+  ("unknown-comm-dtype", {"comm_dtype": "int7"}, ValueError, r"comm_dtype='int7'",
+   "a bare TypeError: data type 'int7' not understood"),
+  ("zero-log-every", {"train.log_every": 0}, ValueError, r"train.log_every=0 must be >= 1",
+   "ZeroDivisionError after compiling and running the first stage"),
+  ("zero-eval-batches", {"train.eval_batches": 0}, ValueError, r"train.eval_batches=0 must be >= 1",
+   "silently reports eval_loss=0.0"),
+  ("zero-ckpt-keep", {"ckpt.keep": 0}, ValueError, r"ckpt.keep=0 must be >= 1",
+   "'keep must be >= 1 or None, got 0' after the workdir is created"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "overrides,error,match",
+  [pytest.param(*c[1:4], id=c[0]) for c in CONFIGS],
+)
+def test_bad_config_is_refused_before_anything_runs(overrides, error, match):
+  config = tiny(gpt2_zero1 if overrides.get("method") == "zero1" else gpt2_acco, **overrides)
+  with pytest.raises(error, match=match) as info:
+    trainer.build(config)
+  one_line(info.value)
+
+
+# -- data ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+  def refuse(*args, **kwargs):
+    raise OSError("network access is disabled in tests")
+
+  monkeypatch.setattr(socket, "getaddrinfo", refuse)
+  monkeypatch.setattr(socket, "create_connection", refuse)
+  monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+def data_cases(tmp: pathlib.Path):
+  (tmp / "empty.txt").write_text("")
+  (tmp / "one.txt").write_text("a single paragraph\nof two lines\n")
+  (tmp / "texts").mkdir()
+  return {
+    "missing-text-file": (f"text:{tmp}/missing.txt", FileNotFoundError, r"no file matches .*ing"),
+    "empty-glob": (f"text:{tmp}/nothing/*.txt", FileNotFoundError, r"no file matches .*nothing"),
+    "text-directory": (f"text:{tmp}/texts", IsADirectoryError, r"is a directory: use 'text:.*/\*"),
+    "empty-text-file": (f"text:{tmp}/empty.txt", ValueError, r"hold no text \(empty or blank"),
+    "one-paragraph": (f"text:{tmp}/one.txt", ValueError, r"cannot hold out 1 of 1 document"),
+    "unknown-source-prefix": ("hf:wikitext", ValueError, r"unknown source 'hf:wikitext': use"),
+    "unknown-tfds-dataset": ("tfds:no_such_dataset_xyz", ValueError, r"unknown TFDS dataset"),
+  }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "case",
+  ["missing-text-file", "empty-glob", "text-directory", "empty-text-file", "one-paragraph",
+   "unknown-source-prefix", "unknown-tfds-dataset"],
+)  # fmt: skip
+def test_bad_data_source(tmp_path, case, no_network):
+  source, error, match = data_cases(tmp_path)[case]
+  config = tiny(**{"data.source": source, "data.data_dir": str(tmp_path / "prepared")})
+  config.data.cache_dir = str(tmp_path / "cache")
+  with pytest.raises(error, match=match) as info:
+    trainer.build(config)
+  one_line(info.value)
+
+
+def test_tfds_dataset_without_network_fails_fast(tmp_path, no_network):
+  """A registered dataset that is not prepared: TFDS itself would retry for 3.5 minutes."""
+  config = tiny(**{"data.source": "tfds:tiny_shakespeare", "data.data_dir": str(tmp_path)})
+  config.data.cache_dir = str(tmp_path / "cache")
+  start = time.monotonic()
+  with pytest.raises(
+    RuntimeError, match=r"'tiny_shakespeare' is not prepared .* cannot download"
+  ) as info:
+    trainer.build(config)
+  assert time.monotonic() - start < 30
+  assert "data.data_dir" in one_line(info.value)
+
+
+@pytest.mark.parametrize(
+  "tokenizer,error,match",
+  [("sentencepiece", ValueError, r"unknown tokenizer 'sentencepiece': use 'byte', 'gpt2'"),
+   ("bpe:10", ValueError, r"tokenizer 'bpe:10': vocab size must be >= 258"),
+   ("bpe:/nonexistent/tok.json", FileNotFoundError, r"no such tokenizer JSON file")],
+  ids=["unknown-tokenizer", "tiny-bpe-vocab", "missing-bpe-file"],
+)  # fmt: skip
+def test_bad_tokenizer(tmp_path, tokenizer, error, match):
+  config = tiny(**{"data.tokenizer": tokenizer, "data.cache_dir": str(tmp_path)})
+  with pytest.raises(error, match=match) as info:
+    trainer.build(config)
+  one_line(info.value)
+
+
+def test_seq_len_longer_than_the_corpus_allows(tmp_path):
+  """The model's position table follows data.seq_len, so the limit is the data: no full row."""
+  config = tiny(**{"data.seq_len": 10_000_000})
+  with pytest.raises(ValueError, match=r"packs into 0 rows of seq_len\+1=10000001.*lower") as info:
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  one_line(info.value)
+  assert not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
+# -- checkpoints: a workdir written with another config --------------------------------------------
+
+
+def snapshot(workdir: pathlib.Path) -> dict:
+  """Contents of the checkpoints and the metrics log, to show that a failed run changed nothing."""
+  files = [p for p in sorted(workdir.rglob("*")) if p.is_file() and p.parts[-2] != "tb"]
+  keep = [p for p in files if "checkpoints" in p.parts or p.name == "metrics.jsonl"]
+  return {str(p.relative_to(workdir)): hashlib.sha256(p.read_bytes()).hexdigest() for p in keep}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """A workdir of the tiny ACCO config with checkpoints at stages 2 and 4 (of 4), made directly
+  from the initial state (no step is compiled), and a line of metrics."""
+  workdir = tmp_path_factory.mktemp("saved")
+  config = tiny()
+  run = trainer.build(config)
+  rows = run.mesh.size * config.batch.microbatch_size
+  prime = next(trainer._stream(run, config, run.tokens.train, rows, seed=1))
+  state = run.train.init(
+    model.init_params(run.model_cfg, 0), parallel.global_batch(prime, run.mesh)
+  )
+  stream = trainer._stream(run, config, run.tokens.train, rows, seed=config.train.seed)
+  with checkpoint.Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
+    for stage in (2, 4):
+      for _ in range(2):
+        next(stream)
+      extra = {"stage": stage, "data": stream.get_state(), "config": config.to_json_best_effort()}
+      ckpt.save(stage, state, extra=extra)
+  (workdir / "metrics.jsonl").write_text('{"step": 4, "stage": 4, "loss": 5.0}\n')
+  return workdir
+
+
+@pytest.fixture
+def workdir(tmp_path, saved):
+  shutil.copytree(saved, tmp_path / "run")
+  return tmp_path / "run"
+
+
+@pytest.mark.parametrize(
+  "module,overrides,match",
+  [(gpt2_acco, {"model.D": 128}, r"it holds another model or optimizer: \.w is \[118592\], but "
+                                 r"\[433792\] .*; resume with the config it was written with"),
+   (gpt2_acco, {"data.tokenizer": "bpe:512"}, r"it holds another model or optimizer"),
+   (gpt2_acco, {"model.N": 3}, r"was written for a different state: target leaf .*\['2'\]"),
+   (gpt2_zero1, {}, r"was written for a different state: target leaf \.opt_state"),
+   (gpt2_acco, {"batch.microbatches": 4}, r"the saved data position is for another stream, "
+                                          r"\{'global_batch_rows': \(8, 16\)\}.*batch\.\*")],
+  ids=["wider-model", "other-tokenizer", "deeper-model", "other-method", "other-batch"],
+)  # fmt: skip
+def test_resuming_with_another_config_changes_nothing(workdir, module, overrides, match):
+  before = snapshot(workdir)
+  with pytest.raises(ValueError, match=match) as info:
+    trainer.train_and_evaluate(tiny(module, **overrides), str(workdir))
+  one_line(info.value)
+  assert snapshot(workdir) == before
+
+
+def test_bad_config_on_an_existing_workdir_changes_nothing(workdir):
+  before = snapshot(workdir)
+  with pytest.raises(ValueError, match="opt.name='adamx' is unknown"):
+    trainer.train_and_evaluate(tiny(**{"opt.name": "adamx"}), str(workdir))
+  assert snapshot(workdir) == before and not (workdir / "tb").exists()
+
+
+def truncate_largest_array_file(step_dir: pathlib.Path):
+  files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+  max(files, key=lambda p: p.stat().st_size).write_bytes(b"\x00" * 10)
+
+
+def test_corrupt_latest_checkpoint_falls_back_and_trains_on(workdir, caplog):
+  truncate_largest_array_file(workdir / "checkpoints" / "4")
+  with caplog.at_level(logging.WARNING, logger="acco_jax.checkpoint"):
+    summary = trainer.train_and_evaluate(tiny(), str(workdir))
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert any(w.startswith("checkpoint step 4 in ") and "trying an older one" in w for w in warnings)
+  print(f"MESSAGE WARNING: {warnings[0]}")
+  assert summary["stages"] == 4  # resumed at stage 2, ran stages 3 and 4
+  assert '"event": "restored", "stage": 2' in (workdir / "metrics.jsonl").read_text()
+  run = trainer.build(tiny())
+  with checkpoint.Checkpointer(workdir / "checkpoints") as ckpt:  # the final state replaced step 4
+    extra = ckpt.restore(4, run.train.abstract_state(run.params_shapes))[1]
+  assert extra["stage"] == 4
+
+
+def test_all_checkpoints_corrupt_is_an_error_that_deletes_nothing(workdir):
+  for stage in (2, 4):
+    truncate_largest_array_file(workdir / "checkpoints" / str(stage))
+  before = snapshot(workdir)
+  with pytest.raises(
+    RuntimeError, match=r"no readable checkpoint in .*: steps \[2, 4\] are all"
+  ) as info:
+    trainer.train_and_evaluate(tiny(), str(workdir))
+  one_line(info.value)
+  assert snapshot(workdir) == before  # the damaged files are kept, e.g. for a salvage attempt
+
+
+def test_workdir_that_is_a_file(tmp_path):
+  (tmp_path / "run").write_text("not a directory")
+  with pytest.raises(ValueError, match=r"workdir .* is a file"):
+    trainer.train_and_evaluate(tiny(), str(tmp_path / "run"))
+
+
+# -- distributed start-up (in-process: these fail before jax.distributed starts) -------------------
+
+
+def test_unknown_dist_mode():
+  with pytest.raises(
+    ValueError, match=r"dist.initialize must be 'auto', 'on' or 'off', got 'yes'"
+  ) as info:
+    parallel.initialize_distributed("yes")
+  one_line(info.value)
+
+
+def test_coordinator_without_process_count():
+  with pytest.raises(
+    ValueError, match=r"needs dist.num_processes >= 1 and dist.process_id >= 0"
+  ) as info:
+    parallel.initialize_distributed("on", coordinator_address="localhost:1234")
+  one_line(info.value)
+
+
+def test_unreachable_coordinator_is_an_error_not_an_abort():
+  with socket.socket() as s:  # a port with nothing listening
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  start = time.monotonic()
+  with pytest.raises(
+    TimeoutError, match=rf"127.0.0.1:{port}: no coordinator answered in 1 s"
+  ) as info:
+    parallel.initialize_distributed(
+      "on", coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=1, timeout_s=1
+    )
+  assert time.monotonic() - start < 10
+  one_line(info.value)
+
+
+# -- the command line and the environment (train.py in a subprocess) -------------------------------
+
+
+def train_py(*args, env=None, timeout=120):
+  base = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  proc = subprocess.run(
+    [sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, cwd=REPO,
+    env={**base, **(env or {})}, timeout=timeout,
+  )  # fmt: skip
+  assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  return proc.stderr
+
+
+TINY = "configs/gpt2_acco.py:tiny"
+CLI = [
+  ("missing-config", ["--workdir", "W"], {},
+   r"^FATAL Flags parsing error: flag --config=None: Flag --config must have a value other than"),
+  ("missing-workdir", ["--config", TINY], {}, r"^FATAL Flags parsing error: flag --workdir=None"),
+  ("missing-config-file", ["--config", "configs/nope.py", "--workdir", "W"], {},
+   r"^FATAL Flags parsing error: flag --config: \[Errno 2\] No such file or directory: "
+   r"'configs/nope.py'\n"),
+  ("unknown-preset", ["--config", "configs/gpt2_acco.py:huge", "--workdir", "W"], {},
+   r"^FATAL Flags parsing error: flag --config=configs/gpt2_acco.py:huge: Error whilst parsing "
+   r"config file: ValueError: unknown preset 'huge': choose one of cpu, tiny"),
+  ("unknown-override", ["--config", TINY, "--workdir", "W", "--config.nope=1"], {},
+   r"^FATAL Flags parsing error: flag --config.nope: the config has no field 'nope' \(fields"),
+  ("misspelt-override", ["--config", TINY, "--workdir", "W", "--config.train.num_update=5"], {},
+   r"^FATAL .* flag --config.train.num_update: the config has no field 'num_update'; Did you "
+   r"mean \"num_updates\""),
+  ("override-of-wrong-type", ["--config", TINY, "--workdir", "W", "--config.train.num_updates=x"],
+   {}, r"^FATAL Flags parsing error: flag --config.train.num_updates=x: invalid literal for int"),
+  ("stray-argument", ["--config", TINY, "--workdir", "W", "configs/gpt2_zero1.py"], {},
+   r"\nunexpected arguments: configs/gpt2_zero1.py\n"),
+  ("dist-on-without-coordinator",
+   ["--config", TINY, "--workdir", "W", "--config.dist.initialize=on"], {},
+   r"\nValueError: jax.distributed.initialize: coordinator_address should be defined. Set "
+   r"dist.coordinator_address"),
+  ("coordinator-env-without-count", ["--config", TINY, "--workdir", "W"],
+   {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
+   r"\nValueError: jax.distributed.initialize: Number of processes must be defined. Set"),
+  ("unknown-xla-flag", ["--config", TINY, "--workdir", "W"], {"XLA_FLAGS": "--xla_bogus_flag=1"},
+   r"Unknown flag in XLA_FLAGS: --xla_bogus_flag=1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args,env,match", [pytest.param(*c[1:], id=c[0]) for c in CLI])
+def test_command_line_and_environment(tmp_path, args, env, match):
+  stderr = train_py(*[str(tmp_path / "W") if a == "W" else a for a in args], env=env)
+  found = re.search(match, stderr, re.MULTILINE)
+  assert found, stderr[-3000:]
+  start = found.start() + stderr[found.start() :].startswith("\n")
+  line = stderr[start:].splitlines()[0]  # the line the message starts on
+  print(f"MESSAGE STDERR: {line}")
+  assert not (tmp_path / "W").exists()  # nothing was written
+
+
+@pytest.mark.skipif(
+  importlib.util.find_spec("jax_cuda12_plugin") is not None, reason="CUDA is installed here"
+)
+def test_cuda_platform_without_cuda(tmp_path):
+  stderr = train_py("--config", TINY, "--workdir", str(tmp_path), env={"JAX_PLATFORMS": "cuda"})
+  last = stderr.strip().splitlines()[-1]
+  assert last.startswith("RuntimeError: JAX has no usable backend for JAX_PLATFORMS='cuda': "), last
+  print(f"MESSAGE STDERR: {last}")
