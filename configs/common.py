@@ -61,9 +61,9 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
 
   # Health of multi-process runs (acco_jax.monitor).
   c.health = ml_collections.ConfigDict()
-  c.health.hang_timeout_s = 600.0  # no progress this long ends the run naming the dead peer (0 = off)
+  c.health.hang_timeout_s = 600.0  # no progress this long: end the run, name the peer (0 = off)
   c.health.probe_every = 0  # stages between speed probes that name slow workers (0 = off)
-  c.health.slow_factor = 2.0  # warn about processes this many times slower than the median
+  c.health.slow_factor = 2.0  # warn about processes this many times slower than the others
 
   c.opt = ml_collections.ConfigDict()
   c.opt.name = "adamw"  # adamw | sgd | lion
