@@ -171,3 +171,22 @@ def test_unequal_budgets_through_the_trainer_match_the_reference(tmp_path):
 
 def trainer_rows(workdir):
   return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- bench/heterogeneous.py: its model part and its smoothing (the process part is the health test)
+
+
+def test_heterogeneous_bench_model_and_smoothing():
+  import argparse
+
+  from bench import heterogeneous as bench
+
+  rows = bench.model_part(argparse.Namespace(factor=4.0))
+  assert {r["workers"] for r in rows} == {8, 16, 32, 64}
+  for r in rows:  # ZeRO-1 waits for the slowest: k * 4t + X; ACCO's balanced stage cannot beat
+    assert r["zero1_s"] == pytest.approx(8 * 0.4 + r["comm_s"])  # the homogeneous one
+    assert r["acco_homog_s"] <= r["acco_s"] < r["zero1_s"]
+  # one update's worth of tokens decays the average by 0.8 whatever the logging interval
+  tokens = [0, 10, 20]
+  np.testing.assert_allclose(bench.smooth([1.0, 0.0, 0.0], tokens, 10), [1.0, 0.8, 0.64])
+  np.testing.assert_allclose(bench.smooth([1.0, 0.0], [0, 20], 10), [1.0, 0.64])
