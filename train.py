@@ -88,14 +88,14 @@ def main(argv):
 
   try:
     trainer.train_and_evaluate(config, flags.FLAGS.workdir)
-  except jax.errors.JaxRuntimeError:
+  except Exception as e:
     if jax.process_count() == 1:
       raise
-    # a collective failed (a peer died): the error names it; a normal exit would wait in
-    # jax.distributed's shutdown for the dead peer, so leave now with a retryable code
+    # a normal exit would wait in jax.distributed's shutdown for peers that may be dead: print
+    # the error (a failed collective names the lost peer) and leave now; 75 = retry (resume)
     traceback.print_exc()
     sys.stderr.flush()
-    os._exit(monitor.HANG_EXIT_CODE)
+    os._exit(monitor.HANG_EXIT_CODE if monitor.is_collective_failure(e) else 1)
 
 
 if __name__ == "__main__":

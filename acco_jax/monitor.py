@@ -55,6 +55,23 @@ def slow_message(mb_time_s, factor: float, stage: int) -> str | None:
   )
 
 
+_TRANSPORT_ERRORS = ("Gloo", "NCCL", "onnection", "coordination service", "UNAVAILABLE",
+                     "DEADLINE_EXCEEDED")  # fmt: skip
+
+
+def is_collective_failure(error: BaseException) -> bool:
+  """Whether ``error`` looks like a failed collective or a lost peer (not a bug or bad input).
+
+  JAX raises these as ``JaxRuntimeError``, or as ``ValueError`` when the transfer fails inside
+  ``multihost_utils``; the transports name themselves in the message.
+  """
+  import jax
+
+  return isinstance(error, jax.errors.JaxRuntimeError) or any(
+    word in str(error) for word in _TRANSPORT_ERRORS
+  )
+
+
 def _client():
   """The ``jax.distributed`` client, or ``None`` in a single-process run."""
   try:

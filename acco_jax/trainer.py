@@ -379,8 +379,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       save(stage)
     if config.train.sample_tokens and lead:
       summary["sample"] = sample(run, config, final, workdir)
-  except jax.errors.JaxRuntimeError as e:
-    if watchdog is not None:  # a failed collective: say which peer is gone
+  except Exception as e:
+    if watchdog is not None and monitor.is_collective_failure(e):  # say which peer is gone
       e.add_note(f"process {jax.process_index()}: {watchdog.diagnose(settle=True)}")
     raise
   finally:

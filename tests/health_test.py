@@ -36,6 +36,14 @@ def test_slow_workers_are_named_against_the_others():
   assert message.startswith("stage 7: slow worker(s): process 2 (3.0x the others")
 
 
+def test_collective_failures_are_told_apart_from_other_errors():
+  assert monitor.is_collective_failure(
+    ValueError("UNKNOWN: Gloo AllGather failed: Connection closed by peer [127.0.0.1]:40127")
+  )
+  assert not monitor.is_collective_failure(ValueError("opt.lr must be > 0, got 0.0"))
+  assert not monitor.is_collective_failure(FloatingPointError("non-finite loss before stage 3"))
+
+
 class FakeStore:
   """The two key-value calls of the jax.distributed client."""
 
