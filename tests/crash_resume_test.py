@@ -11,7 +11,6 @@ checkpoint are redone and logged again) and the final evaluation must all be ide
 counts as "during a checkpoint write" when a tmp directory of that process is left behind.
 
 A persistent compilation cache, filled by the reference run, keeps each restart to a few seconds.
-ZeRO-1 runs too with ``ACCO_JAX_CRASH_ALL=1`` (another minute).
 """
 
 from __future__ import annotations
@@ -208,19 +207,8 @@ def bits(x) -> np.ndarray:
   return np.asarray(jax.device_get(x)).reshape(-1).view(np.uint8)
 
 
-@pytest.mark.parametrize(
-  "method",
-  [
-    "acco",
-    pytest.param(
-      "zero1",
-      marks=pytest.mark.skipif(
-        not os.environ.get("ACCO_JAX_CRASH_ALL"),
-        reason="another ~60 s; set ACCO_JAX_CRASH_ALL=1 to run it (passes: docs/reliability.md)",
-      ),
-    ),
-  ],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["acco", "zero1"])
 def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   t_start = time.perf_counter()
   env = train_env(tmp_path / "compile_cache")
