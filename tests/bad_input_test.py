@@ -166,16 +166,6 @@ def test_bad_config_is_refused_before_anything_runs(overrides, error, match):
 # -- data ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def no_network(monkeypatch):
-  def refuse(*args, **kwargs):
-    raise OSError("network access is disabled in tests")
-
-  monkeypatch.setattr(socket, "getaddrinfo", refuse)
-  monkeypatch.setattr(socket, "create_connection", refuse)
-  monkeypatch.setattr(socket.socket, "connect", refuse)
-
-
 def data_cases(tmp: pathlib.Path):
   (tmp / "empty.txt").write_text("")
   (tmp / "one.txt").write_text("a single paragraph\nof two lines\n")

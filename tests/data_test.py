@@ -6,7 +6,6 @@ No test touches the network: `no_network` makes every socket connection and DNS 
 import collections
 import json
 import re
-import socket
 
 import numpy as np
 import pytest
@@ -17,16 +16,6 @@ from acco_jax.data import tokenizer as tokenizer_lib
 
 GPT2_SAMPLE = "Hello world! To be, or not to be: that is the question.<|endoftext|>"
 GPT2_IDS = [15496, 995, 0, 1675, 307, 11, 393, 407, 284, 307, 25, 326, 318, 262, 1808, 13, 50256]
-
-
-@pytest.fixture
-def no_network(monkeypatch):
-  def refuse(*args, **kwargs):
-    raise OSError("network access is disabled in tests")
-
-  monkeypatch.setattr(socket, "getaddrinfo", refuse)
-  monkeypatch.setattr(socket, "create_connection", refuse)
-  monkeypatch.setattr(socket.socket, "connect", refuse)
 
 
 @pytest.fixture(scope="module")
