@@ -503,14 +503,15 @@ class TrainStep:
     collective, so every process times its own devices (the slowest of them) without waiting for
     the others. The communication program runs the stage's collectives on a buffer of the flat
     size (reduce-scatter and all-gather, or the all-reduce of a replicated method), after a
-    separate scalar all-reduce that lines the processes up. Each program runs once untimed first
-    (compilation, warm-up). Not overlapped with anything: the inputs of
+    separate scalar all-reduce that lines the processes up. The first call runs each program once
+    untimed (compilation, warm-up); later calls time one run. Not overlapped with anything: the inputs of
     :class:`acco_jax.hetero.BudgetPolicy`.
     """
     axis, layout, k = self.plan.axis_name, self.layout, self.num_microbatches
     repeats = min(repeats, k)
     batch = self._put_batch(batch, per_device=k)
-    if "probe" not in self._compiled:
+    first = "probe" not in self._compiled
+    if first:
       grad_fn = jax.grad(lambda p, b: self.loss_fn(p, b)[0] if self.has_aux else self.loss_fn(p, b))
 
       def compute(w_P, batch_local):
@@ -542,7 +543,8 @@ class TrainStep:
     ones = self._put_counts(None, k=1)
 
     def timed(fn, *args):
-      jax.block_until_ready(fn(*args))
+      if first:
+        jax.block_until_ready(fn(*args))
       jax.block_until_ready(line_up(ones))
       start = time.perf_counter()
       jax.block_until_ready(fn(*args))
