@@ -13,17 +13,21 @@ of ``k`` microbatches per device as one XLA program. For a delayed method (ACCO,
   acc    += Σ_{h <= j < k_i} ∇loss(w, microbatch_j)         # loop B                      } loop B
   buf'    = acc;  metrics = psum(...)                       # one reduction after the loops
 
-No collective depends on a loop and no loop on a collective; an ``optimization_barrier`` (an
-identity) places the update between the loops so that each collective has a loop to hide behind.
+No collective depends on a loop and no loop on a collective. Two ``optimization_barrier`` s (each an
+identity) place the update between the loops, so that each collective has a loop to hide behind:
+one joins loop A's result with ``g_rows`` (the update cannot move before loop A, so the
+reduce-scatter's done can sit after it) and one joins loop A's result with ``params'`` (loop B cannot
+move before the update, so the all-gather can run during it). The per-device loops themselves are in
+:mod:`acco_jax.microbatch`. Whether XLA:GPU's scheduler then keeps each collective in flight across
+its loop is checked on the compiled module (``bench/overlap_gpu.py``, ``docs/benchmarks.md``).
 
 For a synchronous method (ZeRO-1, DDP) the same pieces run in the other order: loop, reduce, update,
 gather. The optimizer step runs on the logical shards tree (see :mod:`acco_jax.flat`) under GSPMD, so
 ``clip_by_global_norm`` and friends see global values; only the reduce-scatter, all-gather and the
 all-reduce of DDP are explicit collectives.
 
-The gradient of the loss is taken with respect to weights cast to *varying* over the data axis
-(``lax.pcast(..., to='varying')``): otherwise JAX would insert an all-reduce of every microbatch's
-gradient (the transpose of the implicit broadcast of invariant weights).
+The gradient of the loss is taken at weights cast to *varying* over the data axis
+(:meth:`acco_jax.microbatch.MicrobatchLoop.prepare`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from acco_jax import methods
 from acco_jax.flat import FlatLayout
+from acco_jax.microbatch import MicrobatchLoop
 from acco_jax.reshard import reshard_state
 
 PyTree = Any
@@ -160,92 +165,92 @@ class TrainStep:
 
   # -- building blocks (each a shard_map over the data axis) --------------------------------------
 
-  def _accumulate(self, w, batch, counts, k, buf=None, buf_count=None, keep=None, rows=None):
-    """Local microbatch loops at ``w``, and (delayed methods) the all-gather of the new weights.
+  def _loop(self, k) -> MicrobatchLoop:
+    return MicrobatchLoop(
+      self.loss_fn, self.has_aux, self.layout, self.comm_dtype, self.plan.axis_name, k,
+      self.skip_nonfinite,
+    )  # fmt: skip
 
-    Each device sums the gradients of its first ``counts[i]`` microbatches (of ``k``) on top of its
-    ``buf`` row when ``keep`` (ACCO after a commit), else from zero. Returns the new per-device buffer
-    ``[N, N*S]``, its counts ``[N]``, metrics summed over devices (one psum after the loops) and,
-    when ``rows`` (the updated ``[N, S]`` shards) is given, the all-gathered weights ``[N*S]``.
+  def _finish(self, loop, carry, count, n0):
+    """The new buffer row and count, and the metrics summed over devices (one psum)."""
+    row, row_count, totals = loop.finish(carry, count, n0)
+    return row, row_count, lax.psum(totals, self.plan.axis_name)
 
-    With ``rows``, the microbatches run as two loops, ``[0, h)`` and ``[h, counts[i])`` with
-    ``h = ceil(k/2)``, and an ``optimization_barrier`` joins the first loop's result with ``rows``.
-    The barrier is an identity on each value (no data moves between them); it only orders the
-    schedule: the reduce-scatter and the inner update, which ``rows`` needs, sit between the loops,
-    so the reduce-scatter can run during the first loop and the all-gather during the second. One
-    loop could hide only one of them (the update between them is compute on the same stream).
+  def _accumulate(self, w, batch, counts, k):
+    """Synchronous methods: each device sums the gradients of its first ``counts[i]`` microbatches.
+
+    Returns the per-device buffer ``[N, N*S]``, its counts ``[N]`` and the metrics summed over
+    devices (one psum after the loop).
     """
-    axis, layout = self.plan.axis_name, self.layout
-    grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
-    if not self.has_aux:
-      grad_fn = jax.value_and_grad(lambda p, b: (self.loss_fn(p, b), {}), has_aux=True)
-    carry_in = buf is not None
+    loop = self._loop(k)
 
-    def local(w_P, batch_local, count_1, *carry):
-      if rows is not None:
-        *carry, rows_1xS = carry
-      params_var = layout.unravel(lax.pcast(w_P, axis, to="varying"), self.comm_dtype)
-      mbs = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch_local)
-      zero = lax.pcast(jnp.zeros((), jnp.float32), axis, to="varying")
-      if carry_in:
-        buf_1xP, buf_count_1, keep = carry
-        acc0 = layout.unravel(jnp.where(keep, buf_1xP[0].astype(jnp.float32), zero), jnp.float32)
-        n0 = jnp.where(keep, buf_count_1[0], 0)
-      else:
-        acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32) + zero, params_var)
-        n0 = 0
-      mb0 = jax.tree.map(lambda x: x[0], mbs)
-      aux_shape = jax.eval_shape(grad_fn, params_var, mb0)[0][1]
-      aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32) + zero, aux_shape)
-
-      def body(j, carry):
-        acc, used, loss_sum, aux_sum = carry
-        mb = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, j, keepdims=False), mbs)
-        (loss, aux), g = grad_fn(params_var, mb)
-        ok = jnp.bool_(True)
-        if self.skip_nonfinite:  # drop the whole microbatch: its gradient and its count
-          ok = jnp.isfinite(loss) & jnp.all(
-            jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)])
-          )
-        add = lambda a, b: a + jnp.where(ok, b.astype(jnp.float32), 0.0)
-        acc = jax.tree.map(add, acc, g)
-        aux_sum = jax.tree.map(add, aux_sum, aux)
-        return acc, used + ok.astype(jnp.int32), add(loss_sum, loss), aux_sum
-
+    def local(w_P, batch_local, count_1):
+      params_var, mbs = loop.prepare(w_P, batch_local)
       count = count_1[0]
-      carry = (acc0, jnp.zeros_like(count), zero, aux0)
-      w_next = None
-      if rows is None:
-        carry = lax.fori_loop(0, count, body, carry)
-      else:
-        h = -(-k // 2)
-        carry = lax.fori_loop(0, jnp.minimum(count, h), body, carry)
-        carry, rows_1xS = lax.optimization_barrier((carry, rows_1xS))
-        w_next = _all_gather_invariant(rows_1xS[0], axis)
-        carry = lax.fori_loop(h, jnp.maximum(count, h), body, carry)
-      acc, used, loss_sum, aux_sum = carry
-      buf_next = layout.ravel(acc, self.comm_dtype)[None]
-      totals = lax.psum(
-        {
-          "loss_sum": loss_sum,
-          "microbatches": used.astype(jnp.float32),
-          "skipped": (count - used).astype(jnp.float32),
-          "aux": aux_sum,
-        },
-        axis,
+      carry, n0 = loop.start(params_var, mbs, count)
+      return self._finish(loop, loop.run(params_var, mbs, 0, count, carry), count, n0)
+
+    d = P(self.plan.axis_name)
+    fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), d, d), out_specs=(d, d, P()))
+    return fn(w, batch, counts)
+
+  def _first_loop(self, w, batch, counts, k, buf, buf_count, keep, reduced):
+    """Delayed methods, loop A: microbatches ``[0, h)``, ``h = ceil(k/2)``, on top of ``buf``.
+
+    An ``optimization_barrier`` joins the loop's result with ``reduced`` (the reduce-scatter's
+    output), so the inner update, which reads ``reduced``, cannot be scheduled before this loop:
+    the reduce-scatter is free to stay in flight across it (without the barrier XLA:GPU puts the
+    update, hence the reduce-scatter's done, before the loop). Returns the per-device loop carry
+    (stacked ``[N, ...]``) and ``reduced``.
+    """
+    loop, h = self._loop(k), -(-k // 2)
+
+    def local(w_P, batch_local, count_1, buf_1xP, buf_count_1, keep, g_1xS, valid):
+      params_var, mbs = loop.prepare(w_P, batch_local)
+      count = count_1[0]
+      carry, n0 = loop.start(params_var, mbs, count, buf_1xP, buf_count_1, keep)
+      carry = loop.run(params_var, mbs, 0, jnp.minimum(count, h), carry)
+      if sharded:  # the barrier makes every output varying: keep invariant values out of it
+        (carry, n0), g_1xS = lax.optimization_barrier(((carry, n0), g_1xS))
+      return jax.tree.map(lambda x: x[None], (carry, n0)), g_1xS, valid
+
+    d, sharded = P(self.plan.axis_name), self.plan.sharded
+    g_spec = d if sharded else P()
+    fn = jax.shard_map(
+      local,
+      mesh=self.mesh,
+      in_specs=(P(), d, d, d, d, P(), g_spec, P()),
+      out_specs=(d, g_spec, P()),
+    )
+    loop_a, g_rows, valid = fn(w, batch, counts, buf, buf_count, keep, *reduced)
+    return loop_a, (g_rows, valid)
+
+  def _second_loop(self, w, batch, counts, k, loop_a, rows):
+    """Delayed methods, loop B: microbatches ``[h, counts[i])`` while the new weights all-gather.
+
+    An ``optimization_barrier`` joins loop A's carry with ``rows`` (the updated ``[N, S]`` shards),
+    so this loop cannot start before the update: the all-gather of ``rows`` runs during it. Returns
+    the new buffer ``[N, N*S]``, its counts ``[N]``, metrics summed over devices and the gathered
+    weights ``[N*S]``.
+    """
+    axis = self.plan.axis_name
+    loop, h = self._loop(k), -(-k // 2)
+
+    def local(w_P, batch_local, count_1, loop_a, rows_1xS):
+      params_var, mbs = loop.prepare(w_P, batch_local)
+      count = count_1[0]
+      (carry, n0), rows_1xS = lax.optimization_barrier(
+        (jax.tree.map(lambda x: x[0], loop_a), rows_1xS)
       )
-      out = (buf_next, (n0 + used)[None], totals)
-      return out if rows is None else (*out, w_next)
+      w_next = _all_gather_invariant(rows_1xS[0], axis)
+      carry = loop.run(params_var, mbs, h, jnp.maximum(count, h), carry)
+      return (*self._finish(loop, carry, count, n0), w_next)
 
     d = P(axis)
-    args, specs = (w, batch, counts), (P(), d, d)
-    if carry_in:
-      args, specs = args + (buf, buf_count, keep), specs + (d, d, P())
-    out_specs = (d, d, P())
-    if rows is not None:
-      args, specs, out_specs = args + (rows,), specs + (d,), out_specs + (P(),)
-    fn = jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=out_specs)
-    return fn(*args)
+    fn = jax.shard_map(
+      local, mesh=self.mesh, in_specs=(P(), d, d, d, d), out_specs=(d, d, P(), P())
+    )
+    return fn(w, batch, counts, loop_a, rows)
 
   def _reduce(self, buf, buf_count):
     """Reduce per-device gradient sums to the mean gradient as ``[N, S]`` rows (sharded if ZeRO-1)."""
@@ -320,9 +325,12 @@ class TrainStep:
         committed, keep = jnp.bool_(kind != "fill"), jnp.bool_(False)
       if kind == "delayed":
         reduced = self._reduce(state.buf, state.buf_count)
+        loop_a, reduced = self._first_loop(
+          state.w, batch, counts, k, state.buf, state.buf_count, keep, reduced
+        )
         params, opt_state, gnorm = self._update(reduced, state.opt_state, state.params)
-        buf, buf_count, totals, w_next = self._accumulate(
-          state.w, batch, counts, k, state.buf, state.buf_count, keep, rows=self._rows(params)
+        buf, buf_count, totals, w_next = self._second_loop(
+          state.w, batch, counts, k, loop_a, self._rows(params)
         )
       else:
         acc, acc_count, totals = self._accumulate(state.w, batch, counts, k)
@@ -507,23 +515,21 @@ class TrainStep:
     untimed (compilation, warm-up); later calls time one run. Not overlapped with anything: the inputs of
     :class:`acco_jax.hetero.BudgetPolicy`.
     """
-    axis, layout, k = self.plan.axis_name, self.layout, self.num_microbatches
+    axis, k = self.plan.axis_name, self.num_microbatches
     repeats = min(repeats, k)
     batch = self._put_batch(batch, per_device=k)
     first = "probe" not in self._compiled
     if first:
-      grad_fn = jax.grad(lambda p, b: self.loss_fn(p, b)[0] if self.has_aux else self.loss_fn(p, b))
+      loop = self._loop(k)
 
       def compute(w_P, batch_local):
-        params_var = layout.unravel(lax.pcast(w_P, axis, to="varying"), self.comm_dtype)
-        mbs = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch_local)
-
-        def body(j, total):
-          g = grad_fn(params_var, jax.tree.map(lambda x: x[j], mbs))
-          return total + sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(g))
-
-        zero = lax.pcast(jnp.zeros((), jnp.float32), axis, to="varying")
-        return lax.fori_loop(0, repeats, body, zero)[None]
+        params_var, mbs = loop.prepare(w_P, batch_local)
+        count = lax.pcast(jnp.int32(repeats), axis, to="varying")
+        carry, _ = loop.start(params_var, mbs, count)
+        acc, _, loss_sum, _ = loop.run(params_var, mbs, 0, count, carry)
+        return (loss_sum + sum(jnp.sum(x) for x in jax.tree.leaves(acc)))[
+          None
+        ]  # keeps the backward
 
       def comm(buf_1xP):
         flat = buf_1xP[0]

@@ -1,0 +1,120 @@
+"""Per-device microbatch gradient loops: the compute of a stage, with no collective in it.
+
+:class:`MicrobatchLoop` holds the pieces that run *inside* the stage's ``shard_map`` on one device
+(:mod:`acco_jax.step` owns the ``shard_map`` and the collectives). A stage may run its microbatches
+as one loop or split them in two around the optimizer update; the carry between the pieces is::
+
+  carry = (acc, used, loss_sum, aux_sum)
+  acc      : float32 gradient sums, a tree shaped like the parameters
+  used     : int32 microbatches added (not skipped)
+  loss_sum : float32 sum of their losses
+  aux_sum  : float32 sums of the loss function's auxiliary metrics
+
+The loop's trip count is the device's budget, a traced value, so one compiled program serves any
+per-device counts up to ``k`` (heterogeneous workers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from acco_jax.flat import FlatLayout
+
+PyTree = Any
+
+
+class MicrobatchLoop:
+  """Forward and backward passes of ``k`` microbatches on one device, summed in float32.
+
+  Args:
+    loss_fn: ``loss_fn(params, microbatch)`` -> scalar, or ``(scalar, aux dict)`` with ``has_aux``.
+    has_aux: whether ``loss_fn`` returns auxiliary metrics (summed like the loss).
+    layout: the flat parameter layout (unravels the replicated weights).
+    comm_dtype: dtype of the flat weights and of the buffer rows.
+    axis_name: the data axis (the weights are cast to varying over it).
+    k: microbatches per device per stage (the block each device's rows are split into).
+    skip_nonfinite: drop a microbatch (gradient and count) whose loss or gradient is not finite.
+  """
+
+  def __init__(
+    self,
+    loss_fn: Callable,
+    has_aux: bool,
+    layout: FlatLayout,
+    comm_dtype,
+    axis_name: str,
+    k: int,
+    skip_nonfinite: bool = False,
+  ):
+    if not has_aux:
+      loss_fn = (lambda f: lambda p, b: (f(p, b), {}))(loss_fn)
+    self.grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    self.layout, self.comm_dtype, self.axis, self.k = layout, comm_dtype, axis_name, k
+    self.skip_nonfinite = skip_nonfinite
+
+  def prepare(self, w_P, batch_local):
+    """Varying compute weights (a tree) and the device's rows split into ``k`` microbatches.
+
+    The gradient is taken at weights cast to *varying* over the data axis: at invariant weights JAX
+    would all-reduce every microbatch's gradient (the transpose of their implicit broadcast).
+    """
+    params_var = self.layout.unravel(lax.pcast(w_P, self.axis, to="varying"), self.comm_dtype)
+    k = self.k
+    mbs = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch_local)
+    return params_var, mbs
+
+  def start(self, params_var, mbs, count, buf_1xP=None, buf_count_1=None, keep=None):
+    """The initial carry, and the count ``n0`` already in it.
+
+    With ``buf_1xP``, the sums start from the device's buffer row (and ``n0`` from its count) when
+    ``keep`` (ACCO after a commit keeps g̃), else from zero.
+    """
+    zero = lax.pcast(jnp.zeros((), jnp.float32), self.axis, to="varying")
+    if buf_1xP is not None:
+      acc0 = self.layout.unravel(jnp.where(keep, buf_1xP[0].astype(jnp.float32), zero), jnp.float32)
+      n0 = jnp.where(keep, buf_count_1[0], 0)
+    else:
+      acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32) + zero, params_var)
+      n0 = jnp.zeros_like(count)
+    mb0 = jax.tree.map(lambda x: x[0], mbs)
+    aux_shape = jax.eval_shape(self.grad_fn, params_var, mb0)[0][1]
+    aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32) + zero, aux_shape)
+    return (acc0, jnp.zeros_like(count), zero, aux0), n0
+
+  def run(self, params_var, mbs, lo, hi, carry):
+    """Adds microbatches ``[lo, hi)`` (traced bounds) to ``carry``."""
+
+    def body(j, carry):
+      acc, used, loss_sum, aux_sum = carry
+      mb = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, j, keepdims=False), mbs)
+      (loss, aux), g = self.grad_fn(params_var, mb)
+      ok = jnp.bool_(True)
+      if self.skip_nonfinite:  # drop the whole microbatch: its gradient and its count
+        ok = jnp.isfinite(loss) & jnp.all(
+          jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)])
+        )
+      add = lambda a, b: a + jnp.where(ok, b.astype(jnp.float32), 0.0)
+      acc = jax.tree.map(add, acc, g)
+      aux_sum = jax.tree.map(add, aux_sum, aux)
+      return acc, used + ok.astype(jnp.int32), add(loss_sum, loss), aux_sum
+
+    return lax.fori_loop(lo, hi, body, carry)
+
+  def finish(self, carry, count, n0):
+    """The new ``[1, N*S]`` buffer row, its ``[1]`` count and this device's metric sums.
+
+    The metric sums are per device; the stage reduces them over devices with one psum.
+    """
+    acc, used, loss_sum, aux_sum = carry
+    totals = {
+      "loss_sum": loss_sum,
+      "microbatches": used.astype(jnp.float32),
+      "skipped": (count - used).astype(jnp.float32),
+      "aux": aux_sum,
+    }
+    return self.layout.ravel(acc, self.comm_dtype)[None], (n0 + used)[None], totals
