@@ -17,17 +17,75 @@ from jax.sharding import PartitionSpec as P
 
 DATA = "data"
 
-# Latency-hiding scheduler and collective pipelining for NVIDIA GPUs (see docs/overlap.md). The
-# latency-hiding scheduler is off by default in XLA:GPU and is what lets an async reduce-scatter /
-# all-gather stay in flight across the microbatch loop.
+# XLA:GPU flags for overlapping communication with compute (docs/benchmarks.md, "GPU schedule", has
+# the compiled schedules with and without each). The latency-hiding scheduler is off by default in
+# XLA:GPU and is what lets an async reduce-scatter / all-gather stay in flight across a microbatch
+# loop. Its default limit of one collective in flight keeps the all-gather out of loop B (the small
+# psum of the stage's metrics after that loop would overlap it); a limit of 2 lets both hide. Starting
+# collectives as early as possible stops the scheduler from starting the all-gather late once its
+# cost model deems the latency covered (it did so for an A100 target).
 GPU_OVERLAP_FLAGS = (
   "--xla_gpu_enable_latency_hiding_scheduler=true",
+  "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
+  "--xla_gpu_experimental_collective_start_as_early_as_possible=true",
   "--xla_gpu_enable_highest_priority_async_stream=true",
   "--xla_gpu_enable_command_buffer=",
   "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
   "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
   "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
 )
+
+# Compile-only GPU targets (XLA's GpuTargetConfigProto as text), from the vendors' public figures:
+# enough for XLA to compile and schedule a program for N such GPUs on a machine without any GPU.
+_GPU_TARGETS = {
+  "h100": dict(cc=(9, 0), sms=132, fpus=128, smem_sm=233472, smem_optin=232448, l2=52428800,
+               bw=3352000000000, ghz=1.98, name="NVIDIA H100 80GB HBM3"),
+  "a100": dict(cc=(8, 0), sms=108, fpus=64, smem_sm=167936, smem_optin=166912, l2=41943040,
+               bw=2039000000000, ghz=1.41, name="NVIDIA A100-SXM4-80GB"),
+}  # fmt: skip
+
+
+def gpu_target_config(target: str) -> str:
+  """The text ``GpuTargetConfigProto`` of a named GPU (``'h100'`` or ``'a100'``)."""
+  if target not in _GPU_TARGETS:
+    raise ValueError(f"unknown GPU target {target!r}; choose one of {sorted(_GPU_TARGETS)}")
+  t = _GPU_TARGETS[target]
+  return (
+    f"gpu_device_info {{ cuda_compute_capability {{ major: {t['cc'][0]} minor: {t['cc'][1]} }} "
+    "threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152 "
+    f"shared_memory_per_block_optin: {t['smem_optin']} shared_memory_per_core: {t['smem_sm']} "
+    f"threads_per_core_limit: 2048 core_count: {t['sms']} fpus_per_core: {t['fpus']} "
+    "block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535 "
+    f"memory_bandwidth: {t['bw']} l2_cache_size: {t['l2']} clock_rate_ghz: {t['ghz']} "
+    "device_memory_size: 85899345920 registers_per_core_limit: 65536 "
+    'registers_per_block_limit: 65536 } platform_name: "CUDA" '
+    f'dnn_version_info {{ major: 9 minor: 8 }} device_description_str: "{t["name"]}"'
+  )
+
+
+def gpu_aot_devices(num_devices: int, target: str = "h100", hosts: int = 1) -> list:
+  """Devices of an abstract ``hosts`` x ``num_devices/hosts`` GPU topology, to compile for.
+
+  No GPU is needed, only the CUDA PJRT plugin (``pip install jax-cuda12-pjrt==<jaxlib version>``,
+  a part of ``jax[cuda12]``). A mesh over these devices lowers and compiles like a real one (set
+  :data:`GPU_OVERLAP_FLAGS` in ``XLA_FLAGS`` first); nothing can run on them.
+  """
+  import importlib.util
+
+  from jax.experimental import topologies
+
+  if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
+    raise RuntimeError(
+      "compiling for a GPU target needs the CUDA PJRT plugin: "
+      'pip install "jax-cuda12-pjrt==<your jaxlib version>"'
+    )
+  if num_devices % hosts:
+    raise ValueError(f"{num_devices} devices do not split over {hosts} hosts")
+  topo = topologies.get_topology_desc(
+    f"{target}x{num_devices}", "cuda", target_config=gpu_target_config(target),
+    topology=f"1x{hosts}x{num_devices // hosts}",
+  )  # fmt: skip
+  return list(topo.devices)
 
 
 def _add_xla_flags(flags) -> None:
