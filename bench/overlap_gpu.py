@@ -1,25 +1,32 @@
-"""Does XLA:GPU schedule ACCO's reduce-scatter and all-gather around the microbatch loop?
+"""Does XLA:GPU schedule ACCO's reduce-scatter and all-gather around the microbatch loops?
 
 Compiles the ACCO stage program of GPT-2 124M (``acco_jax.model.get_config('gpt2')``) for an
 8-device data mesh, with :data:`acco_jax.parallel.GPU_OVERLAP_FLAGS`, from abstract shapes (nothing
 is allocated or run), and reads the scheduled entry computation with
 :func:`acco_jax.hlo.async_overlap_report`: for the flat-buffer reduce-scatter and all-gather,
-whether their async start/done pair brackets the microbatch ``while`` and whether XLA marked it
-synchronous. With fewer than 8 GPUs it mocks the missing ones (``MOCK_NUM_GPU_PROCESSES``, then
-``JAX_MOCK_GPU_TOPOLOGY``; ``jax-notes.md`` §9): compile-only schedule evidence, no timing.
+whether their async start/done pair brackets a microbatch ``while`` and whether XLA marked it
+synchronous. Verdicts: ``full`` (each pair brackets a loop), ``partial`` (one does), ``none``.
+
+Where it compiles (``--mode``, default ``auto`` = the first that applies):
+
+* ``gpu``: on the visible GPUs; with fewer than 8 it mocks the rest (``MOCK_NUM_GPU_PROCESSES``, then
+  ``JAX_MOCK_GPU_TOPOLOGY``; ``jax-notes.md`` section 9).
+* ``aot``: no GPU needed, only the CUDA PJRT plugin (``pip install jax-cuda12-pjrt==<jaxlib
+  version>``): XLA:GPU compiles for an abstract topology of ``--target`` GPUs
+  (:func:`acco_jax.parallel.gpu_aot_devices`). Same compiler passes and scheduler as on the GPU, with
+  the target's published figures in place of a queried device.
+* ``cpu``: checks what a CPU can (the jaxpr dataflow precondition on GPT-2, the reduce-scatter ->
+  all-gather chain in the compiled CPU module of a small model); XLA:CPU has no async collectives.
 
 One structural fact bounds the answer: the all-gather's input is the optimizer update of the
 reduce-scatter's output, so the reduce-scatter must be *done* before the all-gather *starts*; with a
 single loop, at most one of the two pairs could bracket it. The step therefore runs a stage's
 microbatches as two loops with the update ordered between them (``acco_jax/step.py``; needs
-``--k`` >= 2). Verdicts: ``full`` (each pair brackets a loop), ``partial`` (one does, the other is
-exposed), ``none``.
+``--k`` >= 2). ``--ablation`` also compiles with each overlap flag removed, with XLA's defaults, and
+ZeRO-1 (a control: its collectives cannot overlap). Usage::
 
-On CPU it says that it needs a GPU, checks what it can (the jaxpr dataflow precondition on GPT-2,
-the reduce-scatter -> all-gather chain in the compiled CPU module of a small model), writes the
-JSON and exits 0. Usage (on a GPU machine)::
-
-  python bench/overlap_gpu.py      # verdict on stdout, JSON in bench/results/overlap_gpu.json
+  python bench/overlap_gpu.py              # verdict on stdout, JSON in bench/results/overlap_gpu.json
+  python bench/overlap_gpu.py --ablation --target a100
 """
 
 from __future__ import annotations
@@ -51,8 +58,8 @@ def probe() -> dict:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def build_stage(model_name: str, devices, k: int, rows: int, seq: int):
-  """(compiled-able jitted stage, abstract args, train step) of ACCO on a mesh over ``devices``."""
+def build_stage(model_name: str, devices, k: int, rows: int, seq: int, method: str = "acco"):
+  """(jitted stage, abstract args, train step) of ``method`` (acco or zero1) over ``devices``."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -66,11 +73,12 @@ def build_stage(model_name: str, devices, k: int, rows: int, seq: int):
   cfg = model.get_config(model_name, L=seq)
   shapes = jax.eval_shape(lambda: model.init_params(cfg, 0))
   mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-  tx = acco_jax.acco(optax.adamw(6e-4, b1=0.9, b2=0.95, weight_decay=0.1))  # bf16 comm
+  inner = optax.adamw(6e-4, b1=0.9, b2=0.95, weight_decay=0.1)
+  tx = {"acco": acco_jax.acco, "zero1": acco_jax.zero1}[method](inner, comm_dtype="bfloat16")
   loss = lambda p, b: model.loss_fn(p, cfg, b)
   train = acco_jax.make_train_step(loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True)
   state = train.abstract_state(shapes)
-  fn = train._jit("delayed", state)
+  fn = train._jit("delayed" if method == "acco" else "sync", state)
   data = NamedSharding(train.mesh, P("data"))
   n = len(devices)
   batch = {key: jax.ShapeDtypeStruct((n * k * rows, seq), jnp.int32, sharding=data)
@@ -147,18 +155,23 @@ def cpu_checks(args) -> dict:
 
 
 def gpu_schedule(args) -> dict:
-  """Compiles on the GPU (mocked devices if fewer than 8) and reads the async schedule."""
+  """Compiles for the GPUs (real, mocked, or an abstract ``--target`` topology); reads the schedule."""
   import jax
 
-  devices = jax.devices()[: args.devices]
+  from acco_jax import parallel
+
+  if args.mode == "aot":
+    devices = parallel.gpu_aot_devices(args.devices, args.target)
+  else:
+    devices = jax.devices()[: args.devices]
   if len(devices) < args.devices:
     raise RuntimeError(f"only {len(devices)} devices visible, need {args.devices}")
-  fn, fargs, train = build_stage(args.model, devices, args.k, args.rows, args.seq)
+  fn, fargs, train = build_stage(args.model, devices, args.k, args.rows, args.seq, args.method)
   text = fn.lower(*fargs).compile().as_text()
   if args.dump:
     Path(args.dump).write_text(text)
-  return {"params": train.layout.num_params, "devices": [str(d) for d in devices],
-          **schedule_report(text)}  # fmt: skip
+  return {"params": train.layout.num_params, "device_kind": devices[0].device_kind,
+          "device_count": len(devices), **schedule_report(text)}  # fmt: skip
 
 
 def schedule_report(text: str) -> dict:
@@ -192,23 +205,46 @@ def schedule_report(text: str) -> dict:
   }
 
 
+# Flag sets compiled by --ablation: (name, flags, method). "main" is what train.py uses.
+def variants(names: str) -> list[tuple[str, tuple[str, ...], str]]:
+  from acco_jax import parallel
+
+  full = parallel.GPU_OVERLAP_FLAGS
+  drop = lambda *keys: tuple(f for f in full if not any(k in f for k in keys))
+  table = {
+    "main": (full, "acco"),
+    "no-overlap-limit": (drop("parallel_collective_overlap_limit"), "acco"),
+    "no-start-early": (drop("start_as_early_as_possible"), "acco"),
+    "lhs-only": (drop("parallel_collective_overlap_limit", "start_as_early_as_possible"), "acco"),
+    "xla-default": ((), "acco"),
+    "zero1": (full, "zero1"),
+  }
+  chosen = list(table) if names == "all" else names.split(",")
+  unknown = [n for n in chosen if n not in table]
+  if unknown:
+    raise SystemExit(f"unknown --variants {unknown}; choose from {list(table)} or 'all'")
+  return [(n, *table[n]) for n in chosen]
+
+
 def worker(args) -> int:
   import jax
 
-  out = {"jax": jax.__version__, "backend": jax.default_backend(),
-         "device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
-         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+  out = {"jax": jax.__version__, "mode": args.mode, "backend": jax.default_backend(),
+         "xla_flags": os.environ.get("XLA_FLAGS", ""), "method": args.method,
          "mock": {k: os.environ[k] for k in ("MOCK_NUM_GPU_PROCESSES", "JAX_MOCK_GPU_TOPOLOGY")
                   if k in os.environ}}  # fmt: skip
-  out.update(gpu_schedule(args) if out["backend"] == "gpu" else cpu_checks(args))
+  if args.mode == "aot":
+    out["target"] = args.target
+  out.update(cpu_checks(args) if args.mode == "cpu" else gpu_schedule(args))
   Path(args.worker).write_text(json.dumps(out))
   return 0
 
 
-def run_worker(args, env: dict, out: Path) -> tuple[dict | None, str]:
+def run_worker(args, env: dict, out: Path, method: str = "acco") -> tuple[dict | None, str]:
   cmd = [sys.executable, __file__, "--worker", str(out), "--model", args.model,
          "--devices", str(args.devices), "--k", str(args.k), "--rows", str(args.rows),
-         "--seq", str(args.seq)] + (["--dump", args.dump] if args.dump else [])  # fmt: skip
+         "--seq", str(args.seq), "--mode", args.mode, "--target", args.target,
+         "--method", method] + (["--dump", args.dump] if args.dump else [])  # fmt: skip
   try:
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
   except subprocess.TimeoutExpired:
@@ -218,9 +254,48 @@ def run_worker(args, env: dict, out: Path) -> tuple[dict | None, str]:
   return json.loads(out.read_text()), ""
 
 
+def has_cuda_plugin() -> bool:
+  import importlib.util
+
+  return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+
+
+def compile_variant(args, info: dict, flags, method: str, tmp: Path) -> tuple[dict | None, list]:
+  """One compile in a child process (XLA reads XLA_FLAGS once); mocks devices on a small GPU box."""
+  base = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  user = os.environ.get("XLA_FLAGS", "")
+  base["XLA_FLAGS"] = " ".join([user, *flags]).strip()
+  mocks = [{}]
+  if args.mode == "aot":
+    base["JAX_PLATFORMS"] = "cpu"  # the host runs the compiler; the target is abstract
+  elif int(info.get("devices", 0)) < args.devices:
+    local = int(info["devices"])
+    procs = math.ceil(args.devices / local)
+    mocks = [{"MOCK_NUM_GPU_PROCESSES": str(procs)},
+             {"JAX_MOCK_GPU_TOPOLOGY": f"1x{procs}x{local}"}]  # fmt: skip
+  attempts = []
+  for mock in mocks:
+    result, err = run_worker(args, {**base, **mock}, tmp, method)
+    attempts.append({"env": mock, "error": err})
+    if result is not None:
+      return result, attempts
+  return None, attempts
+
+
+def print_schedule(name: str, r: dict) -> None:
+  spans = "  ".join(f"{k} {p['start']}->{p['done']}{' sync' if p['is_sync'] else ''}"
+                    for k, p in r["flat_pairs"].items())  # fmt: skip
+  print(f"{name:17s} {r['method']:6s} {r['verdict']:8s} whiles at {r['whiles']}  {spans}")
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--worker", help=argparse.SUPPRESS)
+  ap.add_argument("--mode", choices=["auto", "gpu", "aot", "cpu"], default="auto")
+  ap.add_argument("--target", choices=["h100", "a100"], default="h100", help="GPU for --mode aot")
+  ap.add_argument("--method", choices=["acco", "zero1"], default="acco", help=argparse.SUPPRESS)
+  ap.add_argument("--variants", default="main", help="comma list of flag sets, or 'all'")
+  ap.add_argument("--ablation", action="store_true", help="same as --variants all")
   ap.add_argument("--model", default="gpt2")
   ap.add_argument("--devices", type=int, default=8)
   ap.add_argument("--k", type=int, default=2, help="microbatches per device per stage")
@@ -232,70 +307,68 @@ def main(argv=None) -> int:
   if args.worker:
     return worker(args)
 
-  from acco_jax import parallel
-
   info = probe()
+  if args.mode == "auto":
+    args.mode = "gpu" if info.get("backend") == "gpu" else "aot" if has_cuda_plugin() else "cpu"
   print(f"backend {info.get('backend')} x{info.get('devices')} ({info.get('kind')}), "
-        f"jax {info.get('jax')}")  # fmt: skip
+        f"jax {info.get('jax')}; mode {args.mode}")  # fmt: skip
   tmp = Path(args.out).with_suffix(".worker.tmp")
-  attempts, result = [], None
-  if info.get("backend") != "gpu":
-    print("needs a GPU: XLA:CPU runs collectives synchronously (no async start/done to inspect).")
-    print("Checking the preconditions on CPU instead (simulated devices).")
+  data = {"machine": common.machine(), "probe": info, "mode": args.mode}
+  if args.mode == "cpu":
+    print("no GPU and no CUDA PJRT plugin: XLA:CPU runs collectives synchronously (nothing async")
+    print("to inspect). Checking the preconditions on CPU (simulated devices); for the schedule,")
+    print('pip install "jax-cuda12-pjrt==<jaxlib version>" (compiles for a GPU target, no GPU).')
     result, err = run_worker(args, common.cpu_env(args.devices), tmp)
-    attempts.append({"env": "cpu", "error": err})
-    status = "pending: needs a GPU"
-  else:
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    env["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *parallel.GPU_OVERLAP_FLAGS])
-    local = int(info["devices"])
-    mocks = [{}]
-    if local < args.devices:
-      procs = math.ceil(args.devices / local)
-      mocks = [{"MOCK_NUM_GPU_PROCESSES": str(procs)},
-               {"JAX_MOCK_GPU_TOPOLOGY": f"1x{procs}x{local}"}]  # fmt: skip
-    for mock in mocks:
-      result, err = run_worker(args, {**env, **mock}, tmp)
-      attempts.append({"env": mock, "error": err})
-      if result is not None:
-        break
-    status = result["verdict"] if result else "error"
-  tmp.unlink(missing_ok=True)
-  data = {"machine": common.machine(), "probe": info, "status": status, "attempts": attempts,
-          "result": result}  # fmt: skip
-  if result and result.get("backend") == "gpu":
-    print(
-      f"device {result['device_kind']} x{result['device_count']} (mock: {result['mock'] or 'no'})"
-    )
-    print(f"XLA_FLAGS: {result['xla_flags']}")
-    for kind, p in result["flat_pairs"].items():
-      print(f"{kind:15s} start {p['start']:5d} done {p['done']:5d} brackets_loop="
-            f"{p['brackets_loop']} is_sync={p['is_sync']} bytes={p['bytes']:,}")  # fmt: skip
-    print(f"while loops in entry at {result['whiles']}")
-    print("excerpt of the scheduled entry computation:")
-    print("\n".join(result["excerpt"]))
-    print(f"VERDICT: {status} (collectives bracketing the loop: {result['bracketing']})")
-  elif result:
-    d, c = result["dataflow"], result["cpu_hlo_chain"]
-    independent = not c["loop_depends_on_collectives"] and not c["collectives_depend_on_loop"]
-    print(
-      f"dataflow precondition on {args.model} ({result['params']:,} params): "
-      f"overlappable={d['overlappable']} (loops={d['loops']}, "
-      f"loop->comm={d['loop_feeds_comm']}, comm->loop={d['comm_feeds_loop']}, "
-      f"collectives in loop={d['collectives_in_loop']}, gradient psums={d['large_psums']})"
-    )
-    print(f"compiled CPU module (tiny model): all-gather depends on reduce-scatter="
-          f"{c['all_gather_depends_on_reduce_scatter']}, loop independent={independent}, "
-          f"whiles in entry={c['entry_whiles']} (two loops: each collective can bracket one)")  # fmt: skip
-    print(
-      f"VERDICT: {status}. Run on a GPU machine: JAX_PLATFORMS=cuda,cpu python bench/overlap_gpu.py"
-    )
-  else:
-    print(f"VERDICT: {status}; attempts: {json.dumps(attempts)[:3000]}")
-  print(f"wrote {common.write_json(Path(args.out), data)}")
-  if info.get("backend") != "gpu":
+    tmp.unlink(missing_ok=True)
+    data.update(status="pending: needs a GPU or the CUDA plugin", result=result, error=err)
+    if result:
+      report_cpu(args, result)
+    else:
+      print(f"VERDICT: error: {err}")
+    print(f"wrote {common.write_json(Path(args.out), data)}")
     return 0 if result else 1
-  return 0 if status in ("full", "partial") else 1
+
+  rows = []
+  for name, flags, method in variants("all" if args.ablation else args.variants):
+    result, attempts = compile_variant(args, info, flags, method, tmp)
+    rows.append({"name": name, "flags": list(flags), "method": method, "result": result,
+                 "attempts": attempts})  # fmt: skip
+    if result:
+      print_schedule(name, result)
+    else:
+      print(f"{name:17s} {method:6s} error: {attempts[-1]['error'][-600:]}")
+  tmp.unlink(missing_ok=True)
+  main_row = rows[0]
+  result = main_row["result"]
+  status = result["verdict"] if result else "error"
+  data.update(target=args.target if args.mode == "aot" else None, status=status,
+              variants=rows, result=result)  # fmt: skip
+  if result:
+    where = (f"abstract {args.devices} x {result['device_kind']} (compile only, --mode aot)"
+             if args.mode == "aot" else
+             f"{result['device_kind']} x{result['device_count']} (mock: {result['mock'] or 'no'})")  # fmt: skip
+    print(f"device: {where}; jax {result['jax']}")
+    print(f"XLA_FLAGS ({main_row['name']}): {result['xla_flags']}")
+    print(f"excerpt of the scheduled entry computation ({main_row['name']}):")
+    print("\n".join(result["excerpt"]))
+    print(f"VERDICT: {status} (collectives bracketing a loop: {result['bracketing']})")
+  print(f"wrote {common.write_json(Path(args.out), data)}")
+  return 0 if status in ("full", "partial") or main_row["method"] == "zero1" else 1
+
+
+def report_cpu(args, result: dict) -> None:
+  d, c = result["dataflow"], result["cpu_hlo_chain"]
+  independent = not c["loop_depends_on_collectives"] and not c["collectives_depend_on_loop"]
+  print(
+    f"dataflow precondition on {args.model} ({result['params']:,} params): "
+    f"overlappable={d['overlappable']} (loops={d['loops']}, "
+    f"loop->comm={d['loop_feeds_comm']}, comm->loop={d['comm_feeds_loop']}, "
+    f"collectives in loop={d['collectives_in_loop']}, gradient psums={d['large_psums']})"
+  )
+  print(f"compiled CPU module (tiny model): all-gather depends on reduce-scatter="
+        f"{c['all_gather_depends_on_reduce_scatter']}, loop independent={independent}, "
+        f"whiles in entry={c['entry_whiles']}")  # fmt: skip
+  print("VERDICT: pending: needs a GPU or the CUDA plugin")
 
 
 if __name__ == "__main__":
