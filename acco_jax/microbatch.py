@@ -17,15 +17,12 @@ per-device counts up to ``k`` (heterogeneous workers).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from acco_jax.flat import FlatLayout
-
-PyTree = Any
 
 
 class MicrobatchLoop:
@@ -51,9 +48,8 @@ class MicrobatchLoop:
     k: int,
     skip_nonfinite: bool = False,
   ):
-    if not has_aux:
-      loss_fn = (lambda f: lambda p, b: (f(p, b), {}))(loss_fn)
-    self.grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    with_aux = loss_fn if has_aux else lambda p, b: (loss_fn(p, b), {})
+    self.grad_fn = jax.value_and_grad(with_aux, has_aux=True)
     self.layout, self.comm_dtype, self.axis, self.k = layout, comm_dtype, axis_name, k
     self.skip_nonfinite = skip_nonfinite
 

@@ -63,6 +63,13 @@ def gpu_target_config(target: str) -> str:
   )
 
 
+def has_cuda_plugin() -> bool:
+  """Whether a CUDA PJRT plugin is installed (found without importing it or starting a backend)."""
+  import importlib.util
+
+  return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+
+
 def gpu_aot_devices(num_devices: int, target: str = "h100", hosts: int = 1) -> list:
   """Devices of an abstract ``hosts`` x ``num_devices/hosts`` GPU topology, to compile for.
 
@@ -70,11 +77,9 @@ def gpu_aot_devices(num_devices: int, target: str = "h100", hosts: int = 1) -> l
   a part of ``jax[cuda12]``). A mesh over these devices lowers and compiles like a real one (set
   :data:`GPU_OVERLAP_FLAGS` in ``XLA_FLAGS`` first); nothing can run on them.
   """
-  import importlib.util
-
   from jax.experimental import topologies
 
-  if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
+  if not has_cuda_plugin():
     raise RuntimeError(
       "compiling for a GPU target needs the CUDA PJRT plugin: "
       'pip install "jax-cuda12-pjrt==<your jaxlib version>"'

@@ -74,6 +74,11 @@ class TrainState(NamedTuple):
   stage: jax.Array
 
 
+def _loop_a_size(k: int) -> int:
+  """Microbatches in loop A of a delayed stage, ``ceil(k/2)``; loop B runs the rest."""
+  return -(-k // 2)
+
+
 def _all_gather_invariant(x, axis_name):
   return lax.all_gather(x, axis_name, axis=0, tiled=True, to="invarying")
 
@@ -203,7 +208,7 @@ class TrainStep:
     update, hence the reduce-scatter's done, before the loop). Returns the per-device loop carry
     (stacked ``[N, ...]``) and ``reduced``.
     """
-    loop, h = self._loop(k), -(-k // 2)
+    loop, h = self._loop(k), _loop_a_size(k)
 
     def local(w_P, batch_local, count_1, buf_1xP, buf_count_1, keep, g_1xS, valid):
       params_var, mbs = loop.prepare(w_P, batch_local)
@@ -234,7 +239,7 @@ class TrainStep:
     weights ``[N*S]``.
     """
     axis = self.plan.axis_name
-    loop, h = self._loop(k), -(-k // 2)
+    loop, h = self._loop(k), _loop_a_size(k)
 
     def local(w_P, batch_local, count_1, loop_a, rows_1xS):
       params_var, mbs = loop.prepare(w_P, batch_local)

@@ -254,12 +254,6 @@ def run_worker(args, env: dict, out: Path, method: str = "acco") -> tuple[dict |
   return json.loads(out.read_text()), ""
 
 
-def has_cuda_plugin() -> bool:
-  import importlib.util
-
-  return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
-
-
 def compile_variant(args, info: dict, flags, method: str, tmp: Path) -> tuple[dict | None, list]:
   """One compile in a child process (XLA reads XLA_FLAGS once); mocks devices on a small GPU box."""
   base = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
@@ -306,6 +300,8 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   if args.worker:
     return worker(args)
+
+  from acco_jax.parallel import has_cuda_plugin
 
   info = probe()
   if args.mode == "auto":

@@ -13,7 +13,6 @@ Two ways to get a GPU schedule, both through ``bench/overlap_gpu.py`` in a child
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -22,8 +21,10 @@ from pathlib import Path
 import jax
 import pytest
 
+from acco_jax import parallel
+
 REPO = Path(__file__).resolve().parent.parent
-HAS_PLUGIN = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+HAS_PLUGIN = parallel.has_cuda_plugin()
 
 
 def run_bench(tmp_path_factory, *args) -> dict:
