@@ -3,10 +3,13 @@ r"""Trains a GPT with ACCO or a baseline.
   python train.py --config configs/gpt2_acco.py --workdir runs/acco
   python train.py --config configs/gpt2_acco.py:gpt2 --workdir runs/acco-124m --config.opt.lr=6e-4
 
-Rerunning the same command resumes from the newest checkpoint in ``--workdir``.
+Rerunning the same command resumes from the newest checkpoint in ``--workdir``. A mistake in the
+config, the flags, the files or the environment ends the run before it starts, with one line
+``error: <message>`` on stderr and exit status 2, and nothing written to ``--workdir``.
 """
 
 import os
+import subprocess
 import sys
 import traceback
 
@@ -19,27 +22,38 @@ config_flags.DEFINE_config_file(
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the final sample.")
 flags.mark_flags_as_required(["config", "workdir"])
 
+USER_ERROR_EXIT = 2
+HELP = {"--help": True, "-h": True, "-?": True, "--helpshort": True, "--helpfull": False}
 
-def _flags_error(message: str):
-  sys.exit(
-    f"FATAL Flags parsing error: {message}\nPass --helpshort or --helpfull for help on flags."
-  )
+
+def _user_error(message: str, *, hard: bool = False):
+  """One line on stderr, exit status 2. ``hard``: skip the interpreter's shutdown (which would
+  wait in jax.distributed's for peers that may be gone)."""
+  print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+  if hard:
+    os._exit(USER_ERROR_EXIT)
+  sys.exit(USER_ERROR_EXIT)
 
 
 def _config_file_error(error: OSError):
   """A config file that failed to load: ml_collections reports it on first use, as a traceback."""
   cause = error.__cause__ or error  # its last line names the file and the reason
-  _flags_error(f"flag --config: {str(cause).strip().splitlines()[-1].strip()}")
+  _user_error(f"flag --config: {str(cause).strip().splitlines()[-1].strip()}")
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with one-line errors where ml_collections gives a traceback: a config file
-  whose get_config raised, that cannot be read, or an override of a field the config lacks."""
+  """absl's flag parsing, with one-line errors where absl and ml_collections print a traceback or
+  usage: a config file whose get_config raised, that cannot be read, an override of a field the
+  config lacks, a missing flag. ``--help`` prints the usage and exits 0."""
+  asked = [a for a in argv[1:] if a in HELP]
+  if asked:
+    app.usage(shorthelp=HELP[asked[0]], writeto_stdout=True)
+    sys.exit(0)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    _flags_error(f"{lines[0]} {lines[-1]}" if len(lines) > 1 else str(e))
+    _user_error(f"{lines[0]} {lines[-1]}" if len(lines) > 1 else str(e))
   except OSError as e:
     _config_file_error(e)
   except (AttributeError, KeyError) as e:  # --config.<field> that the config does not have
@@ -51,15 +65,34 @@ def _parse_flags(argv: list[str]) -> list[str]:
     flag = next((n for n in names if key in n.split(".")), None)
     if flag is None:  # not an override: an error of the config file itself
       raise
-    _flags_error(
+    _user_error(
       f"flag {flag}: the config has no field {key!r}{'; ' + hint if hint else ''} (fields and "
       "defaults: configs/common.py)"
     )
 
 
+def _check_xla_flags(known: set[str]) -> None:
+  """XLA ends the process on an unknown flag in ``XLA_FLAGS`` with its own log line, before Python
+  can catch anything. Flags this project does not set itself are tried first in a CPU-only child
+  process (about a second), so that a typo is a one-line error here."""
+  names = {f.split("=")[0] for f in os.environ.get("XLA_FLAGS", "").split()}
+  if not names - known:
+    return
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  probe = subprocess.run(
+    [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True
+  )
+  if probe.returncode:
+    reason = [line for line in probe.stderr.splitlines() if "XLA_FLAGS" in line]
+    reason = reason[-1].split("] ", 1)[-1] if reason else probe.stderr.strip()[-300:]
+    _user_error(f"{reason}: remove or correct it in the XLA_FLAGS environment variable")
+
+
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    _user_error(
+      f"unexpected arguments: {' '.join(argv[1:])}; pass options as --config.<group>.<field>=value"
+    )
   config = flags.FLAGS.config
   try:
     config.mesh  # noqa: B018 (a config file that failed to load raises on first use)
@@ -67,27 +100,37 @@ def main(argv):
     _config_file_error(e)
   if not flags.FLAGS["verbosity"].present:  # keep the terminal to progress lines and results
     logging.set_verbosity(logging.WARNING)
-  from acco_jax import parallel  # imports jax, but the backend starts only at the first operation
+  from acco_jax import (
+    errors,
+    parallel,
+  )  # jax is imported; its backend starts at the first operation
 
-  parallel.configure_platform(cpu_devices=config.mesh.cpu_devices)
-  parallel.initialize_distributed(
-    config.dist.initialize, coordinator_address=config.dist.coordinator_address,
-    num_processes=config.dist.num_processes, process_id=config.dist.process_id,
-    timeout_s=config.dist.timeout_s,
-  )  # fmt: skip
-  try:  # start the backend: JAX fails on JAX_PLATFORMS=cuda without its plugin with no message
-    parallel.jax.devices()
-  except AssertionError:
-    raise RuntimeError(
-      f"JAX has no usable backend for JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}: install "
-      "its plugin (e.g. pip install 'jax[cuda12]') or unset JAX_PLATFORMS to use the devices here"
-    ) from None
+  known = {f.split("=")[0] for f in parallel.GPU_OVERLAP_FLAGS}
+  _check_xla_flags(known | {"--xla_force_host_platform_device_count"})
+  try:
+    parallel.configure_platform(cpu_devices=config.mesh.cpu_devices)
+    parallel.initialize_distributed(
+      config.dist.initialize, coordinator_address=config.dist.coordinator_address,
+      num_processes=config.dist.num_processes, process_id=config.dist.process_id,
+      timeout_s=config.dist.timeout_s,
+    )  # fmt: skip
+    try:  # start the backend: JAX fails on JAX_PLATFORMS=cuda without its plugin with no message
+      parallel.jax.devices()
+    except AssertionError:
+      raise errors.UserRuntimeError(
+        f"JAX has no usable backend for JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}: install "
+        "its plugin (e.g. pip install 'jax[cuda12]') or unset JAX_PLATFORMS to use the devices here"
+      ) from None
+  except errors.UserError as e:
+    _user_error(str(e))
   import jax
 
   from acco_jax import monitor, trainer
 
   try:
     trainer.train_and_evaluate(config, flags.FLAGS.workdir)
+  except errors.UserError as e:
+    _user_error(str(e), hard=jax.process_count() > 1)
   except Exception as e:
     if jax.process_count() == 1:
       raise
@@ -99,5 +142,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   app.run(main, flags_parser=_parse_flags)

@@ -49,6 +49,8 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint.path import step as step_lib
 
+from acco_jax import errors
+
 PyTree = Any
 _VERSION = 1
 _log = logging.getLogger(__name__)
@@ -143,7 +145,7 @@ class Checkpointer:
     directory = str(directory)
     self.directory = directory if "://" in directory else os.path.abspath(directory)
     if keep is not None and keep < 1:
-      raise ValueError(f"keep must be >= 1 or None, got {keep}")
+      raise errors.UserValueError(f"keep must be >= 1 or None, got {keep}")
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._bad: set[int] = set()  # steps this object found corrupt (may be replaced by a save)
@@ -266,13 +268,17 @@ class Checkpointer:
     steps = self.all_steps()
     if step is not None:
       if int(step) not in steps:
-        raise FileNotFoundError(f"no checkpoint at step {step} in {self.directory}; found {steps}")
+        raise errors.UserFileNotFoundError(
+          f"no checkpoint at step {step} in {self.directory}; found {steps}"
+        )
       try:
         return self._restore_step(int(step), target, reshard)
       except _Corrupt as e:
-        raise RuntimeError(f"checkpoint step {step} in {self.directory} is corrupt: {e}") from None
+        raise errors.UserRuntimeError(
+          f"checkpoint step {step} in {self.directory} is corrupt: {e}"
+        ) from None
     if not steps:
-      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+      raise errors.UserFileNotFoundError(f"no checkpoint in {self.directory}")
     for s in reversed(steps):
       try:
         return self._restore_step(s, target, reshard)
@@ -280,7 +286,9 @@ class Checkpointer:
         _log.warning(
           "checkpoint step %d in %s is corrupt, trying an older one: %s", s, self.directory, e
         )
-    raise RuntimeError(f"no readable checkpoint in {self.directory}: steps {steps} are all corrupt")
+    raise errors.UserRuntimeError(
+      f"no readable checkpoint in {self.directory}: steps {steps} are all corrupt"
+    )
 
   def _read(self, step: int, what: str, fn):
     """Returns ``fn()``; if it fails on any process, marks ``step`` corrupt and raises ``_Corrupt``."""
@@ -358,7 +366,7 @@ class Checkpointer:
     try:
       converted = reshard(jax.tree.unflatten(treedef, restored))
     except ValueError as e:
-      raise ValueError(
+      raise errors.UserValueError(
         f"cannot restore the checkpoint at {self.directory} (step {step}) on this device count: {e}"
       ) from None
     leaves, got = jax.tree.leaves(target), jax.tree.leaves(converted)
@@ -396,7 +404,7 @@ class Checkpointer:
       if p not in want
     ]
     if details:
-      raise ValueError(
+      raise errors.UserValueError(
         f"the checkpoint at {self.directory} (step {step}) was written for a different state: "
         f"{details[0]} ({len(details)} leaves differ; {len(saved)} saved, {len(want)} in the "
         "target); resume with the config it was written with, or start in a new directory"

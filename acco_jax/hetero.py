@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from acco_jax import errors
+
 POLICIES = ("balance", "fill")
 
 
@@ -45,11 +47,11 @@ def parse_budgets(spec: str, num_workers: int) -> np.ndarray:
   try:
     budgets = np.array([int(x) for x in spec.split(",")], np.int32)
   except ValueError:
-    raise ValueError(
+    raise errors.UserValueError(
       f"hetero.budgets={spec!r}: give one integer per device, comma-separated, e.g. '4,4,4,1'"
     ) from None
   if budgets.shape != (num_workers,) or budgets.min() < 1:
-    raise ValueError(
+    raise errors.UserValueError(
       f"hetero.budgets={spec!r}: need {num_workers} integers >= 1 (one per device), "
       f"got {len(budgets)}"
     )
@@ -64,11 +66,11 @@ def parse_slowdown(spec: str, num_workers: int) -> np.ndarray:
       worker, seconds = item.split(":")
       worker, seconds = int(worker), float(seconds)
     except ValueError:
-      raise ValueError(
+      raise errors.UserValueError(
         f"hetero.slowdown={spec!r}: use 'device:seconds,...', e.g. '3:0.02'"
       ) from None
     if not 0 <= worker < num_workers or seconds < 0:
-      raise ValueError(
+      raise errors.UserValueError(
         f"hetero.slowdown={spec!r}: device {worker} must be in [0, {num_workers}) and seconds >= 0"
       )
     delays[worker] = seconds
@@ -102,7 +104,9 @@ def plan_budgets(
     window = max(comm_time_s, base * t.max())
     return np.clip(np.floor(window / t * (1 + 1e-9)), k_min, k_max).astype(np.int32)
   if policy != "balance":
-    raise ValueError(f"hetero.adaptive={policy!r}: choose one of {', '.join(POLICIES)} (or '')")
+    raise errors.UserValueError(
+      f"hetero.adaptive={policy!r}: choose one of {', '.join(POLICIES)} (or '')"
+    )
   budgets = np.full(n, k_min, np.int64)
   heap = [((k_min + 1) * t[i], i) for i in range(n) if k_min < k_max]
   heapq.heapify(heap)
@@ -137,7 +141,9 @@ class BudgetPolicy:
     hysteresis: float = 0.1, smoothing: float = 0.5,
   ):  # fmt: skip
     if policy not in POLICIES:
-      raise ValueError(f"hetero.adaptive={policy!r}: choose one of {', '.join(POLICIES)} (or '')")
+      raise errors.UserValueError(
+        f"hetero.adaptive={policy!r}: choose one of {', '.join(POLICIES)} (or '')"
+      )
     self.base, self.k_max, self.policy = base, k_max, policy
     self.hysteresis, self.smoothing = hysteresis, smoothing
     self.budgets = np.full(num_workers, base, np.int32)

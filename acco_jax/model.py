@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from acco_jax import errors
+
 Params = dict[str, Any]
 
 
@@ -64,23 +66,25 @@ class GPTConfig:
     bad = {k: v for k, v in sizes.items() if v < 1}
     if bad or (self.F is not None and self.F < 1):
       bad = ", ".join(f"{k}={v}" for k, v in (bad or {"F": self.F}).items())
-      raise ValueError(
+      raise errors.UserValueError(
         f"model sizes must be >= 1, got {bad} (in the trainer's config: L is data.seq_len, "
         "D, H, N, F are model.D, model.H, model.N, model.F)"
       )
     if self.D % self.H:
-      raise ValueError(
+      raise errors.UserValueError(
         f"D={self.D} is not divisible by H={self.H}: choose heads that divide the width "
         "(model.D, model.H)"
       )
     if self.attention not in ("auto", "xla", "cudnn"):
-      raise ValueError(f"attention must be 'auto', 'xla' or 'cudnn', got {self.attention!r}")
+      raise errors.UserValueError(
+        f"attention must be 'auto', 'xla' or 'cudnn', got {self.attention!r}"
+      )
     if not 0.0 <= self.dropout < 1.0:
-      raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+      raise errors.UserValueError(f"dropout must be in [0, 1), got {self.dropout}")
     try:
       jnp.dtype(self.dtype)
     except TypeError:
-      raise ValueError(
+      raise errors.UserValueError(
         f"dtype={self.dtype!r} is not a dtype name: use 'bfloat16', 'float32' or 'float16'"
       ) from None
 
@@ -109,7 +113,7 @@ def get_config(name: str, **overrides) -> GPTConfig:
     The `GPTConfig`.
   """
   if name not in SIZES:
-    raise ValueError(f"unknown model size {name!r}; known sizes: {', '.join(SIZES)}")
+    raise errors.UserValueError(f"unknown model size {name!r}; known sizes: {', '.join(SIZES)}")
   return GPTConfig(**{**SIZES[name], **overrides})
 
 

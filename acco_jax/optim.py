@@ -8,20 +8,22 @@ from __future__ import annotations
 
 import optax
 
+from acco_jax import errors
+
 SCHEDULES = ("cosine", "constant", "linear")
 
 
 def schedule(opt, num_updates: int) -> optax.Schedule:
   """Linear warm-up over ``opt.warmup_updates``, then ``opt.schedule`` down to ``lr * min_lr_ratio``."""
   if opt.schedule not in SCHEDULES:
-    raise ValueError(
+    raise errors.UserValueError(
       f"opt.schedule={opt.schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}"
     )
   if opt.lr <= 0:
-    raise ValueError(f"opt.lr must be > 0, got {opt.lr}")
+    raise errors.UserValueError(f"opt.lr must be > 0, got {opt.lr}")
   warmup = int(opt.warmup_updates)
   if not 0 <= warmup < max(num_updates, 1):
-    raise ValueError(
+    raise errors.UserValueError(
       f"opt.warmup_updates={warmup} must be in [0, train.num_updates={num_updates}); lower it"
     )
   peak, floor = opt.lr, opt.lr * opt.min_lr_ratio
@@ -62,7 +64,7 @@ def inner_optimizer(opt, num_updates: int, decay_mask=None) -> optax.GradientTra
       learning_rate=lr, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay, mask=decay_mask
     )
   else:
-    raise ValueError(f"opt.name={opt.name!r} is unknown: choose adamw, sgd or lion")
+    raise errors.UserValueError(f"opt.name={opt.name!r} is unknown: choose adamw, sgd or lion")
   if opt.clip_norm and opt.clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(opt.clip_norm), base)
   return base

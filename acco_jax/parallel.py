@@ -15,6 +15,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from acco_jax import errors, optional
+
 DATA = "data"
 
 # XLA:GPU flags for overlapping communication with compute (docs/benchmarks.md, "GPU schedule", has
@@ -48,7 +50,9 @@ _GPU_TARGETS = {
 def gpu_target_config(target: str) -> str:
   """The text ``GpuTargetConfigProto`` of a named GPU (``'h100'`` or ``'a100'``)."""
   if target not in _GPU_TARGETS:
-    raise ValueError(f"unknown GPU target {target!r}; choose one of {sorted(_GPU_TARGETS)}")
+    raise errors.UserValueError(
+      f"unknown GPU target {target!r}; choose one of {sorted(_GPU_TARGETS)}"
+    )
   t = _GPU_TARGETS[target]
   return (
     f"gpu_device_info {{ cuda_compute_capability {{ major: {t['cc'][0]} minor: {t['cc'][1]} }} "
@@ -64,10 +68,11 @@ def gpu_target_config(target: str) -> str:
 
 
 def has_cuda_plugin() -> bool:
-  """Whether a CUDA PJRT plugin is installed (found without importing it or starting a backend)."""
-  import importlib.util
+  """Whether a CUDA PJRT plugin is installed (found without importing it or starting a backend).
 
-  return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+  ``False``, not an error, when the ``jax_plugins`` namespace itself is missing (no plugin at all).
+  """
+  return any(optional.installed(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
 
 
 def gpu_aot_devices(num_devices: int, target: str = "h100", hosts: int = 1) -> list:
@@ -80,12 +85,12 @@ def gpu_aot_devices(num_devices: int, target: str = "h100", hosts: int = 1) -> l
   from jax.experimental import topologies
 
   if not has_cuda_plugin():
-    raise RuntimeError(
+    raise errors.UserRuntimeError(
       "compiling for a GPU target needs the CUDA PJRT plugin: "
       'pip install "jax-cuda12-pjrt==<your jaxlib version>"'
     )
   if num_devices % hosts:
-    raise ValueError(f"{num_devices} devices do not split over {hosts} hosts")
+    raise errors.UserValueError(f"{num_devices} devices do not split over {hosts} hosts")
   topo = topologies.get_topology_desc(
     f"{target}x{num_devices}", "cuda", target_config=gpu_target_config(target),
     topology=f"1x{hosts}x{num_devices // hosts}",
@@ -129,7 +134,7 @@ def initialize_distributed(mode: str = "auto", *, coordinator_address: str = "",
     timeout_s: how long to wait for all processes to join.
   """
   if mode not in ("auto", "on", "off"):
-    raise ValueError(f"dist.initialize must be 'auto', 'on' or 'off', got {mode!r}")
+    raise errors.UserValueError(f"dist.initialize must be 'auto', 'on' or 'off', got {mode!r}")
   if mode == "off":
     return False
   in_slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
@@ -143,7 +148,7 @@ def initialize_distributed(mode: str = "auto", *, coordinator_address: str = "",
     )
   if explicit:
     if num_processes < 1 or process_id < 0:
-      raise ValueError(
+      raise errors.UserValueError(
         "dist.coordinator_address needs dist.num_processes >= 1 and dist.process_id >= 0 as well"
       )
     kwargs.update(
@@ -154,7 +159,7 @@ def initialize_distributed(mode: str = "auto", *, coordinator_address: str = "",
   try:
     jax.distributed.initialize(**kwargs)
   except ValueError as e:  # JAX found no cluster environment to fill in what is missing
-    raise ValueError(
+    raise errors.UserValueError(
       f"jax.distributed.initialize: {e} Set dist.coordinator_address, dist.num_processes and "
       "dist.process_id, or launch under SLURM; dist.initialize=off runs a single process"
     ) from None
@@ -169,7 +174,7 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
   """
   host, _, port = address.rpartition(":")
   if not host or not port.isdigit():
-    raise ValueError(f"dist.coordinator_address={address!r} must be host:port")
+    raise errors.UserValueError(f"dist.coordinator_address={address!r} must be host:port")
   deadline = time.monotonic() + timeout_s
   while True:
     try:
@@ -177,7 +182,7 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
         return
     except OSError as e:
       if time.monotonic() >= deadline:
-        raise TimeoutError(
+        raise errors.UserTimeoutError(
           f"dist.coordinator_address={address}: no coordinator answered in {timeout_s} s ({e}); "
           "start process 0 (it serves the coordinator), or fix the address or dist.timeout_s"
         ) from None
@@ -188,16 +193,18 @@ def make_mesh(num_devices: int = 0, axis: str = DATA) -> jax.sharding.Mesh:
   """A 1-D mesh over ``num_devices`` devices (0 = all), ordered so that each process's devices are
   contiguous (process-local batches then map to contiguous global rows)."""
   if num_devices < 0:
-    raise ValueError(f"mesh.num_devices={num_devices} must be >= 0 (0 = all visible devices)")
+    raise errors.UserValueError(
+      f"mesh.num_devices={num_devices} must be >= 0 (0 = all visible devices)"
+    )
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   if num_devices:
     if num_devices > len(devices):
-      raise ValueError(
+      raise errors.UserValueError(
         f"mesh.num_devices={num_devices} but only {len(devices)} devices are visible; "
         "on CPU set mesh.cpu_devices (simulated devices) or lower mesh.num_devices"
       )
     if jax.process_count() > 1 and num_devices != len(devices):
-      raise ValueError("multi-host runs must use all devices (mesh.num_devices=0)")
+      raise errors.UserValueError("multi-host runs must use all devices (mesh.num_devices=0)")
     devices = devices[:num_devices]
   return jax.sharding.Mesh(np.array(devices), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from acco_jax import checkpoint, data, hetero, methods, model, monitor, optim, parallel
+from acco_jax import checkpoint, data, errors, hetero, methods, model, monitor, optim, parallel
 from acco_jax import metrics as metrics_lib
 from acco_jax import reshard as reshard_lib
 from acco_jax.step import make_train_step
@@ -56,7 +56,7 @@ def stage_plan(config) -> tuple[int, int, int]:
   k = int(config.batch.microbatches)
   if config.method == "acco":
     if k < 2 or k % 2:
-      raise ValueError(
+      raise errors.UserValueError(
         f"batch.microbatches={k}: ACCO splits an update into two stages of equal size, so it "
         "must be an even number >= 2"
       )
@@ -75,7 +75,7 @@ def updates_done(config, stage: int) -> int:
 
 def build(config) -> Run:
   if config.method not in methods.METHODS:
-    raise ValueError(
+    raise errors.UserValueError(
       f"method={config.method!r} is unknown: choose one of {', '.join(methods.METHODS)}"
     )
   _check_config(config)
@@ -90,7 +90,7 @@ def build(config) -> Run:
   k, per_update, total = stage_plan(config)
   shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
   if config.opt.decay not in ("matrices", "all"):
-    raise ValueError(f"opt.decay={config.opt.decay!r}: choose 'matrices' or 'all'")
+    raise errors.UserValueError(f"opt.decay={config.opt.decay!r}: choose 'matrices' or 'all'")
   mask = model.decay_mask(shapes) if config.opt.decay == "matrices" else None
   inner = optim.inner_optimizer(config.opt, config.train.num_updates, mask)
   kwargs = {"comm_dtype": jnp.dtype(config.comm_dtype)}
@@ -98,7 +98,9 @@ def build(config) -> Run:
     kwargs["warmup_steps"] = int(config.dpu_warmup_updates)
   tx = methods.get_method(config.method, inner, **kwargs)
   if config.train.on_nonfinite not in ("stop", "skip"):
-    raise ValueError(f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'")
+    raise errors.UserValueError(
+      f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'"
+    )
   loss = lambda p, b: model.loss_fn(p, model_cfg, b)
   if config.hetero.slowdown:
     delays = hetero.parse_slowdown(config.hetero.slowdown, mesh.size)
@@ -124,11 +126,11 @@ def _check_config(config) -> None:
     group, field = key.split(".")
     value = config[group][field]
     if not isinstance(value, int) or value < low:
-      raise ValueError(f"{key}={value!r} must be >= {low} (an integer)")
+      raise errors.UserValueError(f"{key}={value!r} must be >= {low} (an integer)")
   try:
     jnp.dtype(config.comm_dtype)
   except TypeError:
-    raise ValueError(
+    raise errors.UserValueError(
       f"comm_dtype={config.comm_dtype!r} is not a dtype name: use 'bfloat16' or 'float32'"
     ) from None
 
@@ -137,18 +139,20 @@ def _budgets(config, n: int, k: int) -> tuple[np.ndarray | None, int]:
   """(fixed per-device budgets or None, the step's block of microbatches per device)."""
   h = config.hetero
   if h.budgets and h.adaptive:
-    raise ValueError("hetero.budgets and hetero.adaptive are exclusive: set one of them to ''")
+    raise errors.UserValueError(
+      "hetero.budgets and hetero.adaptive are exclusive: set one of them to ''"
+    )
   if h.budgets:
     budgets = hetero.parse_budgets(h.budgets, n)
     return budgets, int(budgets.max())
   if h.adaptive:
     if h.adaptive not in hetero.POLICIES:
-      raise ValueError(
+      raise errors.UserValueError(
         f"hetero.adaptive={h.adaptive!r}: choose one of {', '.join(hetero.POLICIES)} (or '')"
       )
     k_max = int(h.max_microbatches) or 4 * k
     if k_max < k or h.adapt_every < 1:
-      raise ValueError(
+      raise errors.UserValueError(
         f"hetero.max_microbatches={k_max} must be >= the base budget {k} per stage and "
         f"hetero.adapt_every={h.adapt_every} >= 1"
       )
@@ -204,18 +208,23 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   """
   lead = jax.process_index() == 0
   if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise ValueError(f"workdir {workdir!r} is a file: pass --workdir a directory (new or a run's)")
+    raise errors.UserValueError(
+      f"workdir {workdir!r} is a file: pass --workdir a directory (new or a run's)"
+    )
   run = build(config)
   train, mesh, n = run.train, run.mesh, run.mesh.size
-  writer = metrics_lib.MetricWriter(workdir, enabled=lead)
-  ckpt = checkpoint.Checkpointer(
-    os.path.join(workdir, "checkpoints"), keep=config.ckpt.keep, async_save=config.ckpt.async_save
-  )
   rows_per_stage = n * train.num_microbatches * config.batch.microbatch_size
   stream = _stream(run, config, run.tokens.train, rows_per_stage, seed=config.train.seed)
 
   # -- restore or initialise ----------------------------------------------------------------------
-  start, tokens_seen = ckpt.latest_step(), 0
+  # Nothing is written to the workdir until this is done: a config that cannot resume the run
+  # in it (another model, another stream) fails with the workdir as it was.
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  open_ckpt = lambda: checkpoint.Checkpointer(
+    ckpt_dir, keep=config.ckpt.keep, async_save=config.ckpt.async_save
+  )
+  ckpt = open_ckpt() if os.path.isdir(ckpt_dir) else None
+  start, tokens_seen, events = (ckpt and ckpt.latest_step()), 0, []
   if start is not None:
     # A checkpoint written on another device count is resharded (acco_jax.reshard): weights and
     # optimizer state exactly, gradient buffers by their sums. The stage count, hence the schedule,
@@ -228,24 +237,33 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       return train.reshard(saved)
 
     target = train.abstract_state(run.params_shapes)
-    state, extra = ckpt.restore(None, target, reshard=reshard)
-    start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
-    position = extra["data"]
+    try:
+      state, extra = ckpt.restore(None, target, reshard=reshard)
+      start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
+      position = extra["data"]
+      if saved_n:
+        position = reshard_lib.data_state(position, rows_per_stage)
+      stream.set_state(position)
+    except BaseException:
+      ckpt.close()
+      raise
     if saved_n:
-      position = reshard_lib.data_state(position, rows_per_stage)
-      writer.event("resharded", stage=start, from_devices=saved_n[-1], to_devices=n)
+      events.append(("resharded", dict(stage=start, from_devices=saved_n[-1], to_devices=n)))
       if lead:
         print(f"resharded the checkpoint of stage {start} from {saved_n[-1]} to {n} devices; "
               f"data continues at global batch {position['step']}", flush=True)  # fmt: skip
-    stream.set_state(position)
-    writer.event("restored", stage=start, workdir=workdir)
+    events.append(("restored", dict(stage=start, workdir=workdir)))
   else:
     start = 0
     params = model.init_params(run.model_cfg, config.train.seed)
     prime_rows = n * config.batch.microbatch_size
     prime = next(_stream(run, config, run.tokens.train, prime_rows, seed=config.train.seed + 1))
     state = train.init(params, parallel.global_batch(prime, mesh))
-    writer.event("config", config=json.loads(config.to_json_best_effort()))
+    events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
+  ckpt = ckpt or open_ckpt()
+  writer = metrics_lib.MetricWriter(workdir, enabled=lead)
+  for name, fields in events:
+    writer.event(name, **fields)
 
   eval_fn = jax.jit(lambda p, b: model.loss_fn(p, run.model_cfg, b)[1])
   baseline = data.unigram_entropy(run.tokens.train)

@@ -28,6 +28,7 @@ import grain
 import numpy as np
 from absl import logging
 
+from acco_jax import errors
 from acco_jax.data import sources
 from acco_jax.data.tokenizer import Tokenizer, default_cache_dir, get_tokenizer
 
@@ -64,10 +65,10 @@ def split_documents(
   The held-out documents are drawn with `seed`; both parts keep the source order.
   """
   if not 0.0 <= eval_fraction < 1.0:
-    raise ValueError(f"eval_fraction={eval_fraction} must be in [0, 1)")
+    raise errors.UserValueError(f"eval_fraction={eval_fraction} must be in [0, 1)")
   n_eval = max(1, round(eval_fraction * len(docs))) if eval_fraction > 0 else 0
   if n_eval >= len(docs):
-    raise ValueError(
+    raise errors.UserValueError(
       f"cannot hold out {n_eval} of {len(docs)} document(s) for eval: use a source with more "
       "documents (text: paragraphs are separated by blank lines) or eval_fraction=0"
     )
@@ -218,7 +219,7 @@ class BatchIterator:
     """Continues from `state` (from `get_state` of an iterator over the same data and config)."""
     differing = {k: (state.get(k), v) for k, v in self._config.items() if state.get(k) != v}
     if differing:
-      raise ValueError(
+      raise errors.UserValueError(
         f"the saved data position is for another stream, {differing} (saved, current): continue "
         "with the same data, seq_len, batch size and seed (data.*, batch.*, train.seed), or start "
         "in a new directory"
@@ -264,7 +265,7 @@ def batches(
     raise ValueError(f"num_epochs={num_epochs} must be >= 1 or None (repeat forever)")
   rows = pack(tokens, seq_len)
   if len(rows) < global_batch_rows:
-    raise ValueError(
+    raise errors.UserValueError(
       f"a stream of {np.size(tokens)} tokens packs into {len(rows)} rows of seq_len+1="
       f"{seq_len + 1}, fewer than global_batch_rows={global_batch_rows}: lower seq_len or "
       "global_batch_rows, or use a larger corpus"

