@@ -39,21 +39,23 @@ GPU_OVERLAP_FLAGS = (
 
 # Compile-only GPU targets (XLA's GpuTargetConfigProto as text), from the vendors' public figures:
 # enough for XLA to compile and schedule a program for N such GPUs on a machine without any GPU.
-_GPU_TARGETS = {
+GPU_TARGETS = {
   "h100": dict(cc=(9, 0), sms=132, fpus=128, smem_sm=233472, smem_optin=232448, l2=52428800,
-               bw=3352000000000, ghz=1.98, name="NVIDIA H100 80GB HBM3"),
+               bw=3352000000000, ghz=1.98, mem=85899345920, name="NVIDIA H100 80GB HBM3"),
+  "h200": dict(cc=(9, 0), sms=132, fpus=128, smem_sm=233472, smem_optin=232448, l2=52428800,
+               bw=4800000000000, ghz=1.98, mem=150323855360, name="NVIDIA H200"),
   "a100": dict(cc=(8, 0), sms=108, fpus=64, smem_sm=167936, smem_optin=166912, l2=41943040,
-               bw=2039000000000, ghz=1.41, name="NVIDIA A100-SXM4-80GB"),
+               bw=2039000000000, ghz=1.41, mem=85899345920, name="NVIDIA A100-SXM4-80GB"),
 }  # fmt: skip
 
 
 def gpu_target_config(target: str) -> str:
   """The text ``GpuTargetConfigProto`` of a named GPU (``'h100'`` or ``'a100'``)."""
-  if target not in _GPU_TARGETS:
+  if target not in GPU_TARGETS:
     raise errors.UserValueError(
-      f"unknown GPU target {target!r}; choose one of {sorted(_GPU_TARGETS)}"
+      f"unknown GPU target {target!r}; choose one of {sorted(GPU_TARGETS)}"
     )
-  t = _GPU_TARGETS[target]
+  t = GPU_TARGETS[target]
   return (
     f"gpu_device_info {{ cuda_compute_capability {{ major: {t['cc'][0]} minor: {t['cc'][1]} }} "
     "threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152 "
@@ -61,7 +63,7 @@ def gpu_target_config(target: str) -> str:
     f"threads_per_core_limit: 2048 core_count: {t['sms']} fpus_per_core: {t['fpus']} "
     "block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535 "
     f"memory_bandwidth: {t['bw']} l2_cache_size: {t['l2']} clock_rate_ghz: {t['ghz']} "
-    "device_memory_size: 85899345920 registers_per_core_limit: 65536 "
+    f"device_memory_size: {t['mem']} registers_per_core_limit: 65536 "
     'registers_per_block_limit: 65536 } platform_name: "CUDA" '
     f'dnn_version_info {{ major: 9 minor: 8 }} device_description_str: "{t["name"]}"'
   )

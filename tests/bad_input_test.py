@@ -469,9 +469,7 @@ def test_help_exits_zero():
   assert "--config" in proc.stdout and "--workdir" in proc.stdout and not proc.stderr
 
 
-@pytest.mark.skipif(
-  optional.installed("jax_cuda12_plugin"), reason="CUDA is installed here"
-)
+@pytest.mark.skipif(optional.installed("jax_cuda12_plugin"), reason="CUDA is installed here")
 def test_cuda_platform_without_cuda(tmp_path):
   line = train_py("--config", TINY, "--workdir", str(tmp_path), env={"JAX_PLATFORMS": "cuda"})
   assert line.startswith("error: JAX has no usable backend for JAX_PLATFORMS='cuda': "), line
