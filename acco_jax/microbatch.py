@@ -25,6 +25,21 @@ from jax import lax
 from acco_jax.flat import FlatLayout
 
 
+def _varying_axes(x) -> frozenset:
+  """The manual mesh axes ``x`` varies over inside ``shard_map`` (jax 0.10: ``manual_axis_type``;
+  other versions: ``vma``)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def vary_like(x, ref):
+  """``x`` cast to varying over every manual mesh axis ``ref`` varies over (the data axis, and the
+  worker axis when there are workers), so that it can join ``ref`` in a loop carry."""
+  missing = tuple(sorted(_varying_axes(ref) - _varying_axes(x)))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
 class MicrobatchLoop:
   """Forward and backward passes of ``k`` microbatches on one device, summed in float32.
 
@@ -70,7 +85,7 @@ class MicrobatchLoop:
     With ``buf_1xP``, the sums start from the device's buffer row (and ``n0`` from its count) when
     ``keep`` (ACCO after a commit keeps g̃), else from zero.
     """
-    zero = lax.pcast(jnp.zeros((), jnp.float32), self.axis, to="varying")
+    zero = vary_like(jnp.zeros((), jnp.float32), jax.tree.leaves(params_var)[0])
     if buf_1xP is not None:
       acc0 = self.layout.unravel(jnp.where(keep, buf_1xP[0].astype(jnp.float32), zero), jnp.float32)
       n0 = jnp.where(keep, buf_count_1[0], 0)

@@ -94,8 +94,9 @@ class TrainStep:
   """
 
   def __init__(
-    self, loss_fn, tx, mesh, num_microbatches, has_aux, params_like, skip_nonfinite=False
-  ):
+    self, loss_fn, tx, mesh, num_microbatches, has_aux, params_like, skip_nonfinite=False,
+    replica_axis=None,
+  ):  # fmt: skip
     self.plan = methods.comm_plan(tx)
     self.tx = tx
     axis = self.plan.axis_name
@@ -104,9 +105,16 @@ class TrainStep:
         f"axis_name {axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}; "
         f"build the mesh with an axis named {axis!r} or pass axis_name= to the method"
       )
-    others = [a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1]
+    others = [a for a in mesh.axis_names if a not in (axis, replica_axis) and mesh.shape[a] > 1]
     if others:
       raise ValueError(f"only data parallelism over {axis!r} is supported; mesh axes {others} > 1")
+    if replica_axis is not None and (self.plan.delayed or replica_axis not in mesh.axis_names):
+      raise ValueError(
+        f"workers over {replica_axis!r} need a synchronous inner method (ddp or zero1) and a mesh "
+        f"with that axis; got {self.plan.name!r} on axes {tuple(mesh.axis_names)}"
+      )
+    self.replica_axis = replica_axis
+    self.num_replicas = mesh.shape[replica_axis] if replica_axis else 1
     if num_microbatches < 1:
       raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     self.mesh = jax.sharding.Mesh(
@@ -125,13 +133,21 @@ class TrainStep:
 
   # -- shardings --------------------------------------------------------------------------------
 
-  def _state_sharding(self, state_shape: TrainState) -> TrainState:
-    data, rep = self._sharding(P(self.plan.axis_name)), self._sharding(P())
-    n = self.num_devices
+  def _spec(self, *axes) -> P:
+    """A partition spec, with the worker axis in front when there is one."""
+    return P(self.replica_axis, *axes) if self.replica_axis else P(*axes)
 
-    def rule(x):
-      sharded = self.plan.sharded and x.ndim >= 2 and x.shape[0] == n
-      return data if sharded else rep
+  def leaf_sharding(self, x) -> NamedSharding:
+    """Sharding of a state leaf: over the data axis if it is a ``[N, s]`` shard array and the method
+    is ZeRO-1, else replicated (within a worker, with workers)."""
+    lead = int(self.replica_axis is not None)
+    if self.plan.sharded and x.ndim >= 2 + lead and x.shape[lead] == self.num_devices:
+      return self._sharding(self._spec(self.plan.axis_name))
+    return self._sharding(self._spec())
+
+  def _state_sharding(self, state_shape: TrainState) -> TrainState:
+    data, rep = self._sharding(self._spec(self.plan.axis_name)), self._sharding(self._spec())
+    rule = self.leaf_sharding
 
     def buf_rule(x):
       return None if x is None else data
@@ -170,6 +186,27 @@ class TrainStep:
 
   # -- building blocks (each a shard_map over the data axis) --------------------------------------
 
+  def _smap(self, local, in_specs, out_specs):
+    """``shard_map`` of the per-device function ``local`` over the data axis.
+
+    With workers (a replica axis), every argument and result carries a leading worker dimension
+    sharded over that axis, which ``local`` does not see: each worker runs the same per-device
+    program on its own block, and the collectives over the data axis stay inside a worker.
+    """
+    if self.replica_axis is None:
+      return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+    prefix = lambda specs: jax.tree.map(
+      lambda s: self._spec(*s), specs, is_leaf=lambda s: isinstance(s, P)
+    )
+
+    def per_worker(*args):
+      out = local(*jax.tree.map(lambda x: x[0], args))
+      return jax.tree.map(lambda x: x[None], out)
+
+    return jax.shard_map(
+      per_worker, mesh=self.mesh, in_specs=prefix(in_specs), out_specs=prefix(out_specs)
+    )
+
   def _loop(self, k) -> MicrobatchLoop:
     return MicrobatchLoop(
       self.loss_fn, self.has_aux, self.layout, self.comm_dtype, self.plan.axis_name, k,
@@ -181,23 +218,31 @@ class TrainStep:
     row, row_count, totals = loop.finish(carry, count, n0)
     return row, row_count, lax.psum(totals, self.plan.axis_name)
 
-  def _accumulate(self, w, batch, counts, k):
+  def _accumulate(self, w, batch, counts, k, token=None):
     """Synchronous methods: each device sums the gradients of its first ``counts[i]`` microbatches.
 
     Returns the per-device buffer ``[N, N*S]``, its counts ``[N]`` and the metrics summed over
-    devices (one psum after the loop).
+    devices (one psum after the loop), and ``token`` after it if given. ``token``: a tree of
+    ``[N, ...]`` arrays (sharded over the data axis) that an ``optimization_barrier`` joins with
+    the loop's result: whatever produces it (a collective started before the stage) may finish
+    during the loop, and must before the stage's own collectives start.
     """
     loop = self._loop(k)
 
-    def local(w_P, batch_local, count_1):
+    def local(w_P, batch_local, count_1, *token_1):
       params_var, mbs = loop.prepare(w_P, batch_local)
       count = count_1[0]
       carry, n0 = loop.start(params_var, mbs, count)
-      return self._finish(loop, loop.run(params_var, mbs, 0, count, carry), count, n0)
+      carry = loop.run(params_var, mbs, 0, count, carry)
+      if token_1:
+        carry, token_1 = lax.optimization_barrier((carry, token_1))
+      return (*self._finish(loop, carry, count, n0), *token_1)
 
     d = P(self.plan.axis_name)
-    fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), d, d), out_specs=(d, d, P()))
-    return fn(w, batch, counts)
+    extra = () if token is None else (token,)
+    specs = tuple(d for _ in extra)
+    fn = self._smap(local, in_specs=(P(), d, d, *specs), out_specs=(d, d, P(), *specs))
+    return fn(w, batch, counts, *extra)
 
   def _first_loop(self, w, batch, counts, k, buf, buf_count, keep, reduced):
     """Delayed methods, loop A: microbatches ``[0, h)``, ``h = ceil(k/2)``, on top of ``buf``.
@@ -221,12 +266,7 @@ class TrainStep:
 
     d, sharded = P(self.plan.axis_name), self.plan.sharded
     g_spec = d if sharded else P()
-    fn = jax.shard_map(
-      local,
-      mesh=self.mesh,
-      in_specs=(P(), d, d, d, d, P(), g_spec, P()),
-      out_specs=(d, g_spec, P()),
-    )
+    fn = self._smap(local, in_specs=(P(), d, d, d, d, P(), g_spec, P()), out_specs=(d, g_spec, P()))
     loop_a, g_rows, valid = fn(w, batch, counts, buf, buf_count, keep, *reduced)
     return loop_a, (g_rows, valid)
 
@@ -252,9 +292,7 @@ class TrainStep:
       return (*self._finish(loop, carry, count, n0), w_next)
 
     d = P(axis)
-    fn = jax.shard_map(
-      local, mesh=self.mesh, in_specs=(P(), d, d, d, d), out_specs=(d, d, P(), P())
-    )
+    fn = self._smap(local, in_specs=(P(), d, d, d, d), out_specs=(d, d, P(), P()))
     return fn(w, batch, counts, loop_a, rows)
 
   def _reduce(self, buf, buf_count):
@@ -273,7 +311,7 @@ class TrainStep:
       return g, count > 0
 
     out = (P(axis) if self.plan.sharded else P(), P())
-    fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(axis), P(axis)), out_specs=out)
+    fn = self._smap(local, in_specs=(P(axis), P(axis)), out_specs=out)
     return fn(buf, buf_count)
 
   def _rows(self, params):
@@ -283,18 +321,26 @@ class TrainStep:
     """New compute weights ``[N*S]`` (replicated) from the optimizer's shards."""
     rows = self._rows(params)
     if not self.plan.sharded:
-      return rows.reshape(-1)
+      return rows.reshape(*rows.shape[:-2], -1)
     axis = self.plan.axis_name
-    fn = jax.shard_map(
-      lambda r: _all_gather_invariant(r[0], axis),
-      mesh=self.mesh,
-      in_specs=P(axis),
-      out_specs=P(),
-    )
+    fn = self._smap(lambda r: _all_gather_invariant(r[0], axis), in_specs=P(axis), out_specs=P())
     return fn(rows)
 
   def _update(self, reduced, opt_state, params):
-    """Inner step on the mean gradient; a stage whose microbatches were all skipped changes nothing."""
+    """Inner step on the mean gradient; a stage whose microbatches were all skipped changes nothing.
+
+    With workers, each worker updates its own parameters and state (``vmap`` over the worker
+    dimension: a global-norm clip is per worker).
+    """
+    if self.replica_axis is None:
+      return self._update_one(reduced, opt_state, params)
+    if self.num_replicas == 1:  # the very same program as without workers
+      out = self._update_one(*jax.tree.map(lambda x: x[0], (reduced, opt_state, params)))
+      return jax.tree.map(lambda x: x[None], out)
+    one = jax.vmap(self._update_one, spmd_axis_name=self.replica_axis)
+    return one(reduced, opt_state, params)
+
+  def _update_one(self, reduced, opt_state, params):
     g_rows, valid = reduced
     grads = self.layout.rows_to_shards(g_rows)
     updates, new_opt_state = self.tx.update(grads, opt_state, params)
@@ -319,10 +365,13 @@ class TrainStep:
     return out
 
   def _stage_fn(self, kind: str):
-    """``kind``: 'delayed' (overlapped), 'sync' (no delay) or 'fill' (accumulate only, no update)."""
+    """``kind``: 'delayed' (overlapped), 'sync' (no delay) or 'fill' (accumulate only, no update).
+
+    The 'sync' stage takes an optional ``token`` (see :meth:`_accumulate`) and then returns it as
+    a third result."""
     plan, k = self.plan, self.num_microbatches
 
-    def stage(state: TrainState, batch, counts):
+    def stage(state: TrainState, batch, counts, token=None):
       if plan.two_stage:
         committed = state.stage % 2 == 1
         keep = state.stage % 2 == 0 if plan.keep_after_commit else jnp.bool_(False)
@@ -338,7 +387,7 @@ class TrainStep:
           state.w, batch, counts, k, loop_a, self._rows(params)
         )
       else:
-        acc, acc_count, totals = self._accumulate(state.w, batch, counts, k)
+        acc, acc_count, totals, *ride = self._accumulate(state.w, batch, counts, k, token)
         if kind == "fill":
           params, opt_state, w_next, gnorm = state.params, state.opt_state, state.w, jnp.float32(0)
           buf, buf_count = acc, acc_count
@@ -348,7 +397,8 @@ class TrainStep:
           w_next = self._gather(params)
           buf, buf_count = state.buf, state.buf_count
       new = TrainState(w_next, params, opt_state, buf, buf_count, state.stage + 1)
-      return new, self._metrics(totals, gnorm, committed, state)
+      out = (new, self._metrics(totals, gnorm, committed, state))
+      return out if token is None else (*out, ride[0])
 
     return stage
 
