@@ -23,7 +23,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from acco_jax import checkpoint, data, errors, hetero, methods, model, monitor, optim, parallel
+from acco_jax import (
+  checkpoint,
+  data,
+  errors,
+  hetero,
+  loco,
+  methods,
+  model,
+  monitor,
+  optim,
+  parallel,
+)
+from acco_jax import loco_step as loco_lib
 from acco_jax import metrics as metrics_lib
 from acco_jax import reshard as reshard_lib
 from acco_jax.step import make_train_step
@@ -41,6 +53,8 @@ class Run(NamedTuple):
   total_stages: int
   base_microbatches: int  # per device per stage without heterogeneous budgets
   budgets: np.ndarray | None  # fixed per-device budgets per stage (hetero.budgets), else None
+  batch_axis: Any = parallel.DATA  # the mesh axes a batch's rows are sharded over
+  loco: bool = False  # a low-communication method (train is an acco_jax.loco_step.LocoStep)
 
 
 def _model_config(config, vocab_size: int) -> model.GPTConfig:
@@ -74,12 +88,17 @@ def updates_done(config, stage: int) -> int:
 
 
 def build(config) -> Run:
-  if config.method not in methods.METHODS:
+  if config.method not in methods.METHODS + loco.METHODS:
     raise errors.UserValueError(
-      f"method={config.method!r} is unknown: choose one of {', '.join(methods.METHODS)}"
+      f"method={config.method!r} is unknown: choose one of "
+      f"{', '.join(methods.METHODS + loco.METHODS)}"
     )
   _check_config(config)
+  is_loco = config.method in loco.METHODS
+  method = _check_loco(config) if is_loco else None
   mesh = parallel.make_mesh(config.mesh.num_devices)
+  if is_loco:
+    mesh = loco_lib.worker_mesh(config.loco.workers or mesh.size, list(mesh.devices.flat))
   cache = config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
   tokens = data.prepare(
     config.data.source, config.data.tokenizer, cache_dir=cache,
@@ -93,14 +112,12 @@ def build(config) -> Run:
     raise errors.UserValueError(f"opt.decay={config.opt.decay!r}: choose 'matrices' or 'all'")
   mask = model.decay_mask(shapes) if config.opt.decay == "matrices" else None
   inner = optim.inner_optimizer(config.opt, config.train.num_updates, mask)
+  if is_loco:
+    return _build_loco(config, method, mesh, tokens, model_cfg, shapes, inner, k)
   kwargs = {"comm_dtype": jnp.dtype(config.comm_dtype)}
   if config.method == "dpu":
     kwargs["warmup_steps"] = int(config.dpu_warmup_updates)
   tx = methods.get_method(config.method, inner, **kwargs)
-  if config.train.on_nonfinite not in ("stop", "skip"):
-    raise errors.UserValueError(
-      f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'"
-    )
   loss = lambda p, b: model.loss_fn(p, model_cfg, b)
   if config.hetero.slowdown:
     delays = hetero.parse_slowdown(config.hetero.slowdown, mesh.size)
@@ -111,6 +128,60 @@ def build(config) -> Run:
     skip_nonfinite=config.train.on_nonfinite == "skip",
   )  # fmt: skip
   return Run(mesh, tokens, model_cfg, shapes, train, per_update, total, k, budgets)
+
+
+def loco_method(config) -> loco.LocoMethod:
+  """The low-communication method of ``config.method`` from the ``loco`` group (one-line errors)."""
+  c = config.loco
+  outer = loco.default_outer(c.outer_lr, c.outer_momentum)
+  try:
+    if config.method == "diloco":
+      return loco.diloco(c.sync_every, outer)
+    return loco.streaming_diloco(
+      c.sync_every, c.fragments, layout=c.layout, overlap_steps=c.overlap_steps, alpha=c.alpha,
+      quantize=c.quantize, block=c.quantize_block, outer=outer,
+    )  # fmt: skip
+  except ValueError as e:
+    raise errors.UserValueError(str(e).replace("the FP4 block", "loco.quantize_block")) from None
+
+
+def _check_loco(config) -> loco.LocoMethod:
+  """The config's low-communication method; one-line errors for values that cannot work."""
+  c = config.loco
+  if c.workers < 0:
+    raise errors.UserValueError(f"loco.workers={c.workers} must be >= 0 (0 = one per device)")
+  if config.method == "diloco" and (c.fragments != 1 or c.overlap_steps or c.alpha):
+    raise errors.UserValueError(
+      "diloco syncs everything at once (loco.fragments=1, overlap_steps=0, alpha=0); use "
+      "method=streaming_diloco for fragments, overlap or alpha"
+    )
+  if config.hetero.budgets or config.hetero.adaptive or config.hetero.slowdown:
+    raise errors.UserValueError(
+      f"hetero.* (per-worker microbatch budgets) applies to ACCO and its baselines, not to "
+      f"method={config.method}; set hetero.budgets, hetero.adaptive and hetero.slowdown to ''"
+    )
+  if c.inner not in ("zero1", "ddp"):
+    raise errors.UserValueError(f"loco.inner={c.inner!r}: choose 'zero1' or 'ddp'")
+  if c.outer_lr <= 0 or not 0 <= c.outer_momentum < 1:
+    raise errors.UserValueError(
+      f"loco.outer_lr={c.outer_lr} must be > 0 and loco.outer_momentum={c.outer_momentum} in [0, 1)"
+    )
+  return loco_method(config)
+
+
+def _build_loco(config, method, mesh, tokens, model_cfg, shapes, inner, k) -> Run:
+  inner_tx = methods.get_method(config.loco.inner, inner, comm_dtype=jnp.dtype(config.comm_dtype))
+  loss = lambda p, b: model.loss_fn(p, model_cfg, b)
+  try:
+    train = loco_lib.make_loco_step(
+      loss, inner_tx, method, mesh, num_microbatches=k, params=shapes, has_aux=True,
+      skip_nonfinite=config.train.on_nonfinite == "skip",
+    )  # fmt: skip
+  except ValueError as e:  # a fragment layout the model cannot take
+    raise errors.UserValueError(str(e)) from None
+  total = config.train.num_updates
+  axes = tuple(mesh.axis_names)
+  return Run(mesh, tokens, model_cfg, shapes, train, 1, total, k, None, axes, True)
 
 
 _AT_LEAST = {
@@ -127,6 +198,10 @@ def _check_config(config) -> None:
     value = config[group][field]
     if not isinstance(value, int) or value < low:
       raise errors.UserValueError(f"{key}={value!r} must be >= {low} (an integer)")
+  if config.train.on_nonfinite not in ("stop", "skip"):
+    raise errors.UserValueError(
+      f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'"
+    )
   try:
     jnp.dtype(config.comm_dtype)
   except TypeError:
@@ -174,7 +249,8 @@ def evaluate(run: Run, config, params, eval_fn) -> dict:
   it = _stream(run, config, run.tokens.eval, rows, seed=0, shuffle=False)
   loss_sum = tokens = 0.0
   for _ in range(config.train.eval_batches):
-    aux = jax.device_get(eval_fn(params, parallel.global_batch(next(it), run.mesh)))
+    batch = parallel.global_batch(next(it), run.mesh, run.batch_axis)
+    aux = jax.device_get(eval_fn(params, batch))
     loss_sum, tokens = loss_sum + float(aux["loss_sum"]), tokens + float(aux["tokens"])
   loss = loss_sum / max(tokens, 1.0)
   return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
@@ -224,7 +300,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
     ckpt_dir, keep=config.ckpt.keep, async_save=config.ckpt.async_save
   )
   ckpt = open_ckpt() if os.path.isdir(ckpt_dir) else None
-  start, tokens_seen, events = (ckpt and ckpt.latest_step()), 0, []
+  start, tokens_seen, events, extra = (ckpt and ckpt.latest_step()), 0, [], {}
   if start is not None:
     # A checkpoint written on another device count is resharded (acco_jax.reshard): weights and
     # optimizer state exactly, gradient buffers by their sums. The stage count, hence the schedule,
@@ -233,6 +309,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
     saved_n = []
 
     def reshard(saved):
+      if run.loco:  # workers hold diverged copies: no rule to split or merge them
+        raise errors.UserValueError(loco_lib.mesh_mismatch(saved, run.mesh))
       saved_n.append(reshard_lib.saved_num_devices(saved))
       return train.reshard(saved)
 
@@ -256,9 +334,12 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   else:
     start = 0
     params = model.init_params(run.model_cfg, config.train.seed)
-    prime_rows = n * config.batch.microbatch_size
-    prime = next(_stream(run, config, run.tokens.train, prime_rows, seed=config.train.seed + 1))
-    state = train.init(params, parallel.global_batch(prime, mesh))
+    if run.loco:
+      state = train.init(params)
+    else:
+      prime_rows = n * config.batch.microbatch_size
+      prime = next(_stream(run, config, run.tokens.train, prime_rows, seed=config.train.seed + 1))
+      state = train.init(params, parallel.global_batch(prime, mesh))
     events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
   ckpt = ckpt or open_ckpt()
   writer = metrics_lib.MetricWriter(workdir, enabled=lead)
@@ -270,7 +351,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   n_params = train.layout.num_params
   flops_token = model.flops_per_token(run.model_cfg)
   peak = metrics_lib.peak_flops(jax.devices()[0])
-  comm_stage = metrics_lib.comm_bytes_per_stage(train.plan, train.layout.padded_size, n)
+  plan = train.inner.plan if run.loco else train.plan
+  comm_stage = metrics_lib.comm_bytes_per_stage(plan, train.layout.padded_size, train.num_devices)
   if lead:
     print(
       f"method={config.method} devices={n} params={n_params:,} vocab={run.model_cfg.V} "
@@ -278,6 +360,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       f"stages={run.total_stages} unigram_baseline={baseline:.3f} nats",
       flush=True,
     )
+    if run.loco:
+      print(train.describe(), flush=True)
 
   budgets, policy = run.budgets, None
   if config.hetero.adaptive:
@@ -316,12 +400,18 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   def save(stage):
     check_finite()
     ckpt.save(stage, state, extra={"stage": stage, "data": stream.get_state(),
-                                   "tokens_seen": tokens_seen,
+                                   "tokens_seen": tokens_seen, "wire_bytes": wire_bytes,
                                    "config": config.to_json_best_effort()})  # fmt: skip
+
+  wire_bytes = float(extra.get("wire_bytes", 0.0))  # LoCo: bytes sent per worker so far
+  outer_rows = []  # LoCo: (stage, outer metrics on device), written at the next log line
 
   try:
     while stage < run.total_stages:
-      batch = parallel.global_batch(next(stream), mesh)
+      call = train.plan(stage, run.total_stages) if run.loco else None
+      batches = [parallel.global_batch(next(stream), mesh, run.batch_axis)
+                 for _ in range(call.stages if call else 1)]  # fmt: skip
+      batch = batches[0]
       adapt = policy is not None and (stage == start or stage % config.hetero.adapt_every == 0)
       if adapt or (config.health.probe_every and stage % config.health.probe_every == 0):
         times = _probe(train, state, batch, stage, config.health.slow_factor, writer)
@@ -330,46 +420,68 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
           changed = policy.observe(per_device, float(times[:, 1].max()))
           budgets = policy.budgets
           writer.event("budgets", stage=stage, budgets=budgets.tolist(), changed=changed)
-      state, m = train.step(state, batch, budgets)
+      if run.loco:
+        state, m = train.run(state, batches, stage, run.total_stages)
+        sent = call.sync if call.sync is not None else call.send
+        if sent is not None:
+          wire_bytes += train.wire_bytes(sent)
+        if "outer_fragment" in m:
+          outer_rows.append((stage + call.stages, m))
+      else:
+        state, m = train.step(state, batch, budgets)
       if watchdog is not None:  # keep one stage in flight; a hang shows within the timeout
         if in_flight is not None:
           jax.block_until_ready(in_flight)
           watchdog.progress(stage)
         in_flight = m["loss"]
+      stages_run = len(batches)
       used = n * train.num_microbatches if budgets is None else int(budgets.sum())
-      tokens_seen += used * rows_per_microbatch * config.data.seq_len
-      nonfinite = nonfinite | ~jnp.isfinite(m["loss"])
-      stage += 1
+      tokens_seen += used * rows_per_microbatch * config.data.seq_len * stages_run
+      finite = jnp.all(jnp.isfinite(m["loss"])) & m.get("outer_finite", True)
+      nonfinite = nonfinite | ~finite
+      stage += stages_run
       done = updates_done(config, stage)
-      at_update = done != updates_done(config, stage - 1)
-      if stage % config.train.log_every == 0 or stage == run.total_stages:
+      prev = updates_done(config, stage - stages_run)
+      at_update = done != prev
+      crossed = lambda every: every and done // every != prev // every  # noqa: B023
+      if stage // config.train.log_every != (stage - stages_run) // config.train.log_every or (
+        stage == run.total_stages
+      ):
         m = jax.device_get(m)
         now = time.time()
         rate = (tokens_seen - last["tokens"]) / max(now - last["time"], 1e-9)
         last.update(time=now, tokens=tokens_seen)
-        loss = float(m["loss"])
+        loss = float(np.mean(m["loss"]))
         check_finite()
-        lr = methods.hyperparams(state.opt_state).get("learning_rate", float("nan"))
+        opt_state = state.inner.opt_state if run.loco else state.opt_state
+        lr = methods.hyperparams(opt_state).get("learning_rate", float("nan"))
         row = {
-          "stage": stage, "update": done, "loss": loss, "grad_norm": float(m["grad_norm"]),
-          "lr": float(lr), "tokens_per_s": rate, "microbatches": float(m["microbatches"]),
-          "committed": bool(m["committed"]), "comm_bytes_per_device": comm_stage,
-          "skipped_microbatches": float(m["skipped"]),
+          "stage": stage, "update": done, "loss": loss, "grad_norm": float(np.mean(m["grad_norm"])),
+          "lr": float(np.mean(lr)), "tokens_per_s": rate,
+          "microbatches": float(np.sum(m["microbatches"])), "committed": bool(np.all(m["committed"])),
+          "comm_bytes_per_device": comm_stage, "skipped_microbatches": float(np.sum(m["skipped"])),
           "tokens_seen": tokens_seen, "wall_s": now - t_start,
         }  # fmt: skip
         if budgets is not None:  # every device's budget this stage
           row["budgets"] = budgets.tolist()
+        if (
+          run.loco
+        ):  # per-worker losses, bytes sent so far, and the outer steps since the last line
+          row.update(worker_loss=np.asarray(m["loss"]).tolist(), wire_bytes_per_worker=wire_bytes)
+          for at, outer in jax.device_get(outer_rows):
+            writer.write(at, train.outer_row(outer))
+          outer_rows.clear()
         if peak:
           row["mfu"] = rate * flops_token / (peak * n)
         writer.write(stage, row)
         progress.update(stage, f"loss {loss:.3f} {rate:,.0f} tok/s")
         summary.update(loss=loss, tokens_per_s=rate)
-      if at_update and config.train.eval_every and done % config.train.eval_every == 0:
+      if at_update and crossed(config.train.eval_every):
         ev = evaluate(run, config, train.params(state), eval_fn)
         writer.write(stage, {"update": done, **ev})
         summary.update(ev)
         evaluated_at = stage
-      if at_update and config.ckpt.every and done % config.ckpt.every == 0:
+      if at_update and crossed(config.ckpt.every):
         save(stage)
       if watchdog is not None:
         watchdog.progress(stage)
@@ -387,6 +499,10 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
         summary["stopped"] = stage
         return summary
     # -- the end ----------------------------------------------------------------------------------
+    if run.loco:
+      for at, outer in jax.device_get(outer_rows):
+        writer.write(at, train.outer_row(outer))
+      summary.update(wire_bytes_per_worker=wire_bytes, peak_sync_bytes=train.peak_sync_bytes())
     final = train.params(state)
     if evaluated_at != stage:  # the last update may have been evaluated already
       ev = evaluate(run, config, final, eval_fn)

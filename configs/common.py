@@ -19,7 +19,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   if preset not in PRESETS:
     raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
   c = ml_collections.ConfigDict()
-  c.method = method  # acco | zero1 | ddp | dpu | wp
+  c.method = method  # acco | zero1 | ddp | dpu | wp | diloco | streaming_diloco
   c.comm_dtype = "bfloat16"  # dtype of the reduce-scatter / all-gather / all-reduce
   c.dpu_warmup_updates = 0  # dpu only: synchronous updates before the delay starts
 
@@ -58,6 +58,23 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.hetero.adapt_every = 20  # stages between timing probes of the adaptive policy
   c.hetero.hysteresis = 0.1  # ignore plans that move less than this share of the microbatches
   c.hetero.slowdown = ""  # simulate stragglers: "device:seconds,..." of sleep per microbatch
+
+  # Workers with local steps and an outer optimizer (method diloco | streaming_diloco;
+  # acco_jax.loco, acco_jax.loco_step). An update is one inner step of every worker.
+  c.loco = ml_collections.ConfigDict()
+  c.loco.workers = (
+    0  # M, workers on the 'replica' axis, each of devices/M devices (0 = one per device)
+  )
+  c.loco.inner = "zero1"  # the inner data-parallel step within a worker: zero1 | ddp
+  c.loco.sync_every = 10  # H, inner steps between two syncs of a fragment (all of it for diloco)
+  c.loco.outer_lr = 0.7  # outer SGD learning rate
+  c.loco.outer_momentum = 0.9  # outer momentum (Nesterov); 0 = plain SGD
+  c.loco.fragments = 1  # P, fragments of blocks synced in turn every H/P steps (streaming_diloco)
+  c.loco.layout = "strided"  # strided (block l in fragment l mod P) | sequential
+  c.loco.overlap_steps = 0  # tau in [0, H/P): inner steps a fragment's reduction is in flight
+  c.loco.alpha = 0.0  # merge: local <- alpha * local + (1 - alpha) * global (0 = replace)
+  c.loco.quantize = "none"  # outer pseudo-gradients on the wire: none (float32) | fp4 (E3M0)
+  c.loco.quantize_block = 2048  # values per FP4 power-of-two scale (within a device's shard)
 
   # Health of multi-process runs (acco_jax.monitor).
   c.health = ml_collections.ConfigDict()

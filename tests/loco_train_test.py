@@ -1,0 +1,94 @@
+"""DiLoCo and Streaming DiLoCo through the trainer: logging, bytes, exact resume, one-line errors."""
+
+import jax
+import numpy as np
+import pytest
+
+from acco_jax import errors, trainer
+from acco_jax.checkpoint import Checkpointer
+from configs import gpt2_diloco, gpt2_streaming_diloco
+from tests.train_test import rows, tiny
+
+
+def test_diloco_tiny_end_to_end(tmp_path):
+  config = tiny(gpt2_diloco, **{"loco.workers": 4})  # 4 workers x 2 devices, H = 2, 6 steps
+  summary = trainer.train_and_evaluate(config, str(tmp_path))
+  logged = rows(tmp_path)
+  outer = [r for r in logged if "outer_fragment" in r]
+  assert [r["step"] for r in outer] == [2, 4, 6]  # one outer step every H
+  assert all(r["outer_delta_norm"] > 0 for r in outer)
+  train_rows = [r for r in logged if "loss" in r]
+  assert all(len(r["worker_loss"]) == 4 for r in train_rows)
+  run = trainer.build(config)
+  per_sync = run.train.wire_bytes(0)
+  assert summary["wire_bytes_per_worker"] == pytest.approx(3 * per_sync)
+  # bytes of one sync: a ring all-reduce of every (padded) float32 value, 2 (M - 1) / M of them
+  assert per_sync == pytest.approx(2 * 3 / 4 * 4 * run.train.layout.padded_size)
+  assert summary["updates"] == 6 and np.isfinite(summary["eval_loss"])
+  assert summary["eval_loss"] < np.log(257) - 0.5
+
+
+def _final_state(workdir, config):
+  run = trainer.build(config)
+  with Checkpointer(str(workdir / "checkpoints")) as ckpt:
+    state, extra = ckpt.restore(None, run.train.abstract_state(run.params_shapes))
+  return jax.device_get(state), extra
+
+
+def test_streaming_resume_from_a_checkpoint_with_a_fragment_in_flight(tmp_path):
+  # H = 4, 2 fragments, tau = 1: fragment 0 is sent after step 1 and applied at step 2, so a
+  # stop at stage 2 leaves it in flight in the checkpoint
+  config = tiny(
+    gpt2_streaming_diloco, **{"loco.workers": 2, "train.log_every": 1, "opt.warmup_updates": 0}
+  )
+  whole = trainer.train_and_evaluate(config, str(tmp_path / "whole"))
+  first = trainer.train_and_evaluate(config, str(tmp_path / "split"), max_stages=2)
+  assert first["stopped"] == 2
+  stopped, _ = _final_state(tmp_path / "split", config)
+  assert int(stopped.inflight_fragment) == 0  # the checkpoint holds the fragment in flight
+  assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(stopped.inflight))
+  second = trainer.train_and_evaluate(config, str(tmp_path / "split"))
+  losses = lambda w: {r["stage"]: r["worker_loss"] for r in rows(w) if "loss" in r}
+  assert losses(tmp_path / "split") == losses(tmp_path / "whole")
+  assert second["eval_loss"] == whole["eval_loss"]
+  assert second["wire_bytes_per_worker"] == whole["wire_bytes_per_worker"]
+  a, _ = _final_state(tmp_path / "whole", config)
+  b, _ = _final_state(tmp_path / "split", config)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(x, y)  # every worker, the outer states, the in-flight buffer
+
+
+def test_restoring_onto_other_workers_is_a_clear_error(tmp_path):
+  config = tiny(gpt2_diloco, **{"loco.workers": 4})
+  trainer.train_and_evaluate(config, str(tmp_path), max_stages=3)
+  config = tiny(gpt2_diloco, **{"loco.workers": 2})
+  with pytest.raises(errors.UserValueError, match=r"written by 4 workers x 2 devices.*workers=4"):
+    trainer.train_and_evaluate(config, str(tmp_path))
+
+
+BAD = [
+  ("workers-not-dividing", gpt2_diloco, {"loco.workers": 3},
+   r"loco.workers=3 does not divide the 8 devices"),
+  ("fragments-not-dividing-h", gpt2_streaming_diloco, {"loco.sync_every": 5},
+   r"loco.sync_every=5 is not divisible by loco.fragments=2"),
+  ("overlap-too-long", gpt2_streaming_diloco, {"loco.overlap_steps": 2},
+   r"loco.overlap_steps=2 must be in \[0, H/P = 2\)"),
+  ("alpha-out-of-range", gpt2_streaming_diloco, {"loco.alpha": 1.5}, r"loco.alpha=1.5 must be in"),
+  ("h-zero", gpt2_diloco, {"loco.sync_every": 0}, r"loco.sync_every=0 must be >= 1"),
+  ("unknown-quantiser", gpt2_streaming_diloco, {"loco.quantize": "fp8"},
+   r"unknown quantiser 'fp8'"),
+  ("more-fragments-than-blocks", gpt2_streaming_diloco,
+   {"loco.fragments": 4, "loco.sync_every": 8}, r"model has 2 transformer blocks"),
+  ("diloco-with-fragments", gpt2_diloco, {"loco.fragments": 2},
+   r"use method=streaming_diloco for fragments"),
+  ("unknown-inner", gpt2_diloco, {"loco.inner": "acco"}, r"loco.inner='acco': choose"),
+  ("hetero-with-loco", gpt2_diloco, {"hetero.budgets": "1,1,1,1,1,1,1,1"},
+   r"hetero.\* .* not to method=diloco"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("module,overrides,match", [pytest.param(*c[1:], id=c[0]) for c in BAD])
+def test_bad_loco_values_are_one_line_errors(module, overrides, match):
+  with pytest.raises(errors.UserValueError, match=match) as info:
+    trainer.build(tiny(module, **overrides))
+  assert "\n" not in str(info.value)
