@@ -47,7 +47,8 @@ def _model_config(config, vocab_size: int) -> model.GPTConfig:
   overrides = {k: config.model[k] for k in ("D", "N", "H", "F") if config.model[k]}
   return model.get_config(
     config.model.size, V=vocab_size, L=config.data.seq_len, dtype=config.model.dtype,
-    remat=config.model.remat, attention=config.model.attention, **overrides,
+    remat=config.model.remat, attention=config.model.attention,
+    vocab_multiple=config.model.get("vocab_multiple", 1), **overrides,
   )  # fmt: skip
 
 
@@ -238,7 +239,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
 
     target = train.abstract_state(run.params_shapes)
     try:
-      state, extra = ckpt.restore(None, target, reshard=reshard)
+      check = lambda extra: _check_vocab(extra, run.model_cfg)
+      state, extra = ckpt.restore(None, target, reshard=reshard, check_extra=check)
       start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
       position = extra["data"]
       if saved_n:
@@ -305,23 +307,57 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   evaluated_at = None  # the stage of the last evaluation
 
   nonfinite = jnp.zeros((), bool)  # device-side flag, read only at log and checkpoint time
+  # The next batches are read and placed on the devices by a background thread while a stage runs;
+  # `consumed` is the data position after the last batch a stage took (what a checkpoint stores).
+  consumed = stream.get_state()
+  feed = data.Prefetcher(stream, lambda b: parallel.global_batch(b, mesh), depth=2)
+  pending = None  # a logged stage's device metrics, read after the next stage is dispatched
 
-  def check_finite():
-    if config.train.on_nonfinite == "stop" and bool(nonfinite):
+  def check_finite(flag, at_stage):
+    if config.train.on_nonfinite == "stop" and bool(flag):
       raise FloatingPointError(
-        f"non-finite loss before stage {stage}; the last good checkpoint is kept. Lower opt.lr, "
-        "or set train.on_nonfinite=skip to drop non-finite microbatches"
+        f"non-finite loss before stage {at_stage}; the last good checkpoint is kept. Lower "
+        "opt.lr, or set train.on_nonfinite=skip to drop non-finite microbatches"
       )
 
+  def flush():
+    """Writes the pending log row. Called once the next stage is queued, it waits only for the
+    stage it reads, so the host never holds the device up at a log line."""
+    nonlocal pending
+    if pending is None:
+      return
+    p, pending = pending, None
+    m, lr = jax.device_get((p["metrics"], p["lr"]))
+    now = time.time()
+    rate = (p["tokens_seen"] - last["tokens"]) / max(now - last["time"], 1e-9)
+    last.update(time=now, tokens=p["tokens_seen"])
+    loss = float(m["loss"])
+    check_finite(p["nonfinite"], p["stage"])
+    row = {
+      "stage": p["stage"], "update": p["update"], "loss": loss,
+      "grad_norm": float(m["grad_norm"]), "lr": float(lr), "tokens_per_s": rate,
+      "microbatches": float(m["microbatches"]), "committed": bool(m["committed"]),
+      "comm_bytes_per_device": comm_stage, "skipped_microbatches": float(m["skipped"]),
+      "tokens_seen": p["tokens_seen"], "wall_s": now - t_start,
+    }  # fmt: skip
+    if p["budgets"] is not None:  # every device's budget this stage
+      row["budgets"] = p["budgets"]
+    if peak:
+      row["mfu"] = rate * flops_token / (peak * n)
+    writer.write(p["stage"], row)
+    progress.update(p["stage"], f"loss {loss:.3f} {rate:,.0f} tok/s")
+    summary.update(loss=loss, tokens_per_s=rate)
+
   def save(stage):
-    check_finite()
-    ckpt.save(stage, state, extra={"stage": stage, "data": stream.get_state(),
-                                   "tokens_seen": tokens_seen,
+    flush()
+    check_finite(nonfinite, stage)
+    ckpt.save(stage, state, extra={"stage": stage, "data": consumed, "tokens_seen": tokens_seen,
+                                   "vocab": _vocab_meta(run.model_cfg),
                                    "config": config.to_json_best_effort()})  # fmt: skip
 
   try:
     while stage < run.total_stages:
-      batch = parallel.global_batch(next(stream), mesh)
+      batch, consumed_next = next(feed)
       adapt = policy is not None and (stage == start or stage % config.hetero.adapt_every == 0)
       if adapt or (config.health.probe_every and stage % config.health.probe_every == 0):
         times = _probe(train, state, batch, stage, config.health.slow_factor, writer)
@@ -331,6 +367,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
           budgets = policy.budgets
           writer.event("budgets", stage=stage, budgets=budgets.tolist(), changed=changed)
       state, m = train.step(state, batch, budgets)
+      consumed = consumed_next
+      flush()  # the previous logged stage, now that this one is queued behind it
       if watchdog is not None:  # keep one stage in flight; a hang shows within the timeout
         if in_flight is not None:
           jax.block_until_ready(in_flight)
@@ -343,28 +381,14 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       done = updates_done(config, stage)
       at_update = done != updates_done(config, stage - 1)
       if stage % config.train.log_every == 0 or stage == run.total_stages:
-        m = jax.device_get(m)
-        now = time.time()
-        rate = (tokens_seen - last["tokens"]) / max(now - last["time"], 1e-9)
-        last.update(time=now, tokens=tokens_seen)
-        loss = float(m["loss"])
-        check_finite()
         lr = methods.hyperparams(state.opt_state).get("learning_rate", float("nan"))
-        row = {
-          "stage": stage, "update": done, "loss": loss, "grad_norm": float(m["grad_norm"]),
-          "lr": float(lr), "tokens_per_s": rate, "microbatches": float(m["microbatches"]),
-          "committed": bool(m["committed"]), "comm_bytes_per_device": comm_stage,
-          "skipped_microbatches": float(m["skipped"]),
-          "tokens_seen": tokens_seen, "wall_s": now - t_start,
+        pending = {
+          "stage": stage, "update": done, "metrics": m, "nonfinite": nonfinite,
+          "lr": jnp.copy(lr) if isinstance(lr, jax.Array) else lr,  # the state is donated next
+          "tokens_seen": tokens_seen, "budgets": None if budgets is None else budgets.tolist(),
         }  # fmt: skip
-        if budgets is not None:  # every device's budget this stage
-          row["budgets"] = budgets.tolist()
-        if peak:
-          row["mfu"] = rate * flops_token / (peak * n)
-        writer.write(stage, row)
-        progress.update(stage, f"loss {loss:.3f} {rate:,.0f} tok/s")
-        summary.update(loss=loss, tokens_per_s=rate)
       if at_update and config.train.eval_every and done % config.train.eval_every == 0:
+        flush()
         ev = evaluate(run, config, train.params(state), eval_fn)
         writer.write(stage, {"update": done, **ev})
         summary.update(ev)
@@ -377,6 +401,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
         "max_stages" if max_stages is not None and stage >= max_stages else None
       )
       if stop and stage < run.total_stages:
+        flush()
         if ckpt.latest_step() != stage:
           save(stage)
         ckpt.wait()
@@ -387,6 +412,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
         summary["stopped"] = stage
         return summary
     # -- the end ----------------------------------------------------------------------------------
+    flush()
     final = train.params(state)
     if evaluated_at != stage:  # the last update may have been evaluated already
       ev = evaluate(run, config, final, eval_fn)
@@ -402,6 +428,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       e.add_note(f"process {jax.process_index()}: {watchdog.diagnose(settle=True)}")
     raise
   finally:
+    feed.close()
     progress.close()
     preempt.restore()
     ckpt.wait()
@@ -427,6 +454,27 @@ def _probe(train, state, batch, stage: int, slow_factor: float, writer) -> np.nd
     if jax.process_index() == 0:
       print(warning, flush=True)
   return times
+
+
+def _vocab_meta(cfg: model.GPTConfig) -> dict:
+  return {"V": cfg.V, "padded": cfg.padded_vocab, "multiple": cfg.vocab_multiple}
+
+
+def _check_vocab(extra: dict, cfg: model.GPTConfig) -> None:
+  """Refuses a checkpoint whose embedding padding differs from the config's, before reading it.
+
+  Checkpoints written before the padding was recorded carry no ``vocab`` entry and restore as
+  long as their shapes match.
+  """
+  saved, now = extra.get("vocab"), _vocab_meta(cfg)
+  if saved is None or saved == now:
+    return
+  raise errors.UserValueError(
+    f"the checkpoint holds V={saved['V']} padded to {saved['padded']} rows "
+    f"(model.vocab_multiple={saved['multiple']}), this config V={now['V']} padded to "
+    f"{now['padded']} (model.vocab_multiple={now['multiple']}): set "
+    f"--config.model.vocab_multiple={saved['multiple']} to resume, or start in a new workdir"
+  )
 
 
 def sample(run: Run, config, params, workdir: str) -> str:
