@@ -9,7 +9,7 @@ import pytest
 
 from acco_jax import data, errors, model, trainer
 from acco_jax.step import TrainStep
-from configs import gpt2_acco, gpt2_zero1
+from configs import gpt2_zero1
 from tests.train_test import tiny
 
 TOKENS = np.arange(5000, dtype=np.int32) % 97
@@ -84,8 +84,10 @@ def test_close_stops_a_thread_that_is_waiting_to_put():
   assert not any(t.name == "acco-prefetch" and t.is_alive() for t in threading.enumerate())
 
 
-def test_trainer_reads_logged_metrics_after_dispatching_the_next_stage(tmp_path, monkeypatch):
-  events = []
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory):
+  """A tiny ZeRO-1 run logging every stage, with the order of stage dispatches and metric reads."""
+  events, workdir = [], tmp_path_factory.mktemp("logged")
   real_step, real_get = TrainStep.step, jax.device_get
 
   def step(self, *args, **kwargs):
@@ -97,11 +99,17 @@ def test_trainer_reads_logged_metrics_after_dispatching_the_next_stage(tmp_path,
       events.append(("read", int(real_get(x[0]["stage"]))))  # the stage's index, 0-based
     return real_get(x)
 
-  monkeypatch.setattr(TrainStep, "step", step)
-  monkeypatch.setattr(trainer.jax, "device_get", device_get)
   config = tiny(gpt2_zero1, **{"train.log_every": 1, "train.eval_every": 0, "ckpt.every": 0,
                                "train.sample_tokens": 0})  # fmt: skip
-  trainer.train_and_evaluate(config, str(tmp_path))
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(TrainStep, "step", step)
+    mp.setattr(trainer.jax, "device_get", device_get)
+    trainer.train_and_evaluate(config, str(workdir))
+  return config, events, workdir
+
+
+def test_trainer_reads_logged_metrics_after_dispatching_the_next_stage(logged_run):
+  config, events, _ = logged_run
   reads = [(i, e[1]) for i, e in enumerate(events) if isinstance(e, tuple)]
   assert len(reads) == config.train.num_updates
   for pos, index in reads[
@@ -111,12 +119,11 @@ def test_trainer_reads_logged_metrics_after_dispatching_the_next_stage(tmp_path,
   assert events[: reads[-1][0]].count("step") == config.train.num_updates
 
 
-def test_resume_with_another_vocab_padding_is_a_one_line_error(tmp_path):
-  config = tiny(gpt2_acco, **{"train.sample_tokens": 0})
-  trainer.train_and_evaluate(config, str(tmp_path), max_stages=2)
-  config.model.vocab_multiple = 64
+def test_resume_with_another_vocab_padding_is_a_one_line_error(logged_run):
+  config, _, workdir = logged_run
+  config = tiny(gpt2_zero1, **{"model.vocab_multiple": 64})
   with pytest.raises(errors.UserValueError) as info:
-    trainer.train_and_evaluate(config, str(tmp_path))
+    trainer.train_and_evaluate(config, str(workdir))
   msg = str(info.value)
   assert "\n" not in msg and "257 padded to 257" in msg and "padded to 320" in msg, msg
   assert "vocab_multiple=1 to resume" in msg, msg
