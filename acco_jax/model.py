@@ -10,14 +10,10 @@ embedding. GPT-2 initialisation: normal(0.02) everywhere, residual output projec
 sqrt(2N)), biases 0, LayerNorm scales 1. Parameters are float32 "master" weights; `apply` casts them
 (float32 or bfloat16 on input) to `cfg.dtype` and returns float32 logits.
 
-Head and loss: the tied head's matmul returns logits in `cfg.dtype` (float32 accumulation), so its
-cotangent and both of its backward GEMMs stay in that dtype; `loss_fn` takes the log-softmax in
-float32 inside a fused cross-entropy (`acco_jax.losses`) that never writes a float32 [B, L, V].
-Vocabulary padding: with `vocab_multiple=m` the embedding and the head have `padded_vocab`
-(V rounded up to a multiple of m) rows; the extra rows start at zero, the loss ignores their
-logits (so their gradient is zero and they stay zero under AdamW), and `apply` and `generate` only
-ever return or sample the V real ids. Padding changes speed only: the real rows are initialised
-exactly as without it.
+The head returns logits in `cfg.dtype` (so its backward GEMMs stay there too); `loss_fn` takes the
+log-softmax in float32 in a fused cross-entropy (`acco_jax.losses`). `vocab_multiple` pads the
+embedding/head rows to `padded_vocab`: zero rows, ignored by the loss, never returned by `apply` or
+sampled by `generate` (docs/design.md, "The head, the loss and the data feed").
 
 Sizes (`SIZES`, parameter counts with tied embeddings):
   tiny             V=256   L=64   D=64   H=4  N=2   120,576  (CPU tests)
