@@ -469,6 +469,12 @@ def _check_vocab(extra: dict, cfg: model.GPTConfig) -> None:
   saved, now = extra.get("vocab"), _vocab_meta(cfg)
   if saved is None or saved == now:
     return
+  if saved["V"] != now["V"]:
+    raise errors.UserValueError(
+      f"the checkpoint's model has a vocabulary of V={saved['V']} ids, this config's tokenizer "
+      f"gives V={now['V']}: resume with the data.tokenizer it was written with, or start in a "
+      "new workdir"
+    )
   raise errors.UserValueError(
     f"the checkpoint holds V={saved['V']} padded to {saved['padded']} rows "
     f"(model.vocab_multiple={saved['multiple']}), this config V={now['V']} padded to "
