@@ -291,6 +291,9 @@ def main() -> None:
   args.steps = args.steps or (2 if args.smoke else 20)
   args.warmup = args.warmup or (1 if args.smoke else 3)
   sys.path.insert(0, str(common.REPO))  # configs/
+  from acco_jax import parallel
+
+  parallel.configure_platform()  # train.py's XLA:GPU flags, for every row (before JAX starts)
   if args.worker:
     common.write_json(Path(args.worker), run_row(args.row, args))
     return
