@@ -41,5 +41,20 @@ def test_smoke_measures_each_kind_of_row(tmp_path):
   assert rows["trainer:acco"]["rows"] == 384  # the byte tokenizer's 257 ids, padded to 3 x 128
   for name in rows:
     assert name in data["table"] and name in proc.stdout
-  assert data["targets"]["trainer/step acco (>= 0.97)"] > 0
-  assert data["targets"]["trainer/step zero1 (>= 0.97)"] is None  # its rows were not run
+  assert data["targets"]["trainer/step acco (>= 0.97)"] is None  # step:acco was not run
+
+
+def test_targets_are_the_ratios_of_the_rows():
+  sys.path.insert(0, str(REPO / "bench"))
+  import gpu_throughput
+
+  rate = lambda x: {"tokens_per_s": x}
+  rows = {"trainer:zero1": {"tokens_per_s": 480.0, "mfu": 0.41}, "step:zero1": rate(490.0),
+          "trainer:acco": rate(450.0), "step:acco": rate(460.0), "torch:V50304": rate(424.0),
+          "torch:V50257": rate(388.0)}  # fmt: skip
+  t = gpu_throughput.summarise(rows)
+  assert t["trainer/step zero1 (>= 0.97)"] == pytest.approx(480 / 490)
+  assert t["trainer/step acco (>= 0.97)"] == pytest.approx(450 / 460)
+  assert t["trainer acco/zero1 (>= 0.93)"] == pytest.approx(450 / 480)
+  assert t["trainer zero1/torch padded (>= 1.1)"] == pytest.approx(480 / 424)
+  assert t["trainer zero1 MFU (>= 0.40)"] == 0.41
