@@ -241,7 +241,12 @@ class Checkpointer:
   # -- restore ------------------------------------------------------------------------------------
 
   def restore(
-    self, step: int | None, target: PyTree, *, reshard: Callable[[PyTree], PyTree] | None = None
+    self,
+    step: int | None,
+    target: PyTree,
+    *,
+    reshard: Callable[[PyTree], PyTree] | None = None,
+    check_extra: Callable[[dict], None] | None = None,
   ) -> tuple[PyTree, dict]:
     """Reads a checkpoint into arrays with the target's tree structure, shardings and dtypes.
 
@@ -254,6 +259,9 @@ class Checkpointer:
         another device count): called with the saved arrays as host numpy arrays in the target's
         tree structure, it returns numpy arrays of the target's shapes, e.g.
         :meth:`acco_jax.step.TrainStep.reshard`. Without it, other shapes are a ``ValueError``.
+      check_extra: called with the checkpoint's ``extra`` before any array is read or compared;
+        it raises to refuse the checkpoint (e.g. a model-config mismatch with a clearer message
+        than the shapes would give).
 
     Returns:
       ``(state, extra)``.
@@ -272,7 +280,7 @@ class Checkpointer:
           f"no checkpoint at step {step} in {self.directory}; found {steps}"
         )
       try:
-        return self._restore_step(int(step), target, reshard)
+        return self._restore_step(int(step), target, reshard, check_extra)
       except _Corrupt as e:
         raise errors.UserRuntimeError(
           f"checkpoint step {step} in {self.directory} is corrupt: {e}"
@@ -281,7 +289,7 @@ class Checkpointer:
       raise errors.UserFileNotFoundError(f"no checkpoint in {self.directory}")
     for s in reversed(steps):
       try:
-        return self._restore_step(s, target, reshard)
+        return self._restore_step(s, target, reshard, check_extra)
       except _Corrupt as e:
         _log.warning(
           "checkpoint step %d in %s is corrupt, trying an older one: %s", s, self.directory, e
@@ -311,9 +319,13 @@ class Checkpointer:
       e.update(shape=tuple(map(int, e["shape"])), dtype=jnp.dtype(e["dtype"]), key=str(e["key"]))
     return saved, meta["extra"]
 
-  def _restore_step(self, step: int, target: PyTree, reshard=None) -> tuple[PyTree, dict]:
+  def _restore_step(
+    self, step: int, target: PyTree, reshard=None, check_extra=None
+  ) -> tuple[PyTree, dict]:
     paths, leaves = self._flatten(target, "target")
     saved, extra = self._read(step, "metadata", lambda: self._read_meta(step))
+    if check_extra is not None:
+      check_extra(extra)
     convert = (
       reshard is not None
       and set(saved) == set(paths)

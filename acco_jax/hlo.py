@@ -331,3 +331,61 @@ def async_overlap_report(text: str) -> list[AsyncPair]:
       )
     )
   return pairs
+
+
+# -- GEMMs and their operand dtypes ---------------------------------------------------------------
+
+GEMM_CUSTOM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+
+
+class Gemm(NamedTuple):
+  computation: str  # where the instruction sits (a fused computation for a Triton GEMM fusion)
+  name: str
+  kind: str  # 'dot' or the cuBLAS custom-call target
+  operands: tuple[str, ...]  # operand shapes, e.g. ('bf16[256,64]', 'bf16[64,1024]')
+  result: str  # result shape (the first one for a tuple-shaped custom call)
+  op_name: str  # the JAX operation it came from (metadata), '' if absent
+
+  @property
+  def dtypes(self) -> tuple[str, ...]:
+    return tuple(s.split("[")[0] for s in self.operands)
+
+
+def _operand_names(rest: str) -> list[str]:
+  depth, end = 1, len(rest)
+  for i, ch in enumerate(rest):  # the operand list ends at the parenthesis that closes it
+    depth += (ch == "(") - (ch == ")")
+    if depth == 0:
+      end = i
+      break
+  return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def gemms(text: str) -> list[Gemm]:
+  """Every matrix multiply of compiled HLO text: ``dot`` instructions (also those inside Triton
+  GEMM fusions) and cuBLAS GEMM custom calls, with their operands' shapes looked up by name."""
+  comps, _ = parse_hlo(text)
+  out = []
+  for comp, instrs in comps.items():
+    shapes = {i.name: i.shape for i in instrs}
+    for i in instrs:
+      target = re.search(r'custom_call_target="([^"]+)"', i.rest)
+      kind = "dot" if i.opcode == "dot" else target.group(1) if target else ""
+      if kind != "dot" and kind not in GEMM_CUSTOM_CALLS:
+        continue
+      names = _operand_names(i.rest)[: 2 if kind == "dot" else None]
+      found = [_SHAPE.search(shapes.get(n, "")) for n in names]
+      operands = tuple(f"{m.group(1)}[{m.group(2)}]" for m in found if m)[:2]
+      result = _SHAPE.search(i.shape)
+      op_name = re.search(r'op_name="([^"]*)"', i.rest)
+      out.append(
+        Gemm(
+          comp,
+          i.name,
+          kind,
+          operands,
+          f"{result.group(1)}[{result.group(2)}]" if result else "",
+          op_name.group(1) if op_name else "",
+        )  # fmt: skip
+      )
+  return out

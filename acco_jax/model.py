@@ -10,6 +10,11 @@ embedding. GPT-2 initialisation: normal(0.02) everywhere, residual output projec
 sqrt(2N)), biases 0, LayerNorm scales 1. Parameters are float32 "master" weights; `apply` casts them
 (float32 or bfloat16 on input) to `cfg.dtype` and returns float32 logits.
 
+The head returns logits in `cfg.dtype` (so its backward GEMMs stay there too); `loss_fn` takes the
+log-softmax in float32 in a fused cross-entropy (`acco_jax.losses`). `vocab_multiple` pads the
+embedding/head rows to `padded_vocab`: zero rows, ignored by the loss, never returned by `apply` or
+sampled by `generate` (docs/design.md, "The head, the loss and the data feed").
+
 Sizes (`SIZES`, parameter counts with tied embeddings):
   tiny             V=256   L=64   D=64   H=4  N=2   120,576  (CPU tests)
   tinystories-36m  V=10000 L=512  D=768  H=16 N=4   36,426,240  (ACCO's GPT-Neo-like ablation)
@@ -24,7 +29,8 @@ Usage:
   tx = optax.adamw(3e-4, weight_decay=0.1, mask=model.decay_mask(params))
 
 Parameter layout (`init_params`):
-  wte/embedding [V, D]; wpe/embedding [L, D]; ln_f/{scale, bias} [D];
+  wte/embedding [padded_vocab, D] ([V, D] unless vocab_multiple pads it); wpe/embedding [L, D];
+  ln_f/{scale, bias} [D];
   blocks/'<i>'/ for i in 0..N-1 (string keys):
     ln_1/{scale, bias}, attn_qkv/{kernel [D, 3D], bias}, attn_out/{kernel [D, D], bias},
     ln_2/{scale, bias}, mlp_fc/{kernel [D, F], bias}, mlp_proj/{kernel [F, D], bias}.
@@ -40,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from acco_jax import errors
+from acco_jax import errors, losses
 
 Params = dict[str, Any]
 
@@ -60,6 +66,7 @@ class GPTConfig:
   dropout: float = 0.0  # dropout on embeddings and residual branches (none on attention probs)
   attention: str = "auto"  # 'xla' | 'cudnn' | 'auto' (cudnn on GPU with 16-bit dtype, else xla)
   ln_eps: float = 1e-5  # LayerNorm epsilon (GPT-2 value)
+  vocab_multiple: int = 1  # pad the embedding/head rows to a multiple of this (GPU: 128)
 
   def __post_init__(self):
     sizes = {"V": self.V, "L": self.L, "D": self.D, "H": self.H, "N": self.N}
@@ -79,6 +86,11 @@ class GPTConfig:
       raise errors.UserValueError(
         f"attention must be 'auto', 'xla' or 'cudnn', got {self.attention!r}"
       )
+    if not isinstance(self.vocab_multiple, int) or self.vocab_multiple < 1:
+      raise errors.UserValueError(
+        f"vocab_multiple={self.vocab_multiple!r} must be an integer >= 1 (1 = no padding; "
+        "128 suits GPU matmuls): set model.vocab_multiple"
+      )
     if not 0.0 <= self.dropout < 1.0:
       raise errors.UserValueError(f"dropout must be in [0, 1), got {self.dropout}")
     try:
@@ -92,11 +104,16 @@ class GPTConfig:
   def mlp_dim(self) -> int:
     return 4 * self.D if self.F is None else self.F
 
+  @property
+  def padded_vocab(self) -> int:
+    """Rows of the embedding and the head: V rounded up to a multiple of `vocab_multiple`."""
+    return -(-self.V // self.vocab_multiple) * self.vocab_multiple
+
 
 SIZES: dict[str, dict[str, Any]] = {
   "tiny": dict(V=256, L=64, D=64, H=4, N=2),
   "tinystories-36m": dict(V=10000, L=512, D=768, H=16, N=4),
-  # GPT-2 vocabulary; override V=50304 (multiple of 64) for faster GPU matmuls.
+  # GPT-2 vocabulary; vocab_multiple=128 pads it to 50304 rows for faster GPU matmuls.
   "gpt2": dict(V=50257, L=1024, D=768, H=12, N=12),
   "gpt2-medium": dict(V=50257, L=1024, D=1024, H=16, N=24),
 }
@@ -160,13 +177,24 @@ class Block(nnx.Module):
     return x_BxLxD + self.dropout(mlp_BxLxD, deterministic=deterministic, rngs=keys[1])
 
 
+def _padded_rows_init(V: int, init):
+  """`init` for the first V rows, zeros below (the same real rows whatever the padding)."""
+
+  def padded(key, shape, dtype=jnp.float32):
+    real = init(key, (V, *shape[1:]), dtype)
+    return jnp.pad(real, ((0, shape[0] - V),) + ((0, 0),) * (len(shape) - 1))
+
+  return padded
+
+
 class GPT(nnx.Module):
   """Token + position embedding, N blocks, final LayerNorm, tied output head."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     dt = jnp.dtype(cfg.dtype)
     init = nnx.initializers.normal(0.02)
-    self.wte = nnx.Embed(cfg.V, cfg.D, dtype=dt, embedding_init=init, rngs=rngs)
+    wte_init = _padded_rows_init(cfg.V, init) if cfg.padded_vocab > cfg.V else init
+    self.wte = nnx.Embed(cfg.padded_vocab, cfg.D, dtype=dt, embedding_init=wte_init, rngs=rngs)
     self.wpe = nnx.Embed(cfg.L, cfg.D, dtype=dt, embedding_init=init, rngs=rngs)
     self.blocks = nnx.Dict({str(i): Block(cfg, rngs=rngs) for i in range(cfg.N)})
     self.ln_f = nnx.LayerNorm(cfg.D, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
@@ -190,9 +218,10 @@ class GPT(nnx.Module):
     for i in range(self.num_layers):
       x_BxLxD = run_block(self.blocks[str(i)], x_BxLxD, keys[i])
     x_BxLxD = self.ln_f(x_BxLxD)
-    # Tied head in the compute dtype with float32 accumulation and output.
+    # Tied head in the compute dtype (float32 accumulation inside the GEMM), output in the compute
+    # dtype too: a float32 output would make its cotangent, hence both backward GEMMs, float32.
     wte_VxD = self.wte.embedding[...].astype(x_BxLxD.dtype)
-    return jnp.einsum("bld,vd->blv", x_BxLxD, wte_VxD, preferred_element_type=jnp.float32)
+    return jnp.einsum("bld,vd->blv", x_BxLxD, wte_VxD)
 
 
 def _to_key(seed_or_key) -> jax.Array:
@@ -235,20 +264,8 @@ def _flat_shapes(tree) -> dict[str, tuple[int, ...]]:
   return {jax.tree_util.keystr(path): tuple(x.shape) for path, x in leaves}
 
 
-def apply(params: Params, cfg: GPTConfig, tokens_BxL, *, rng=None, deterministic: bool = True):
-  """Forward pass: token ids to next-token logits.
-
-  Args:
-    params: parameter dict from `init_params`; float32 or bfloat16 (any float dtype) leaves, cast to
-      `cfg.dtype` here.
-    cfg: model config (static under jit).
-    tokens_BxL: int token ids of shape [B, L'] with L' <= cfg.L.
-    rng: PRNG key for dropout; needed only if `deterministic=False` and `cfg.dropout > 0`.
-    deterministic: if True, no dropout.
-
-  Returns:
-    float32 logits of shape [B, L', V]; position t depends on tokens 0..t only.
-  """
+def _logits(params: Params, cfg: GPTConfig, tokens_BxL, rng=None, deterministic: bool = True):
+  """Logits over the padded vocabulary, in the compute dtype: [B, L', padded_vocab]."""
   graphdef, shapes = _graphdef_and_shapes(cfg)
   got = _flat_shapes(params)
   if got != shapes:  # nnx.merge of a pure dict silently accepts a mismatched tree: check here
@@ -267,8 +284,30 @@ def apply(params: Params, cfg: GPTConfig, tokens_BxL, *, rng=None, deterministic
   return model(tokens_BxL, _to_key(rng) if use_dropout else None, not use_dropout)
 
 
+def apply(params: Params, cfg: GPTConfig, tokens_BxL, *, rng=None, deterministic: bool = True):
+  """Forward pass: token ids to next-token logits over the real vocabulary.
+
+  Args:
+    params: parameter dict from `init_params`; float32 or bfloat16 (any float dtype) leaves, cast to
+      `cfg.dtype` here.
+    cfg: model config (static under jit).
+    tokens_BxL: int token ids of shape [B, L'] with L' <= cfg.L.
+    rng: PRNG key for dropout; needed only if `deterministic=False` and `cfg.dropout > 0`.
+    deterministic: if True, no dropout.
+
+  Returns:
+    float32 logits of shape [B, L', V] (the padded ids are dropped); position t depends on tokens
+    0..t only.
+  """
+  logits = _logits(params, cfg, tokens_BxL, rng, deterministic)
+  return logits[..., : cfg.V].astype(jnp.float32)
+
+
 def loss_fn(params: Params, cfg: GPTConfig, batch: dict[str, jax.Array], *, rng=None):
   """Mean next-token cross-entropy over the weighted tokens of a batch.
+
+  The logits stay in the compute dtype; the log-softmax is taken in float32 by
+  `acco_jax.losses.token_cross_entropy` (fused, padded ids excluded).
 
   Args:
     params: parameter dict.
@@ -282,16 +321,12 @@ def loss_fn(params: Params, cfg: GPTConfig, batch: dict[str, jax.Array], *, rng=
     aux = {'tokens': sum of weights, 'loss_sum': weighted sum of token losses}, float32 scalars,
     so that sums over microbatches or devices give the exact global mean.
   """
-  logits_BxLxV = apply(params, cfg, batch["inputs"], rng=rng, deterministic=rng is None)
+  logits_BxLxV = _logits(params, cfg, batch["inputs"], rng, deterministic=rng is None)
   targets_BxL = batch["targets"]
-  logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
-  target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
   weights_BxL = batch.get("weights")
   if weights_BxL is None:
     weights_BxL = jnp.ones(targets_BxL.shape, jnp.float32)
-  weights_BxL = weights_BxL.astype(jnp.float32)
-  loss_sum = jnp.sum((logz_BxL - target_logit_BxL) * weights_BxL)
-  tokens = jnp.sum(weights_BxL)
+  loss_sum, tokens = losses.weighted_cross_entropy(logits_BxLxV, targets_BxL, weights_BxL, cfg.V)
   loss = jnp.where(tokens > 0, loss_sum / jnp.maximum(tokens, 1e-9), 0.0)
   return loss, {"tokens": tokens, "loss_sum": loss_sum}
 
@@ -321,7 +356,9 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
 
   6 * (matmul weights: N * (4 D^2 + 2 D F) + V D for the tied head) + 12 * N * D * seq_len for the
   attention scores and weighted values (PaLM convention: the full seq_len x seq_len square, not
-  halved for causality). Biases, LayerNorm and the embedding lookups are ignored.
+  halved for causality). Biases, LayerNorm and the embedding lookups are ignored. V is the real
+  vocabulary, not `padded_vocab`: the padded columns are work the model does not need, so MFU
+  does not count them.
 
   Args:
     cfg: model config.

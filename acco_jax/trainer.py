@@ -61,7 +61,8 @@ def _model_config(config, vocab_size: int) -> model.GPTConfig:
   overrides = {k: config.model[k] for k in ("D", "N", "H", "F") if config.model[k]}
   return model.get_config(
     config.model.size, V=vocab_size, L=config.data.seq_len, dtype=config.model.dtype,
-    remat=config.model.remat, attention=config.model.attention, **overrides,
+    remat=config.model.remat, attention=config.model.attention,
+    vocab_multiple=config.model.get("vocab_multiple", 1), **overrides,
   )  # fmt: skip
 
 
@@ -316,7 +317,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
 
     target = train.abstract_state(run.params_shapes)
     try:
-      state, extra = ckpt.restore(None, target, reshard=reshard)
+      check = lambda extra: _check_vocab(extra, run.model_cfg)
+      state, extra = ckpt.restore(None, target, reshard=reshard, check_extra=check)
       start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
       position = extra["data"]
       if saved_n:
@@ -389,18 +391,56 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   evaluated_at = None  # the stage of the last evaluation
 
   nonfinite = jnp.zeros((), bool)  # device-side flag, read only at log and checkpoint time
+  # The next batches are read and placed on the devices by a background thread while a stage runs;
+  # `consumed` is the data position after the last batch a stage took (what a checkpoint stores).
+  consumed = stream.get_state()
+  feed = data.Prefetcher(stream, lambda b: parallel.global_batch(b, mesh, run.batch_axis), depth=2)
+  pending = None  # a logged stage's device metrics, read after the next stage is dispatched
 
-  def check_finite():
-    if config.train.on_nonfinite == "stop" and bool(nonfinite):
+  def check_finite(flag, at_stage):
+    if config.train.on_nonfinite == "stop" and bool(flag):
       raise FloatingPointError(
-        f"non-finite loss before stage {stage}; the last good checkpoint is kept. Lower opt.lr, "
-        "or set train.on_nonfinite=skip to drop non-finite microbatches"
+        f"non-finite loss before stage {at_stage}; the last good checkpoint is kept. Lower "
+        "opt.lr, or set train.on_nonfinite=skip to drop non-finite microbatches"
       )
 
+  def flush():
+    """Writes the pending log row. Called once the next stage is queued, it waits only for the
+    stage it reads, so the host never holds the device up at a log line."""
+    nonlocal pending
+    if pending is None:
+      return
+    p, pending = pending, None
+    m, lr, outer = jax.device_get((p["metrics"], p["lr"], p["outer"]))
+    now = time.time()
+    rate = (p["tokens_seen"] - last["tokens"]) / max(now - last["time"], 1e-9)
+    last.update(time=now, tokens=p["tokens_seen"])
+    loss = float(np.mean(m["loss"]))  # LoCo: per-worker values; the mean over workers
+    check_finite(p["nonfinite"], p["stage"])
+    row = {
+      "stage": p["stage"], "update": p["update"], "loss": loss,
+      "grad_norm": float(np.mean(m["grad_norm"])), "lr": float(np.mean(lr)), "tokens_per_s": rate,
+      "microbatches": float(np.sum(m["microbatches"])), "committed": bool(np.all(m["committed"])),
+      "comm_bytes_per_device": comm_stage, "skipped_microbatches": float(np.sum(m["skipped"])),
+      "tokens_seen": p["tokens_seen"], "wall_s": now - t_start,
+    }  # fmt: skip
+    if p["budgets"] is not None:  # every device's budget this stage
+      row["budgets"] = p["budgets"]
+    if run.loco:  # per-worker losses, bytes sent so far, and the outer steps since the last line
+      row.update(worker_loss=np.asarray(m["loss"]).tolist(), wire_bytes_per_worker=p["wire_bytes"])
+      for at, o in outer:
+        writer.write(at, train.outer_row(o))
+    if peak:
+      row["mfu"] = rate * flops_token / (peak * n)
+    writer.write(p["stage"], row)
+    progress.update(p["stage"], f"loss {loss:.3f} {rate:,.0f} tok/s")
+    summary.update(loss=loss, tokens_per_s=rate)
+
   def save(stage):
-    check_finite()
-    ckpt.save(stage, state, extra={"stage": stage, "data": stream.get_state(),
-                                   "tokens_seen": tokens_seen, "wire_bytes": wire_bytes,
+    flush()
+    check_finite(nonfinite, stage)
+    ckpt.save(stage, state, extra={"stage": stage, "data": consumed, "tokens_seen": tokens_seen,
+                                   "vocab": _vocab_meta(run.model_cfg), "wire_bytes": wire_bytes,
                                    "config": config.to_json_best_effort()})  # fmt: skip
 
   wire_bytes = float(extra.get("wire_bytes", 0.0))  # LoCo: bytes sent per worker so far
@@ -409,9 +449,10 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   try:
     while stage < run.total_stages:
       call = train.plan(stage, run.total_stages) if run.loco else None
-      batches = [parallel.global_batch(next(stream), mesh, run.batch_axis)
-                 for _ in range(call.stages if call else 1)]  # fmt: skip
-      batch = batches[0]
+      batches, positions = zip(
+        *(next(feed) for _ in range(call.stages if call else 1)), strict=True
+      )
+      batch, consumed_next = batches[0], positions[-1]
       adapt = policy is not None and (stage == start or stage % config.hetero.adapt_every == 0)
       if adapt or (config.health.probe_every and stage % config.health.probe_every == 0):
         times = _probe(train, state, batch, stage, config.health.slow_factor, writer)
@@ -421,7 +462,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
           budgets = policy.budgets
           writer.event("budgets", stage=stage, budgets=budgets.tolist(), changed=changed)
       if run.loco:
-        state, m = train.run(state, batches, stage, run.total_stages)
+        state, m = train.run(state, list(batches), stage, run.total_stages)
         sent = call.sync if call.sync is not None else call.send
         if sent is not None:
           wire_bytes += train.wire_bytes(sent)
@@ -429,6 +470,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
           outer_rows.append((stage + call.stages, m))
       else:
         state, m = train.step(state, batch, budgets)
+      consumed = consumed_next
+      flush()  # the previous logged stage, now that this one is queued behind it
       if watchdog is not None:  # keep one stage in flight; a hang shows within the timeout
         if in_flight is not None:
           jax.block_until_ready(in_flight)
@@ -444,39 +487,19 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       prev = updates_done(config, stage - stages_run)
       at_update = done != prev
       crossed = lambda every: every and done // every != prev // every  # noqa: B023
-      if stage // config.train.log_every != (stage - stages_run) // config.train.log_every or (
-        stage == run.total_stages
-      ):
-        m = jax.device_get(m)
-        now = time.time()
-        rate = (tokens_seen - last["tokens"]) / max(now - last["time"], 1e-9)
-        last.update(time=now, tokens=tokens_seen)
-        loss = float(np.mean(m["loss"]))
-        check_finite()
+      logged = stage // config.train.log_every != (stage - stages_run) // config.train.log_every
+      if logged or stage == run.total_stages:
         opt_state = state.inner.opt_state if run.loco else state.opt_state
         lr = methods.hyperparams(opt_state).get("learning_rate", float("nan"))
-        row = {
-          "stage": stage, "update": done, "loss": loss, "grad_norm": float(np.mean(m["grad_norm"])),
-          "lr": float(np.mean(lr)), "tokens_per_s": rate,
-          "microbatches": float(np.sum(m["microbatches"])), "committed": bool(np.all(m["committed"])),
-          "comm_bytes_per_device": comm_stage, "skipped_microbatches": float(np.sum(m["skipped"])),
-          "tokens_seen": tokens_seen, "wall_s": now - t_start,
+        pending = {
+          "stage": stage, "update": done, "metrics": m, "nonfinite": nonfinite,
+          "lr": jnp.copy(lr) if isinstance(lr, jax.Array) else lr,  # the state is donated next
+          "tokens_seen": tokens_seen, "budgets": None if budgets is None else budgets.tolist(),
+          "wire_bytes": wire_bytes, "outer": list(outer_rows),
         }  # fmt: skip
-        if budgets is not None:  # every device's budget this stage
-          row["budgets"] = budgets.tolist()
-        if (
-          run.loco
-        ):  # per-worker losses, bytes sent so far, and the outer steps since the last line
-          row.update(worker_loss=np.asarray(m["loss"]).tolist(), wire_bytes_per_worker=wire_bytes)
-          for at, outer in jax.device_get(outer_rows):
-            writer.write(at, train.outer_row(outer))
-          outer_rows.clear()
-        if peak:
-          row["mfu"] = rate * flops_token / (peak * n)
-        writer.write(stage, row)
-        progress.update(stage, f"loss {loss:.3f} {rate:,.0f} tok/s")
-        summary.update(loss=loss, tokens_per_s=rate)
+        outer_rows.clear()
       if at_update and crossed(config.train.eval_every):
+        flush()
         ev = evaluate(run, config, train.params(state), eval_fn)
         writer.write(stage, {"update": done, **ev})
         summary.update(ev)
@@ -489,6 +512,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
         "max_stages" if max_stages is not None and stage >= max_stages else None
       )
       if stop and stage < run.total_stages:
+        flush()
         if ckpt.latest_step() != stage:
           save(stage)
         ckpt.wait()
@@ -499,6 +523,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
         summary["stopped"] = stage
         return summary
     # -- the end ----------------------------------------------------------------------------------
+    flush()
     if run.loco:
       for at, outer in jax.device_get(outer_rows):
         writer.write(at, train.outer_row(outer))
@@ -518,6 +543,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       e.add_note(f"process {jax.process_index()}: {watchdog.diagnose(settle=True)}")
     raise
   finally:
+    feed.close()
     progress.close()
     preempt.restore()
     ckpt.wait()
@@ -543,6 +569,33 @@ def _probe(train, state, batch, stage: int, slow_factor: float, writer) -> np.nd
     if jax.process_index() == 0:
       print(warning, flush=True)
   return times
+
+
+def _vocab_meta(cfg: model.GPTConfig) -> dict:
+  return {"V": cfg.V, "padded": cfg.padded_vocab, "multiple": cfg.vocab_multiple}
+
+
+def _check_vocab(extra: dict, cfg: model.GPTConfig) -> None:
+  """Refuses a checkpoint whose embedding padding differs from the config's, before reading it.
+
+  Checkpoints written before the padding was recorded carry no ``vocab`` entry and restore as
+  long as their shapes match.
+  """
+  saved, now = extra.get("vocab"), _vocab_meta(cfg)
+  if saved is None or saved == now:
+    return
+  if saved["V"] != now["V"]:
+    raise errors.UserValueError(
+      f"the checkpoint's model has a vocabulary of V={saved['V']} ids, this config's tokenizer "
+      f"gives V={now['V']}: resume with the data.tokenizer it was written with, or start in a "
+      "new workdir"
+    )
+  raise errors.UserValueError(
+    f"the checkpoint holds V={saved['V']} padded to {saved['padded']} rows "
+    f"(model.vocab_multiple={saved['multiple']}), this config V={now['V']} padded to "
+    f"{now['padded']} (model.vocab_multiple={now['multiple']}): set "
+    f"--config.model.vocab_multiple={saved['multiple']} to resume, or start in a new workdir"
+  )
 
 
 def sample(run: Run, config, params, workdir: str) -> str:

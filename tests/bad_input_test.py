@@ -120,6 +120,12 @@ CONFIGS = [
     r"attention must be 'auto', 'xla' or 'cudnn', got 'flash'",
   ),
   (
+    "zero-vocab-multiple",
+    {"model.vocab_multiple": 0},
+    ValueError,
+    r"vocab_multiple=0 must be an integer >= 1 .*model.vocab_multiple",
+  ),
+  (
     "more-devices-than-visible",
     {"mesh.num_devices": 16},
     ValueError,

@@ -45,3 +45,32 @@ def test_parse_finds_entry():
   comps, entry = hlo.parse_hlo(TEXT)
   assert entry == "main.1_spmd"
   assert [i.opcode for i in comps["cond"]][-1] == "compare"
+
+
+GEMM_TEXT = """HloModule m, entry_computation_layout={()->f32[]}
+
+%gemm_fusion_dot.1_computation (parameter_0: bf16[128,64], parameter_1: bf16[1024,64]) -> bf16[128,1024] {
+  %parameter_0 = bf16[128,64]{1,0} parameter(0)
+  %parameter_1 = bf16[1024,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[128,1024]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}, rhs_contracting_dims={1}, metadata={op_name="jit(f)/bld,vd->blv/dot_general"}
+}
+
+ENTRY %main.2 (a: bf16[128,64], w: bf16[1024,64], g: f32[128,1024]) -> f32[1024,64] {
+  %a = bf16[128,64]{1,0} parameter(0)
+  %w = bf16[1024,64]{1,0} parameter(1)
+  %g = f32[128,1024]{1,0} parameter(2)
+  %f = bf16[128,1024]{1,0} fusion(%a, %w), kind=kCustom, calls=%gemm_fusion_dot.1_computation
+  %c = f32[1024,64]{1,0} convert(%w)
+  ROOT %cc = (f32[1024,64]{1,0}, s8[0]{0}) custom-call(%g, %c), custom_call_target="__cublas$gemm", metadata={op_name="jit(f)/transpose(bld,vd->blv)/dot_general"}
+}
+"""
+
+
+def test_gemms_read_operand_dtypes_inside_fusions_and_custom_calls():
+  found = {g.name: g for g in hlo.gemms(GEMM_TEXT)}
+  assert set(found) == {"dot.1", "cc"}
+  dot, cublas = found["dot.1"], found["cc"]
+  assert dot.kind == "dot" and dot.operands == ("bf16[128,64]", "bf16[1024,64]")
+  assert dot.computation == "gemm_fusion_dot.1_computation" and "bld,vd->blv" in dot.op_name
+  assert cublas.kind == "__cublas$gemm" and cublas.dtypes == ("f32", "f32")
+  assert cublas.result == "f32[1024,64]"

@@ -23,6 +23,7 @@ from acco_jax.data.pipeline import pack as pack
 from acco_jax.data.pipeline import prepare as prepare
 from acco_jax.data.pipeline import split_documents as split_documents
 from acco_jax.data.pipeline import unigram_entropy as unigram_entropy
+from acco_jax.data.prefetch import Prefetcher as Prefetcher
 from acco_jax.data.sources import load_documents as load_documents
 from acco_jax.data.tokenizer import EOT_TEXT as EOT_TEXT
 from acco_jax.data.tokenizer import Tokenizer as Tokenizer

@@ -1,0 +1,339 @@
+"""GPT-2 124M training throughput on one GPU: train.py, the bare step, fwd+bwd, and a PyTorch peer.
+
+Rows (``--only`` picks some by name):
+
+* ``trainer:<method>`` (zero1, ddp, acco): :func:`acco_jax.trainer.train_and_evaluate` on the
+  ``gpt2`` preset of that method, one device, the embedded corpus with the GPT-2 tokenizer, no
+  evaluation or sample until the end; tokens/s from its metrics between the first log line after
+  ``--warmup`` updates and the last one (data prefetch, logging and all).
+* ``step:<method>``: :func:`acco_jax.make_train_step` alone on fixed random batches (the same
+  shapes), timed over ``--steps`` updates after ``--warmup``.
+* ``fwdbwd:V<n>`` / ``fwdbwd:xla``: ``jit(value_and_grad(loss_fn))`` on one microbatch at bf16
+  weights, with the vocabulary unpadded (50257), padded (``vocab_multiple=128``: 50304), and padded
+  with ``attention='xla'``.
+* ``adamw``: the ``optax.adamw`` update of the 124M float32 parameters alone (ms).
+* ``torch:V<n>``: ``bench/torch_gpt.py`` (torch.compile, SDPA, fused AdamW, bf16 autocast, clip
+  1.0, the same microbatches per update) where ``torch`` imports; skipped otherwise.
+
+Every row records tokens/s, MFU (model FLOPs of the *real* vocabulary, :func:`model.flops_per_token`,
+over the device's peak bf16 FLOP/s), and the device's peak memory. On a GPU each row runs in its own
+process, so the peak memory is that row's. Writes a markdown table and JSON.
+
+Usage::
+
+  python bench/gpu_throughput.py                    # the full table (one GPU; ~10 min)
+  python bench/gpu_throughput.py --only step:zero1,torch:V50304
+  python bench/gpu_throughput.py --smoke            # tiny shapes on CPU, seconds (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common
+
+ROWS = ("trainer:zero1", "trainer:ddp", "trainer:acco", "step:zero1", "step:acco",
+        "fwdbwd:V50257", "fwdbwd:V50304", "fwdbwd:xla", "adamw", "torch:V50257", "torch:V50304")  # fmt: skip
+SMOKE_ROWS = ("trainer:zero1", "trainer:acco", "step:zero1", "step:acco", "fwdbwd:V1000",
+              "fwdbwd:V1024", "fwdbwd:xla", "adamw", "torch:V1000")  # fmt: skip
+
+
+def _shapes(args) -> dict:
+  """The model and batch: GPT-2 124M at the gpt2 preset, or a tiny one with ``--smoke``."""
+  if args.smoke:
+    return dict(size="tiny", V=1000, L=32, D=64, H=4, N=2, B=2, k=2, multiple=128)
+  return dict(size="gpt2", V=50257, L=1024, D=768, H=12, N=12, B=8, k=6, multiple=128)
+
+
+def _model_cfg(s: dict, *, padded=True, attention="auto"):
+  from acco_jax import model
+
+  return model.get_config(
+    s["size"], V=s["V"], L=s["L"], D=s["D"], H=s["H"], N=s["N"], attention=attention,
+    vocab_multiple=s["multiple"] if padded else 1,
+  )  # fmt: skip
+
+
+def _peak_bytes():
+  import jax
+
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+def _timed(fn, steps: int, warmup: int) -> float:
+  """Seconds per call of ``fn`` (returns arrays) after ``warmup`` calls."""
+  import jax
+
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  start = time.perf_counter()
+  for _ in range(steps):
+    out = fn()
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / steps
+
+
+def _inner_optimizer():
+  import optax
+
+  return optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(6e-4, b1=0.9, b2=0.95, weight_decay=0.1)
+  )
+
+
+def run_step(method: str, s: dict, args) -> dict:
+  import jax
+  import numpy as np
+
+  import acco_jax
+  from acco_jax import model, parallel
+
+  cfg = _model_cfg(s)
+  k = s["k"] // 2 if method == "acco" else s["k"]  # ACCO: an update is two stages of k/2
+  mesh = parallel.make_mesh(1)
+  params = model.init_params(cfg, 0)
+  tx = getattr(acco_jax, method)(_inner_optimizer())
+  loss = lambda p, b: model.loss_fn(p, cfg, b)
+  train = acco_jax.make_train_step(loss, tx, mesh, num_microbatches=k, params=params, has_aux=True)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, cfg.V, size=(k * s["B"], s["L"] + 1), dtype=np.int32)
+  batch = parallel.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
+  state = train.init(params, jax.tree.map(lambda x: x[: s["B"]], batch))
+  box = {"state": state}
+
+  def one():
+    box["state"], m = train.step(box["state"], batch)
+    return m["loss"]
+
+  stages = 2 if method == "acco" else 1
+  seconds = _timed(one, args.steps * stages, args.warmup * stages) * stages  # per update
+  return {"seconds_per_update": seconds, "tokens_per_update": s["k"] * s["B"] * s["L"]}
+
+
+def run_trainer(method: str, s: dict, args) -> dict:
+  from acco_jax import data, model, trainer
+  from configs import common
+
+  config = common.get_base("gpt2", method)
+  if args.smoke:
+    config.model.size, config.model.D, config.model.N, config.model.H = (
+      "tiny",
+      s["D"],
+      s["N"],
+      s["H"],
+    )
+    config.data.tokenizer, config.mesh.cpu_devices = "byte", 0
+  config.data.seq_len = s["L"]
+  config.batch.microbatch_size, config.batch.microbatches = s["B"], s["k"]
+  config.mesh.num_devices = 1
+  config.train.num_updates = args.warmup + args.steps
+  config.opt.warmup_updates = 0  # the schedule does not change the speed
+  config.train.log_every = 1
+  config.train.eval_every, config.train.eval_batches, config.train.sample_tokens = 0, 1, 0
+  config.ckpt.every, config.ckpt.async_save = 0, True
+  with tempfile.TemporaryDirectory() as workdir:
+    trainer.train_and_evaluate(config, workdir)
+    rows = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+  rows = [r for r in rows if "tokens_per_s" in r and r["update"] >= args.warmup]
+  first, last = rows[0], rows[-1]
+  seconds = (last["wall_s"] - first["wall_s"]) / max(last["update"] - first["update"], 1)
+  tokens = (last["tokens_seen"] - first["tokens_seen"]) / max(last["update"] - first["update"], 1)
+  V = data.get_tokenizer(config.data.tokenizer).vocab_size
+  rows = model.get_config("tiny", V=V, vocab_multiple=config.model.vocab_multiple).padded_vocab
+  return {"seconds_per_update": seconds, "tokens_per_update": tokens, "rows": rows}
+
+
+def run_fwdbwd(variant: str, s: dict, args) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from acco_jax import model
+
+  padded = variant != f"V{s['V']}"
+  cfg = _model_cfg(s, padded=padded, attention="xla" if variant == "xla" else "auto")
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.init_params(cfg, 0))
+  tokens = np.random.default_rng(0).integers(0, cfg.V, size=(s["B"], s["L"] + 1), dtype=np.int32)
+  batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
+  fn = jax.jit(jax.value_and_grad(lambda p: model.loss_fn(p, cfg, batch)[0]))
+  seconds = _timed(lambda: fn(params), args.steps * 3, args.warmup)
+  return {
+    "seconds_per_update": seconds,
+    "tokens_per_update": s["B"] * s["L"],
+    "rows": cfg.padded_vocab,
+  }
+
+
+def run_adamw(s: dict, args) -> dict:
+  import jax
+  import optax
+
+  from acco_jax import model
+
+  params = model.init_params(_model_cfg(s), 0)
+  tx = optax.adamw(6e-4, b1=0.9, b2=0.95, weight_decay=0.1)
+  update = jax.jit(lambda g, o, p: optax.apply_updates(p, tx.update(g, o, p)[0]))
+  opt = tx.init(params)
+  seconds = _timed(lambda: update(params, opt, params), args.steps * 3, args.warmup)
+  return {"seconds_per_update": seconds, "tokens_per_update": None}
+
+
+def run_torch(variant: str, s: dict, args) -> dict:
+  try:
+    import torch_gpt
+  except ImportError as e:
+    return {"skipped": f"torch is not installed ({e})"}
+  rows = int(variant.removeprefix("V"))
+  out = torch_gpt.run(
+    rows=rows, V=s["V"], L=s["L"], D=s["D"], H=s["H"], N=s["N"], B=s["B"], k=s["k"],
+    steps=args.steps, warmup=args.warmup, compile=not args.smoke,
+  )  # fmt: skip
+  return {"seconds_per_update": out["step_s"], "tokens_per_update": s["k"] * s["B"] * s["L"],
+          "peak_bytes": out["peak_bytes"], "torch": out["torch"], "rows": rows}  # fmt: skip
+
+
+def run_row(name: str, args) -> dict:
+  """One row, measured in this process."""
+  import jax
+
+  from acco_jax import metrics, model
+
+  s = _shapes(args)
+  kind, _, variant = name.partition(":")
+  start = time.perf_counter()
+  if kind == "trainer":
+    out = run_trainer(variant, s, args)
+  elif kind == "step":
+    out = run_step(variant, s, args)
+  elif kind == "fwdbwd":
+    out = run_fwdbwd(variant, s, args)
+  elif kind == "adamw":
+    out = run_adamw(s, args)
+  elif kind == "torch":
+    out = run_torch(variant, s, args)
+  else:
+    raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
+  out.update(name=name, wall_s=round(time.perf_counter() - start, 1))
+  if "skipped" in out:
+    return out
+  out.setdefault("peak_bytes", _peak_bytes())
+  out.setdefault("rows", s["V"] if name.endswith(f"V{s['V']}") else _model_cfg(s).padded_vocab)
+  if out["tokens_per_update"]:
+    out["tokens_per_s"] = out["tokens_per_update"] / out["seconds_per_update"]
+    peak = metrics.peak_flops(jax.devices()[0])
+    flops = model.flops_per_token(_model_cfg(s))  # the real vocabulary
+    out["mfu"] = out["tokens_per_s"] * flops / peak if peak else None
+  return out
+
+
+def _child(name: str, args) -> dict:
+  """One row in a fresh process (on a GPU: its own peak memory, no compile cache shared)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = Path(tmp) / "row.json"
+    cmd = [sys.executable, __file__, "--row", name, "--worker", str(out),
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0 or not out.exists():
+      return {"name": name, "error": proc.stdout[-2000:]}
+    return json.loads(out.read_text())
+
+
+def summarise(rows: dict) -> dict:
+  """The issue's targets, where the rows needed are present."""
+  rate = lambda n: rows.get(n, {}).get("tokens_per_s")
+  ratio = lambda a, b: rate(a) / rate(b) if rate(a) and rate(b) else None
+  torch_row = next((n for n in rows if n.startswith("torch:") and n != "torch:V50257"), None)
+  return {
+    "trainer/step zero1 (>= 0.97)": ratio("trainer:zero1", "step:zero1"),
+    "trainer/step acco (>= 0.97)": ratio("trainer:acco", "step:acco"),
+    "trainer acco/zero1 (>= 0.93)": ratio("trainer:acco", "trainer:zero1"),
+    "trainer zero1/torch padded (>= 1.1)": ratio("trainer:zero1", torch_row) if torch_row else None,
+    "trainer zero1 MFU (>= 0.40)": rows.get("trainer:zero1", {}).get("mfu"),
+  }
+
+
+def table(rows: list[dict]) -> str:
+  fmt = []
+  for r in rows:
+    tps = r.get("tokens_per_s")
+    fmt.append({
+      "name": r["name"],
+      "rows": r.get("rows", ""),
+      "tok/s": f"{tps / 1e3:,.1f}k" if tps else r.get("skipped", r.get("error", "")[:40]) or "",
+      "MFU": f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "",
+      "ms/update": f"{1e3 * r['seconds_per_update']:.1f}" if "seconds_per_update" in r else "",
+      "peak GiB": f"{r['peak_bytes'] / 2**30:.1f}" if r.get("peak_bytes") else "",
+    })  # fmt: skip
+  cols = [(c, c) for c in ("name", "rows", "tok/s", "MFU", "ms/update", "peak GiB")]
+  return common.format_table(fmt, cols)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, in one process")
+  p.add_argument("--only", default="", help="comma-separated row names")
+  p.add_argument("--steps", type=int, default=None, help="timed updates (default 20; smoke 2)")
+  p.add_argument("--warmup", type=int, default=None, help="untimed updates (default 3; smoke 1)")
+  p.add_argument("--out", default=str(common.RESULTS / "gpu_throughput.json"))
+  p.add_argument("--row", help=argparse.SUPPRESS)
+  p.add_argument("--worker", help=argparse.SUPPRESS)
+  args = p.parse_args()
+  if args.smoke:  # before JAX starts: CPU only, even where a GPU plugin is installed
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  args.steps = args.steps or (2 if args.smoke else 20)
+  args.warmup = args.warmup or (1 if args.smoke else 3)
+  sys.path.insert(0, str(common.REPO))  # configs/
+  from acco_jax import parallel
+
+  parallel.configure_platform()  # train.py's XLA:GPU flags, for every row (before JAX starts)
+  if args.worker:
+    common.write_json(Path(args.worker), run_row(args.row, args))
+    return
+  import jax
+
+  names = [n for n in args.only.split(",") if n] or list(SMOKE_ROWS if args.smoke else ROWS)
+  isolate = jax.default_backend() == "gpu" and not args.smoke
+  rows = []
+  for name in names:
+    row = _child(name, args) if isolate else run_row(name, args)
+    common.log(f"{name}: {json.dumps({k: v for k, v in row.items() if k != 'error'})}")
+    rows.append(row)
+  versions = {"jax": jax.__version__}
+  for mod in ("jaxlib", "flax", "optax", "torch"):
+    try:
+      versions[mod] = __import__(mod).__version__
+    except ImportError:
+      pass
+  dev = jax.devices()[0]
+  result = {
+    "benchmark": "gpu_throughput",
+    "command": " ".join(["python", "bench/gpu_throughput.py", *sys.argv[1:]]),
+    "device": getattr(dev, "device_kind", dev.platform),
+    "backend": jax.default_backend(),
+    "versions": versions,
+    "machine": common.machine(),
+    "shapes": _shapes(args),
+    "steps": args.steps,
+    "warmup": args.warmup,
+    "rows": rows,
+    "targets": summarise({r["name"]: r for r in rows}),
+    "table": table(rows),
+  }
+  common.write_json(Path(args.out), result)
+  print(result["table"])
+  print(json.dumps(result["targets"], indent=1))
+  if any("error" in r for r in rows):
+    raise SystemExit("some rows failed: " + ", ".join(r["name"] for r in rows if "error" in r))
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  main()

@@ -1,0 +1,60 @@
+"""Smoke test of bench/gpu_throughput.py: tiny shapes on CPU, one row of each kind, JSON checked.
+
+The PyTorch peer has its own test (tests/torch_peer_test.py, marker ``torch_peer``).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+JAX_ROWS = ("trainer:acco", "step:zero1", "fwdbwd:V1000", "fwdbwd:V1024", "adamw")
+
+pytestmark = pytest.mark.slow
+
+
+def test_smoke_measures_each_kind_of_row(tmp_path):
+  out = tmp_path / "gpu_throughput.json"
+  cmd = [sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--smoke", "--out", str(out),
+         "--only", ",".join(JAX_ROWS)]  # fmt: skip
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  data = json.loads(out.read_text())
+  assert data["benchmark"] == "gpu_throughput" and data["backend"] == "cpu"
+  assert {"jax", "flax", "optax"} <= set(data["versions"]) and data["device"]
+  assert data["command"].startswith("python bench/gpu_throughput.py --smoke")
+  rows = {r["name"]: r for r in data["rows"]}
+  assert list(rows) == list(JAX_ROWS)
+  for name, r in rows.items():
+    assert "error" not in r, (name, r)
+    assert r["seconds_per_update"] > 0, name
+    if name != "adamw":
+      assert r["tokens_per_s"] == pytest.approx(r["tokens_per_update"] / r["seconds_per_update"])
+    assert "peak_bytes" in r and "mfu" in r or name == "adamw", name
+  # an update is 2 microbatches of 2 x 32 tokens (ACCO: two stages of one)
+  for name in ("trainer:acco", "step:zero1"):
+    assert rows[name]["tokens_per_update"] == 2 * 2 * 32, name
+  assert rows["fwdbwd:V1000"]["rows"] == 1000 and rows["fwdbwd:V1024"]["rows"] == 1024
+  assert rows["trainer:acco"]["rows"] == 384  # the byte tokenizer's 257 ids, padded to 3 x 128
+  for name in rows:
+    assert name in data["table"] and name in proc.stdout
+  assert data["targets"]["trainer/step acco (>= 0.97)"] is None  # step:acco was not run
+
+
+def test_targets_are_the_ratios_of_the_rows():
+  sys.path.insert(0, str(REPO / "bench"))
+  import gpu_throughput
+
+  rate = lambda x: {"tokens_per_s": x}
+  rows = {"trainer:zero1": {"tokens_per_s": 480.0, "mfu": 0.41}, "step:zero1": rate(490.0),
+          "trainer:acco": rate(450.0), "step:acco": rate(460.0), "torch:V50304": rate(424.0),
+          "torch:V50257": rate(388.0)}  # fmt: skip
+  t = gpu_throughput.summarise(rows)
+  assert t["trainer/step zero1 (>= 0.97)"] == pytest.approx(480 / 490)
+  assert t["trainer/step acco (>= 0.97)"] == pytest.approx(450 / 460)
+  assert t["trainer acco/zero1 (>= 0.93)"] == pytest.approx(450 / 480)
+  assert t["trainer zero1/torch padded (>= 1.1)"] == pytest.approx(480 / 424)
+  assert t["trainer zero1 MFU (>= 0.40)"] == 0.41
