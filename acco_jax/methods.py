@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 PyTree = Any
@@ -314,6 +315,30 @@ def get_method(name: str, inner, **kwargs) -> MethodTransformation:
   if name not in factories:
     raise ValueError(f"unknown method {name!r}: choose one of {', '.join(METHODS)}")
   return factories[name](inner, **kwargs)
+
+
+def check_elementwise(tx, plan: CommPlan, params_like, layout) -> None:
+  """Rejects inner optimizers whose state depends on the parameter shapes (not elementwise)."""
+  if not plan.sharded:
+    return
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.float32), params_like)
+  full = jax.eval_shape(tx.init, shapes)
+  flat = jax.eval_shape(tx.init, layout.shard_shapes())
+  allowed = {}
+  for spec in layout.specs:
+    allowed.setdefault(spec.shape, set()).add((layout.num_shards, spec.chunk))
+  full_leaves, full_def = jax.tree.flatten(full)
+  flat_leaves, flat_def = jax.tree.flatten(flat)
+  ok = full_def == flat_def and all(
+    a.shape == b.shape or b.shape in allowed.get(a.shape, ())
+    for a, b in zip(full_leaves, flat_leaves, strict=True)
+  )
+  if not ok:
+    raise ValueError(
+      f"method {plan.name!r} shards the optimizer elementwise (ZeRO-1), but the inner "
+      "optimizer keeps state shaped differently from the parameters (e.g. Adafactor's factored "
+      "moments); use an elementwise optimizer (adamw, adam, sgd, lion) or method='ddp'"
+    )
 
 
 # -- State inspection -----------------------------------------------------------------------------

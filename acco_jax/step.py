@@ -1,7 +1,9 @@
 """The jitted data-parallel stage: microbatch accumulation, collectives and the optimizer step.
 
-This is the only module that uses ``jax.shard_map``. One call of :meth:`TrainStep.step` runs one *stage*
-of ``k`` microbatches per device as one XLA program. For a delayed method (ACCO, DPU, WP):
+This module owns every collective over the data axis (its timing probes are in :mod:`acco_jax.probe`;
+the collectives between workers of the low-communication methods are in :mod:`acco_jax.replica`). One
+call of :meth:`TrainStep.step` runs one *stage* of ``k`` microbatches per device as one XLA program.
+For a delayed method (ACCO, DPU, WP):
 
 .. code-block:: none
 
@@ -33,7 +35,6 @@ The gradient of the loss is taken at weights cast to *varying* over the data axi
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -127,7 +128,7 @@ class TrainStep:
     self.skip_nonfinite = skip_nonfinite
     self.layout = FlatLayout(params_like, self.num_devices)
     self.comm_dtype = jnp.dtype(self.plan.comm_dtype)
-    self._check_elementwise(params_like)
+    methods.check_elementwise(self.tx, self.plan, params_like, self.layout)
     self._sharding = functools.partial(NamedSharding, self.mesh)
     self._compiled = {}
 
@@ -160,29 +161,6 @@ class TrainStep:
       buf_count=buf_rule(state_shape.buf_count),
       stage=rep,
     )
-
-  def _check_elementwise(self, params_like):
-    """Rejects inner optimizers whose state depends on the parameter shapes (not elementwise)."""
-    if not self.plan.sharded:
-      return
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.float32), params_like)
-    full = jax.eval_shape(self.tx.init, shapes)
-    flat = jax.eval_shape(self.tx.init, self.layout.shard_shapes())
-    allowed = {}
-    for spec in self.layout.specs:
-      allowed.setdefault(spec.shape, set()).add((self.num_devices, spec.chunk))
-    full_leaves, full_def = jax.tree.flatten(full)
-    flat_leaves, flat_def = jax.tree.flatten(flat)
-    ok = full_def == flat_def and all(
-      a.shape == b.shape or b.shape in allowed.get(a.shape, ())
-      for a, b in zip(full_leaves, flat_leaves, strict=True)
-    )
-    if not ok:
-      raise ValueError(
-        f"method {self.plan.name!r} shards the optimizer elementwise (ZeRO-1), but the inner "
-        "optimizer keeps state shaped differently from the parameters (e.g. Adafactor's factored "
-        "moments); use an elementwise optimizer (adamw, adam, sgd, lion) or method='ddp'"
-      )
 
   # -- building blocks (each a shard_map over the data axis) --------------------------------------
 
@@ -559,59 +537,11 @@ class TrainStep:
   # -- timing probes (heterogeneous budgets, slow-worker detection) -------------------------------
 
   def probe(self, state: TrainState, batch: PyTree, repeats: int = 2) -> tuple[float, float]:
-    """Seconds per microbatch on this process's devices, and seconds of one stage's communication.
+    """Seconds per microbatch on this process's devices and of one stage's communication
+    (:func:`acco_jax.probe.probe`)."""
+    from acco_jax.probe import probe
 
-    Two programs, timed apart on each process. The microbatch program runs ``repeats`` forward and
-    backward passes of the first microbatches of ``batch`` at the compute weights with no
-    collective, so every process times its own devices (the slowest of them) without waiting for
-    the others. The communication program runs the stage's collectives on a buffer of the flat
-    size (reduce-scatter and all-gather, or the all-reduce of a replicated method), after a
-    separate scalar all-reduce that lines the processes up. The first call runs each program once
-    untimed (compilation, warm-up); later calls time one run. Not overlapped with anything: the inputs of
-    :class:`acco_jax.hetero.BudgetPolicy`.
-    """
-    axis, k = self.plan.axis_name, self.num_microbatches
-    repeats = min(repeats, k)
-    batch = self._put_batch(batch, per_device=k)
-    first = "probe" not in self._compiled
-    if first:
-      loop = self._loop(k)
-
-      def compute(w_P, batch_local):
-        params_var, mbs = loop.prepare(w_P, batch_local)
-        count = lax.pcast(jnp.int32(repeats), axis, to="varying")
-        carry, _ = loop.start(params_var, mbs, count)
-        acc, _, loss_sum, _ = loop.run(params_var, mbs, 0, count, carry)
-        return (loss_sum + sum(jnp.sum(x) for x in jax.tree.leaves(acc)))[
-          None
-        ]  # keeps the backward
-
-      def comm(buf_1xP):
-        flat = buf_1xP[0]
-        if self.plan.sharded:
-          return _all_gather_invariant(lax.psum_scatter(flat, axis, tiled=True), axis)
-        return lax.psum(flat, axis)
-
-      d = P(axis)
-      sm = functools.partial(jax.shard_map, mesh=self.mesh)
-      self._compiled["probe"] = (
-        jax.jit(sm(compute, in_specs=(P(), d), out_specs=d)),
-        jax.jit(sm(comm, in_specs=d, out_specs=P())),
-        jax.jit(sm(lambda x: lax.psum(x[0], axis), in_specs=d, out_specs=P())),
-        jax.device_put(self._zeros_buf(), self._sharding(d)),
-      )
-    compute_fn, comm_fn, line_up, buf = self._compiled["probe"]
-    ones = self._put_counts(None, k=1)
-
-    def timed(fn, *args):
-      if first:
-        jax.block_until_ready(fn(*args))
-      jax.block_until_ready(line_up(ones))
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      return time.perf_counter() - start
-
-    return timed(compute_fn, state.w, batch) / repeats, timed(comm_fn, buf)
+    return probe(self, state, batch, repeats)
 
 
 def make_train_step(

@@ -1,0 +1,72 @@
+"""Timing probes of a data-parallel step, taken apart from training (a step module: it owns the
+``shard_map`` of its two programs and their collectives).
+
+The inputs of :class:`acco_jax.hetero.BudgetPolicy` and of the slow-worker warnings of
+:mod:`acco_jax.monitor`; :meth:`acco_jax.step.TrainStep.probe` calls :func:`probe`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from acco_jax.step import _all_gather_invariant
+
+
+def probe(train, state, batch, repeats: int = 2) -> tuple[float, float]:
+  """Seconds per microbatch on this process's devices, and seconds of one stage's communication.
+
+  Two programs, timed apart on each process. The microbatch program runs ``repeats`` forward and
+  backward passes of the first microbatches of ``batch`` at the compute weights with no
+  collective, so every process times its own devices (the slowest of them) without waiting for
+  the others. The communication program runs the stage's collectives on a buffer of the flat
+  size (reduce-scatter and all-gather, or the all-reduce of a replicated method), after a
+  separate scalar all-reduce that lines the processes up. The first call runs each program once
+  untimed (compilation, warm-up); later calls time one run. Not overlapped with anything: the inputs of
+  :class:`acco_jax.hetero.BudgetPolicy`.
+  """
+  axis, k = train.plan.axis_name, train.num_microbatches
+  repeats = min(repeats, k)
+  batch = train._put_batch(batch, per_device=k)
+  first = "probe" not in train._compiled
+  if first:
+    loop = train._loop(k)
+
+    def compute(w_P, batch_local):
+      params_var, mbs = loop.prepare(w_P, batch_local)
+      count = lax.pcast(jnp.int32(repeats), axis, to="varying")
+      carry, _ = loop.start(params_var, mbs, count)
+      acc, _, loss_sum, _ = loop.run(params_var, mbs, 0, count, carry)
+      return (loss_sum + sum(jnp.sum(x) for x in jax.tree.leaves(acc)))[None]  # keeps the backward
+
+    def comm(buf_1xP):
+      flat = buf_1xP[0]
+      if train.plan.sharded:
+        return _all_gather_invariant(lax.psum_scatter(flat, axis, tiled=True), axis)
+      return lax.psum(flat, axis)
+
+    d = P(axis)
+    sm = functools.partial(jax.shard_map, mesh=train.mesh)
+    train._compiled["probe"] = (
+      jax.jit(sm(compute, in_specs=(P(), d), out_specs=d)),
+      jax.jit(sm(comm, in_specs=d, out_specs=P())),
+      jax.jit(sm(lambda x: lax.psum(x[0], axis), in_specs=d, out_specs=P())),
+      jax.device_put(train._zeros_buf(), train._sharding(d)),
+    )
+  compute_fn, comm_fn, line_up, buf = train._compiled["probe"]
+  ones = train._put_counts(None, k=1)
+
+  def timed(fn, *args):
+    if first:
+      jax.block_until_ready(fn(*args))
+    jax.block_until_ready(line_up(ones))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+  return timed(compute_fn, state.w, batch) / repeats, timed(comm_fn, buf)
