@@ -250,7 +250,9 @@ class LocoStep:
     inner = state.inner._replace(params=params, w=self.inner._gather(params))
     step_norm = optax.tree.norm(base.pseudo_gradient(base.select(state.outer.params, idx), new_g))
     metrics = {
-      "outer_delta_norm": optax.tree.norm(jax.tree.map(lambda x: x[0], mean)),
+      # norms over every worker's (identical) copy, / sqrt(M): a scalar reduction, where taking
+      # worker 0's copy would broadcast it to every device, a collective as large as the sync's
+      "outer_delta_norm": optax.tree.norm(mean) / jnp.sqrt(self.num_workers),
       "outer_step_norm": step_norm / jnp.sqrt(self.num_workers),
       "outer_fragment": jnp.int32(p),
     }
