@@ -71,17 +71,19 @@ SETTINGS = {
     methods=("zero1", "acco", "dpu"),
   ),
   # Low-communication methods (bench/loco.py): M workers of 8/M devices, the d8 model and batch
-  # per device, longer (H = 50 needs several syncs). Labels: ddp, diloco-h<H>, streaming-h<H>
-  # (2 fragments, FP4, tau = 1, alpha = 0.5). loco-m8's DDP baseline is loco-m4's (the same run).
+  # per device, longer (H = 50 needs several syncs). Labels: ddp, diloco-h<H> (the paper's outer
+  # Nesterov 0.7 / 0.9), diloco-h<H>-avg (outer lr 1, no momentum: parameter averaging, the best of
+  # a short sweep at this scale), streaming-h<H> (2 fragments, FP4, tau = 1, alpha = 0.5, the
+  # paper's outer step). loco-m8's DDP baseline is loco-m4's (the same run).
   "loco-m4": dict(
     devices=8, workers=4, D=128, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
     microbatches=4, num_updates=400, eval_every=25, eval_batches=12,
-    methods=("ddp", "diloco-h10", "diloco-h50", "streaming-h50"),
+    methods=("ddp", "diloco-h10", "diloco-h50", "diloco-h50-avg", "streaming-h50"),
   ),
   "loco-m8": dict(
     devices=8, workers=8, D=128, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
     microbatches=4, num_updates=400, eval_every=25, eval_batches=12, baseline="loco-m4",
-    methods=("diloco-h10", "diloco-h50", "streaming-h50"),
+    methods=("diloco-h10", "diloco-h50", "diloco-h50-avg", "streaming-h50"),
   ),
   "smoke": dict(
     devices=2, D=32, N=1, H=2, tokenizer="byte", seq_len=32, microbatch_size=1, microbatches=2,
@@ -137,9 +139,12 @@ def make_config(setting: str, label: str, seed: int):
 def loco_overrides(c, label: str, s: dict) -> None:
   """``diloco-h<H>``: DiLoCo (outer Nesterov 0.7 / 0.9); ``streaming-h<H>``: Streaming DiLoCo with
   2 fragments, FP4, tau = 1, alpha = 0.5 (the paper's final setting, 2 blocks -> 2 fragments)."""
-  name, _, h = label.partition("-h")
+  name, _, rest = label.partition("-h")
+  h, _, variant = rest.partition("-")
   c.method = "streaming_diloco" if name == "streaming" else "diloco"
   c.loco.workers, c.loco.sync_every, c.loco.inner = s["workers"], int(h), "zero1"
+  if variant == "avg":
+    c.loco.outer_lr, c.loco.outer_momentum = 1.0, 0.0
   if name == "streaming":
     c.loco.fragments, c.loco.overlap_steps, c.loco.alpha, c.loco.quantize = 2, 1, 0.5, "fp4"
 

@@ -21,6 +21,7 @@ Usage::
   python bench/loco.py --jobs 2          # convergence (about 1 h on 2 cores) + comm + figure
   python bench/loco.py --collect         # rebuild the JSON, the table and the figure
   python bench/loco.py --comm-only       # only the HLO accounting
+  python bench/loco.py --sweep           # outer lr / momentum sweep, M = 4, 150 steps, seed 0
 """
 
 from __future__ import annotations
@@ -34,6 +35,47 @@ import convergence
 
 SETTINGS = ("loco-m4", "loco-m8")
 FIGURE = common.REPO / "docs" / "figures" / "loco_convergence.png"
+
+
+SWEEP = (("ddp", 0.7, 0.9), ("diloco-h10", 0.7, 0.9), ("diloco-h10", 1.0, 0.0),
+         ("diloco-h10", 0.7, 0.5), ("diloco-h10", 0.3, 0.9), ("diloco-h10", 1.0, 0.5),
+         ("diloco-h10", 1.4, 0.0), ("diloco-h50", 0.7, 0.9), ("diloco-h50", 1.0, 0.0))  # fmt: skip
+
+
+def sweep_worker(args) -> None:
+  """One sweep point in a child with 8 CPU devices: loco-m4, 150 steps, seed 0."""
+  import tempfile
+
+  from acco_jax import trainer
+
+  label, lr, momentum = args.sweep_point.split(",")
+  c = convergence.make_config("loco-m4", label, 0)
+  c.loco.outer_lr, c.loco.outer_momentum = float(lr), float(momentum)
+  c.train.num_updates = c.train.eval_every = 150
+  c.train.log_every = 50
+  with tempfile.TemporaryDirectory() as tmp:
+    summary = trainer.train_and_evaluate(c, tmp)
+  common.write_json(args.worker_out, {"label": label, "outer_lr": float(lr),
+                                      "outer_momentum": float(momentum),
+                                      "eval_loss": summary["eval_loss"]})  # fmt: skip
+
+
+def run_sweep() -> list[dict]:
+  import subprocess
+  import tempfile
+  from pathlib import Path
+
+  rows = []
+  for label, lr, mom in SWEEP:
+    with tempfile.TemporaryDirectory() as tmp:
+      out = Path(tmp) / "point.json"
+      subprocess.run([sys.executable, __file__, "--worker-out", str(out), "--sweep-point",
+                      f"{label},{lr},{mom}"], env=common.cpu_env(8), check=True, cwd=common.REPO)  # fmt: skip
+      rows.append(json.loads(out.read_text()))
+      common.log(
+        f"{label:12s} outer lr {lr:.1f} momentum {mom:.1f}: eval {rows[-1]['eval_loss']:.4f}"
+      )
+  return rows
 
 
 def comm_worker(args) -> None:
@@ -147,10 +189,19 @@ def main() -> int:
   ap.add_argument("--seeds", nargs="+", type=int, default=list(convergence.SEEDS))
   ap.add_argument("--collect", action="store_true")
   ap.add_argument("--comm-only", action="store_true")
+  ap.add_argument("--sweep", action="store_true", help="only the outer lr / momentum sweep")
   ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+  ap.add_argument("--sweep-point", help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.worker_out:
-    comm_worker(args)
+    (sweep_worker if args.sweep_point else comm_worker)(args)
+    return 0
+  if args.sweep:
+    rows = run_sweep()
+    path = common.write_json(common.RESULTS / "loco_outer_sweep.json",
+                             {"machine": common.machine(), "setting": "loco-m4, 150 steps, seed 0",
+                              "points": rows})  # fmt: skip
+    common.log(f"wrote {path}")
     return 0
   path = common.RESULTS / "loco.json"
   failed = 0
