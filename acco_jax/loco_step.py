@@ -285,7 +285,10 @@ class LocoStep:
       # Two barriers place the all-reduce of the mean around the first inner step's microbatch
       # loop: the loop starts after the payload is computed (not after it is reduced), and the
       # step's own collectives start after the reduction (the mean joins the loop's result), so
-      # the reduction is the one collective in flight while the microbatches run.
+      # the reduction is the one collective in flight while the microbatches run. The join is
+      # the one that decides the schedule (without it XLA:GPU finishes the all-reduce before the
+      # loop; tests/loco_overlap_gpu_test.py goes red); the first barrier only fixes an order
+      # the latency-hiding scheduler already picks today.
       payload, inner = lax.optimization_barrier((payload, state.inner))
       stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
 

@@ -342,9 +342,10 @@ def test_streaming_one_fragment_no_overlap_is_diloco():
 
 
 @pytest.mark.parametrize(
-  "H,P,tau,alpha,quant", [(4, 2, 1, 0.5, "fp4"), (6, 2, 2, 0.0, "none"), (8, 4, 1, 0.5, "none")]
+  "H,P,tau,alpha,quant", [(4, 2, 1, 0.5, "fp4"), (6, 2, 2, 0.0, "none"), (8, 4, 1, 0.25, "none")]
 )
 def test_streaming_matches_reference(H, P, tau, alpha, quant):
+  """α = 0.25 tells α θ_m + (1 − α) θ_g from its mirror image, which α = 0.5 cannot."""
   M, D = 2, 4
   batches = toy_batches(9, M * D * K * B)
   method = loco.streaming_diloco(
