@@ -42,6 +42,9 @@ class Collective(NamedTuple):
   shape: tuple  # operand shape (jaxpr) / result shapes as (dtype, dims) (HLO)
   bytes: int  # bytes of the full buffer: operand (jaxpr, HLO reduce-scatter), result (HLO others)
   in_loop: bool
+  # HLO only: the device groups (replica_groups), or the (source, target) pairs of a
+  # collective-permute; () when not parsed
+  groups: tuple = ()
 
 
 class DataflowReport(NamedTuple):
@@ -257,8 +260,43 @@ def _group_size(attrs: str) -> int:
   return int(m.group(1)) if m else 1
 
 
+def replica_groups(attrs: str) -> tuple[tuple[int, ...], ...]:
+  """The device groups of a collective's attributes, in any of XLA's spellings: explicit
+  ``{{0,1},{2,3}}``, iota ``[2,4]<=[4,2]T(1,0)``, mesh axes ``mesh['a'=4,'b'=2] {'b'}``; for a
+  collective-permute, its ``source_target_pairs``. ``()`` if none is found."""
+  m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{}]*\})\}", attrs)
+  if m:
+    return tuple(
+      tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([\d,]*)\}", m.group(1))
+    )
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  if m:
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return tuple(tuple(int(x) for x in g) for g in ids.reshape(int(m.group(1)), int(m.group(2))))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  if m:
+    axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+    names, dims = [a for a, _ in axes], [int(d) for _, d in axes]
+    chosen = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(2))]
+    rest = [i for i in range(len(dims)) if i not in chosen]
+    ids = np.arange(int(np.prod(dims))).reshape(dims).transpose(rest + chosen)
+    size = int(np.prod([dims[i] for i in chosen]))
+    return tuple(tuple(int(x) for x in g) for g in ids.reshape(-1, size))
+  return ()
+
+
+def crosses(c: Collective, group_of) -> bool:
+  """Whether collective ``c`` moves data between devices of different groups, ``group_of(device
+  id)`` (e.g. ``lambda i: i // D`` for the workers of a ``(replica, data)`` mesh)."""
+  return any(len({group_of(i) for i in g}) > 1 for g in c.groups)
+
+
 def hlo_collectives(text: str) -> list[Collective]:
-  """Collectives in compiled HLO text: opcode (without -start/-done), result shape, bytes, in a loop.
+  """Collectives in compiled HLO text: opcode (without -start/-done), result shape, bytes, in a loop,
+  and the device groups.
 
   Async pairs are counted once (at the start, or at the op wrapped by an ``async-start``).
   """
@@ -275,7 +313,7 @@ def hlo_collectives(text: str) -> list[Collective]:
         nbytes = _shape_bytes(" ".join(f"{d}[{s}]" for d, s in shapes))
         if op == "reduce-scatter":  # the operand is group-size times the result
           nbytes *= _group_size(i.rest)
-        out.append(Collective(op, tuple(shapes), nbytes, comp in in_loop))
+        out.append(Collective(op, tuple(shapes), nbytes, comp in in_loop, replica_groups(i.rest)))
   return out
 
 

@@ -436,14 +436,16 @@ class LocoStep:
       f"{self.peak_sync_bytes():,.0f}, per inner step {per_step:,.0f}"
     )
 
-  @staticmethod
-  def outer_row(metrics: dict) -> dict:
-    """The outer-step fields of a call's (host) metrics, for a log line (per-worker values as
-    their mean over workers)."""
-    keys = ("outer_fragment", "outer_delta_norm", "outer_step_norm")
+  def outer_row(self, metrics: dict) -> dict:
+    """The outer-step fields of a call's (host) metrics, for a log line: per-worker values as their
+    mean over workers, the bytes the sync sent per worker and the share of values it sent."""
+    keys = ("outer_fragment", "outer_delta_norm", "outer_step_norm", "outer_pairing")
     row = {k: np.mean(np.asarray(metrics[k])).item() for k in keys if k in metrics}
     if "outer_fragment" in row:
-      row["outer_fragment"] = int(row["outer_fragment"])
+      row["outer_fragment"] = p = int(row["outer_fragment"])
+      row.update(sync_bytes_per_worker=self.wire_bytes(p), sent_density=self.density())
+    if "outer_pairing" in row:
+      row["outer_pairing"] = int(row["outer_pairing"])
     return row
 
 

@@ -322,7 +322,10 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
     if run.loco:
       for at, outer in jax.device_get(outer_rows):
         writer.write(at, train.outer_row(outer))
-      summary.update(wire_bytes_per_worker=wire_bytes, peak_sync_bytes=train.peak_sync_bytes())
+      summary.update(
+        wire_bytes_per_worker=wire_bytes, peak_sync_bytes=train.peak_sync_bytes(),
+        payload_bytes_per_sync=train.payload_bytes(0), sent_density=train.density(),
+      )  # fmt: skip
     final = train.params(state)
     if evaluated_at != stage:  # the last update may have been evaluated already
       ev = evaluate(run, config, final, eval_fn)

@@ -1,0 +1,405 @@
+r"""Every method on one problem: hiding communication (ACCO) against reducing it (the LoCo family).
+
+ddp, zero1, acco, diloco, streaming diloco, noloco, sparseloco and demo train the CPU-scale model and
+data of ``bench/convergence.py`` (its ``d8`` setting: D=128, 2 layers, 2k BPE on the embedded
+corpus, context 64, AdamW at a constant 2e-3 without clipping) with **equal tokens**: 2048 tokens per
+step, 8 devices. The data-parallel methods (ddp, zero1, acco) run on all 8 devices; the
+low-communication methods run ``M = 8`` workers of one device each, which see the same 2048 tokens
+per inner step (256 each). ``H = 50`` for DiLoCo, Streaming DiLoCo (2 fragments, ``τ = 1``,
+``α = 0.5``, FP4), NoLoCo and SparseLoCo (1.56%, 2-bit); DeMo updates every step. Each run is a
+``train.py``-equivalent process (:func:`acco_jax.trainer.train_and_evaluate`) writing
+``<out>/runs/loco_compare/<method>/seed<k>/`` (resumable: a run with a ``result.json`` is skipped).
+
+Reported, per method (mean ± std over seeds):
+
+* the final eval loss, and the eval curves (``docs/figures/loco_compare.png``);
+* bytes sent per worker per token and per sync, **read from the compiled programs** (each program
+  compiled on the CPU-scale model, its collectives listed with :func:`acco_jax.hlo.hlo_collectives`,
+  those that cross workers converted to bytes a worker sends with ring algorithms: all-reduce
+  ``2 (M−1)/M`` of the buffer, all-gather ``(M−1)/M`` of its result, collective-permute its
+  operand), beside the packed bytes of the accounting. XLA:CPU computes bf16 collectives in f32 and
+  Streaming DiLoCo's FP4 is emulated in f32, so for those the HLO shows f32 and the accounting the
+  bytes as sent; SparseLoCo's and DeMo's all-gathers move the packed bytes themselves;
+* the optimizer and communication state per device (the programs' state shardings);
+* the modelled time to reach a target eval loss with 8 x H100 per worker and 1, 10 or 100 Gbit/s
+  between workers (:func:`acco_jax.perfmodel.time_to_target`; the assumptions are in
+  :data:`PROJECTION`).
+
+Usage::
+
+  python bench/loco_compare.py --jobs 2              # 8 methods x 3 seeds, then collect
+  python bench/loco_compare.py --collect             # rebuild the JSON, table and figure only
+  python bench/loco_compare.py --smoke --out /tmp/lc # CI-size: tiny model, 2 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import common
+import convergence
+
+SETTING = dict(
+  devices=8, workers=8, D=128, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
+  microbatches=4, num_updates=400, eval_every=25, eval_batches=12, lr=2e-3,
+)  # fmt: skip
+SMOKE = dict(
+  devices=8, workers=8, D=32, N=2, H=2, tokenizer="byte", seq_len=32, microbatch_size=1,
+  microbatches=2, num_updates=4, eval_every=2, eval_batches=2, lr=2e-3,
+)  # fmt: skip
+SYNC_EVERY = 50
+DEMO_LR = 1e-3  # DeMo's sign step (constant, like the others' AdamW lr)
+# label -> (config module, overrides of the method's own config)
+METHODS = {
+  "ddp": ("gpt2_ddp", {}),
+  "zero1": ("gpt2_zero1", {}),
+  "acco": ("gpt2_acco", {}),
+  "diloco": ("gpt2_diloco", {"loco.sync_every": SYNC_EVERY}),
+  "streaming_diloco": ("gpt2_streaming_diloco", {"loco.sync_every": SYNC_EVERY}),
+  "noloco": ("gpt2_noloco", {"loco.sync_every": SYNC_EVERY}),
+  "sparseloco": ("gpt2_sparseloco", {"loco.sync_every": SYNC_EVERY}),
+  "demo": ("gpt2_demo", {"opt.lr": DEMO_LR}),
+}
+LOCO = ("diloco", "streaming_diloco", "noloco", "sparseloco", "demo")
+SEEDS = (0, 1, 2)
+GBITS = (1.0, 10.0, 100.0)
+# The projection to 8 x H100 per worker (docs/benchmarks.md, "LoCo comparison").
+PROJECTION = {
+  "model": "GPT-2 124M", "params": 124_439_808,
+  "tokens_per_gpu_step": 6 * 8 * 1024,  # the gpt2 preset: 6 microbatches of 8 x 1024 per GPU
+  "gpu_tokens_per_s": 285e3,  # measured: train.py zero1 on one H100 (docs/benchmarks.md)
+  "gpus_per_worker": 8, "workers": 8,
+  "nvlink_GBps": 450.0, "link_efficiency": 0.8, "latency_intra_s": 5e-6, "latency_inter_s": 50e-6,
+}  # fmt: skip
+
+
+def setting(smoke: bool) -> dict:
+  return SMOKE if smoke else SETTING
+
+
+def tokens_per_update(s: dict) -> int:
+  return s["devices"] * s["microbatches"] * s["microbatch_size"] * s["seq_len"]
+
+
+# -- one run (child process) ------------------------------------------------------------------------
+
+
+def make_config(label: str, seed: int, smoke: bool = False):
+  """The trainer config: the method's config file, shrunk to the setting (convergence.py's d8)."""
+  sys.path.insert(0, str(common.REPO))
+  import importlib
+
+  name, overrides = METHODS[label]
+  s = setting(smoke)
+  c = importlib.import_module(f"configs.{name}").get_config("cpu")
+  c.model.D, c.model.N, c.model.H = s["D"], s["N"], s["H"]
+  c.data.tokenizer, c.data.seq_len = s["tokenizer"], s["seq_len"]
+  c.batch.microbatch_size, c.batch.microbatches = s["microbatch_size"], s["microbatches"]
+  c.opt.lr, c.opt.schedule, c.opt.warmup_updates, c.opt.min_lr_ratio = s["lr"], "constant", 0, 1.0
+  c.opt.weight_decay, c.opt.decay, c.opt.clip_norm = 0.1, "all", 0.0  # the same inner AdamW
+  c.train.num_updates, c.train.seed = s["num_updates"], seed
+  c.train.log_every = 5
+  c.train.eval_every, c.train.eval_batches = s["eval_every"], s["eval_batches"]
+  c.train.sample_tokens = 0
+  c.ckpt.every, c.ckpt.async_save = 0, False
+  c.mesh.num_devices, c.mesh.cpu_devices = s["devices"], 0
+  if label in LOCO:
+    c.loco.workers = s["workers"]
+  if label == "demo":
+    c.opt.weight_decay = 0.0  # the reference's DeMo (decoupled, on the sign step)
+  for key, value in overrides.items():
+    group, field = key.split(".")
+    c[group][field] = value
+  if smoke and label in LOCO and label != "demo":
+    c.loco.sync_every = 2
+  return c
+
+
+def train_worker(args) -> None:
+  from acco_jax import trainer
+
+  config = make_config(args.method, args.seed, args.smoke)
+  start = time.perf_counter()
+  result = {"method": args.method, "seed": args.seed}
+  try:
+    summary = trainer.train_and_evaluate(config, args.workdir)
+    result.update(status="ok", final_eval_loss=summary.get("eval_loss"), summary=summary)
+  except FloatingPointError as e:
+    result.update(status="diverged", error=str(e), final_eval_loss=float("nan"))
+  result["wall_s"] = time.perf_counter() - start
+  result["config"] = json.loads(config.to_json_best_effort())
+  shutil.rmtree(Path(args.workdir) / "checkpoints", ignore_errors=True)
+  common.write_json(Path(args.workdir) / "result.json", result)
+
+
+# -- bytes and state from the compiled programs (child process) -----------------------------------
+
+
+def _sent(c, n: int) -> float:
+  """Bytes one device sends for collective ``c`` among ``n`` devices (ring algorithms)."""
+  if c.kind == "collective-permute":
+    return float(c.bytes)
+  one = (n - 1) / n * c.bytes
+  return 2 * one if c.kind == "all-reduce" else one
+
+
+def programs_worker(args) -> dict:
+  """Per method: bytes each program sends per worker (HLO and accounting), state per device."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from acco_jax import hlo, metrics, trainer
+
+  s = setting(args.smoke)
+  out = {}
+  for label in args.methods:
+    config = make_config(label, 0, args.smoke)
+    run = trainer.build(config)
+    train = run.train
+    shapes = run.params_shapes
+    state = train.abstract_state(shapes)
+    n_dev = run.mesh.size
+    rows = n_dev * train.num_microbatches * s["microbatch_size"]
+    batch_sharding = NamedSharding(train.mesh, P(run.batch_axis))
+    batch = {
+      k: jax.ShapeDtypeStruct((rows, s["seq_len"]), jnp.int32, sharding=batch_sharding)
+      for k in ("inputs", "targets")
+    }
+    progs = {}
+    if run.loco:
+      m = train.num_workers
+      per = train.num_devices  # devices per worker
+      counts = jax.ShapeDtypeStruct(
+        (m, per), jnp.int32, sharding=NamedSharding(train.mesh, P("replica", "data"))
+      )
+      progs["stage"] = (train._program("stage", None, state), (state, batch, counts))
+      meth = train.method
+      for p in range(len(train.parts)):
+        if meth.overlap_steps:
+          stacked = [batch] * meth.overlap_steps
+          progs[f"window{p}"] = (train._program("window", p, state), (state, stacked, counts))
+          progs[f"apply{p}"] = (train._program("apply", p, state), (state,))
+        else:
+          progs[f"sync{p}"] = (train._program("sync", p, state), (state,))
+      group_of = lambda i, per=per: i // per
+    else:
+      m, per = n_dev, 1
+      kind = "delayed" if train.plan.delayed else "sync"
+      dev_counts = jax.ShapeDtypeStruct((n_dev,), jnp.int32, sharding=batch_sharding)
+      progs[kind] = (train._jit(kind, state), (state, batch, dev_counts))
+      group_of = lambda i: i  # every device is a worker
+    found = {}
+    for name, (fn, fn_args) in progs.items():
+      cs = hlo.hlo_collectives(fn.lower(*fn_args).compile().as_text())
+      cross = [c for c in cs if hlo.crosses(c, group_of)]
+      found[name] = {
+        "collectives": [f"{c.kind} {c.shape} {c.bytes}B" for c in cross],
+        "sent_per_worker": per * sum(_sent(c, m) for c in cross),
+      }
+    state_bytes = {
+      part: common.shard_bytes(getattr(state, part) if hasattr(state, part) else ())
+      for part in ("inner", "outer", "inflight", "comp", "params", "opt_state", "buf", "w")
+    }
+    if run.loco:
+      inner = state.inner
+      split = {
+        "params": common.shard_bytes((inner.params, inner.w)),
+        "optimizer": common.shard_bytes(inner.opt_state) + common.shard_bytes(state.outer),
+        "communication": common.shard_bytes((state.inflight, state.comp)),
+      }
+      per_sync = {p: train.wire_bytes(p) for p in range(len(train.parts))}
+      acct = {
+        "sync_wire": per_sync, "payload": train.payload_bytes(0), "density": train.density(),
+        "syncs_per_step": len(train.parts) / train.method.sync_every,
+      }  # fmt: skip
+    else:
+      split = {
+        "params": common.shard_bytes((state.params, state.w)),
+        "optimizer": common.shard_bytes(state.opt_state),
+        "communication": common.shard_bytes((state.buf, state.buf_count)),
+      }
+      stage = metrics.comm_bytes_per_stage(train.plan, train.layout.padded_size, n_dev)
+      stages = 2 if train.plan.two_stage else 1
+      acct = {"sync_wire": {0: stage * stages}, "payload": None, "density": 1.0,
+              "syncs_per_step": 1.0}  # fmt: skip
+    del state_bytes
+    out[label] = {
+      "programs": found, "accounting": acct, "state_per_device": split,
+      "params": train.layout.num_params, "workers": m, "devices_per_worker": per,
+      "tokens_per_step": tokens_per_update(s),
+    }
+    common.log(f"{label}: {json.dumps({k: v['sent_per_worker'] for k, v in found.items()})}")
+  return out
+
+
+# -- the driver ---------------------------------------------------------------------------------------
+
+
+def run_dir(out: Path, label: str, seed: int) -> Path:
+  return out / "runs" / "loco_compare" / label / f"seed{seed}"
+
+
+def launch(out: Path, label: str, seed: int, smoke: bool) -> subprocess.Popen:
+  d = run_dir(out, label, seed)
+  if d.exists():
+    shutil.rmtree(d)
+  d.mkdir(parents=True)
+  cmd = [sys.executable, __file__, "--train-worker", "--workdir", str(d), "--method", label,
+         "--seed", str(seed)] + (["--smoke"] if smoke else [])  # fmt: skip
+  log = open(d / "run.log", "w")
+  env = common.cpu_env(setting(smoke)["devices"])
+  proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=common.REPO)
+  proc.log = log
+  return proc
+
+
+def run_all(out: Path, plan: list, jobs: int, timeout_s: float, smoke: bool) -> list[str]:
+  todo = [r for r in plan if not (run_dir(out, *r) / "result.json").exists()]
+  common.log(f"{len(plan) - len(todo)} of {len(plan)} runs already done; {len(todo)} to run")
+  running, failed, t0 = {}, [], time.time()
+  while todo or running:
+    while todo and len(running) < jobs:
+      r = todo.pop(0)
+      running[r] = (launch(out, *r, smoke), time.time())
+      common.log(f"[{time.time() - t0:6.0f} s] start {r[0]}/seed{r[1]}")
+    time.sleep(1.0)
+    for r, (proc, started) in list(running.items()):
+      code = proc.poll()
+      if code is None and time.time() - started > timeout_s:
+        proc.kill()
+        code = proc.wait()
+      if code is None:
+        continue
+      proc.log.close()
+      del running[r]
+      res_path = run_dir(out, *r) / "result.json"
+      if code != 0 or not res_path.exists():
+        failed.append(f"{r[0]}/seed{r[1]}")
+        tail = (run_dir(out, *r) / "run.log").read_text()[-1500:]
+        common.log(f"[{time.time() - t0:6.0f} s] FAILED {r} (exit {code}):\n{tail}")
+      else:
+        res = json.loads(res_path.read_text())
+        common.log(
+          f"[{time.time() - t0:6.0f} s] done {r[0]}/seed{r[1]}: {res['status']} "
+          f"eval_loss={res['final_eval_loss']:.4f} in {res['wall_s']:.0f} s"
+        )
+  return failed
+
+
+# -- collecting -----------------------------------------------------------------------------------
+
+
+def steps_to(curve: dict, target: float) -> float:
+  """The first update at which the eval loss reaches ``target`` (linear between evaluations;
+  ``inf`` if never)."""
+  prev_u, prev_l = 0, None
+  for u, loss in zip(curve["update"], curve["loss"], strict=True):
+    if loss <= target:
+      if prev_l is None or prev_l <= target:
+        return float(u)
+      return prev_u + (prev_l - target) / (prev_l - loss) * (u - prev_u)
+    prev_u, prev_l = u, loss
+  return math.inf
+
+
+def project(label: str, prog: dict, steps: float, gbit: float) -> dict:
+  """Modelled seconds to ``steps`` inner steps at ``gbit`` Gbit/s between workers."""
+  from acco_jax import perfmodel as pm
+
+  a = PROJECTION
+  scale = a["params"] / prog["params"]  # bytes scale with the parameter count
+  compute = a["tokens_per_gpu_step"] / a["gpu_tokens_per_s"]
+  intra = pm.Link(a["nvlink_GBps"] * pm.GBYTE * a["link_efficiency"], a["latency_intra_s"])
+  inter = pm.Link(gbit * pm.GBIT * a["link_efficiency"], a["latency_inter_s"])
+  node = pm.Cluster(1, a["gpus_per_worker"], intra)
+  acct = prog["accounting"]
+  if label in LOCO:
+    per_sync = [b * scale for b in acct["sync_wire"].values()]
+    step = pm.loco_step_time(
+      label, compute, per_sync, workers=a["workers"], link=inter,
+      sync_every=prog["sync_every"], overlap_steps=prog["overlap_steps"],
+      inner=pm.step_time("zero1", _work(a, compute, 1), node),
+    )  # fmt: skip
+  else:
+    cluster = pm.Cluster(a["workers"], a["gpus_per_worker"], intra, inter)
+    step = pm.step_time(label, _work(a, compute, 2 if label == "acco" else 1), cluster)
+    step = pm.LocoStepTime(label, step.time, step.compute, step.exposed, step.bytes_sent)
+  return {
+    "step_s": step.time, "exposed_s": step.exposed, "time_s": steps * step.time,
+    "compute_share": step.compute / step.time,
+  }
+
+
+def _work(a: dict, compute: float, k: int):
+  from acco_jax import perfmodel as pm
+
+  return pm.Workload(params=a["params"], microbatch_time=compute / k, microbatches=k)
+
+
+def collect(out: Path, seeds: list[int], methods: list[str], programs: dict | None, smoke: bool):
+  s = setting(smoke)
+  s_conv = dict(s)  # convergence.read_run's setting keys
+  runs: dict = {}
+  for label in methods:
+    for seed in seeds:
+      d = run_dir(out, label, seed)
+      if (d / "result.json").exists():
+        runs.setdefault(label, {})[seed] = convergence.read_run(d, s_conv)
+  summary = {}
+  for label, by_seed in runs.items():
+    finals = [r["final_eval_loss"] for r in by_seed.values()]
+    summary[label] = {"final_eval_loss": convergence._mean_std(finals)}
+  return {"runs": runs, "summary": summary, "setting": s, "programs": programs}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--out", type=Path, default=common.RESULTS)
+  p.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+  p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+  p.add_argument("--jobs", type=int, default=1)
+  p.add_argument("--timeout", type=float, default=3600)
+  p.add_argument("--collect", action="store_true")
+  p.add_argument("--smoke", action="store_true")
+  p.add_argument("--json", default="loco_compare.json")
+  p.add_argument("--train-worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--worker", dest="programs_worker", help=argparse.SUPPRESS)
+  p.add_argument("--workdir", help=argparse.SUPPRESS)
+  p.add_argument("--method", help=argparse.SUPPRESS)
+  p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.train_worker:
+    train_worker(args)
+    return 0
+  if args.programs_worker:
+    Path(args.programs_worker).write_text(json.dumps(programs_worker(args)))
+    return 0
+  if args.smoke:
+    args.seeds, args.jobs = [0], max(args.jobs, 1)
+  plan = [(m, k) for k in args.seeds for m in args.methods]  # seed-major
+  t0 = time.time()
+  failed = [] if args.collect else run_all(args.out, plan, args.jobs, args.timeout, args.smoke)
+  wall = None if args.collect else time.time() - t0
+  extra = ["--methods", *args.methods] + (["--smoke"] if args.smoke else [])
+  programs = common.run_worker(__file__, setting(args.smoke)["devices"], extra, timeout=3600)
+  results = collect(args.out, args.seeds, args.methods, programs, args.smoke)
+  results.update(machine=common.machine(), wall_s=wall)
+  path = common.write_json(args.out / ("loco_compare_smoke.json" if args.smoke else args.json), results)
+  common.log(f"wrote {path}")
+  if failed:
+    common.log(f"{len(failed)} runs failed: {', '.join(failed)}")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
