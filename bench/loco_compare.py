@@ -70,6 +70,12 @@ METHODS = {
 }
 LOCO = ("diloco", "streaming_diloco", "noloco", "sparseloco", "demo")
 SEEDS = (0, 1, 2)
+# XLA:CPU aborts a run whose simulated devices wait more than 40 s for each other in a collective,
+# which happens on a loaded 2-core machine: wait up to 15 minutes instead.
+PATIENT_COLLECTIVES = (
+  "--xla_cpu_collective_call_terminate_timeout_seconds=900 "
+  "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300"
+)
 GBITS = (1.0, 10.0, 100.0)
 # The projection to 8 x H100 per worker (docs/benchmarks.md, "LoCo comparison").
 PROJECTION = {
@@ -97,7 +103,10 @@ def make_config(label: str, seed: int, smoke: bool = False):
   sys.path.insert(0, str(common.REPO))
   import importlib
 
-  name, overrides = METHODS[label]
+  base, _, lr = label.partition("@")  # "demo@2e-3": DeMo at another sign-step size (the sweep)
+  name, overrides = METHODS[base]
+  if lr:
+    overrides = {**overrides, "opt.lr": float(lr)}
   s = setting(smoke)
   c = importlib.import_module(f"configs.{name}").get_config("cpu")
   c.model.D, c.model.N, c.model.H = s["D"], s["N"], s["H"]
@@ -111,14 +120,14 @@ def make_config(label: str, seed: int, smoke: bool = False):
   c.train.sample_tokens = 0
   c.ckpt.every, c.ckpt.async_save = 0, False
   c.mesh.num_devices, c.mesh.cpu_devices = s["devices"], 0
-  if label in LOCO:
+  if base in LOCO:
     c.loco.workers = s["workers"]
-  if label == "demo":
+  if base == "demo":
     c.opt.weight_decay = 0.0  # the reference's DeMo (decoupled, on the sign step)
   for key, value in overrides.items():
     group, field = key.split(".")
     c[group][field] = value
-  if smoke and label in LOCO and label != "demo":
+  if smoke and base in LOCO and base != "demo":
     c.loco.sync_every = 2
   return c
 
@@ -258,6 +267,7 @@ def launch(out: Path, label: str, seed: int, smoke: bool) -> subprocess.Popen:
          "--seed", str(seed)] + (["--smoke"] if smoke else [])  # fmt: skip
   log = open(d / "run.log", "w")
   env = common.cpu_env(setting(smoke)["devices"])
+  env["XLA_FLAGS"] += " " + PATIENT_COLLECTIVES
   proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=common.REPO)
   proc.log = log
   return proc
@@ -366,7 +376,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", type=Path, default=common.RESULTS)
   p.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
-  p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+  p.add_argument("--methods", nargs="+", default=list(METHODS), help="labels; demo@<lr> for a sweep")
   p.add_argument("--jobs", type=int, default=1)
   p.add_argument("--timeout", type=float, default=3600)
   p.add_argument("--collect", action="store_true")
@@ -386,7 +396,8 @@ def main(argv=None) -> int:
     return 0
   if args.smoke:
     args.seeds, args.jobs = [0], max(args.jobs, 1)
-  plan = [(m, k) for k in args.seeds for m in args.methods]  # seed-major
+  # seed-major; a sweep label (demo@<lr>) runs on the first seed only
+  plan = [(m, k) for k in args.seeds for m in args.methods if "@" not in m or k == args.seeds[0]]
   t0 = time.time()
   failed = [] if args.collect else run_all(args.out, plan, args.jobs, args.timeout, args.smoke)
   wall = None if args.collect else time.time() - t0

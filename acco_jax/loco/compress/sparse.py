@@ -227,8 +227,9 @@ class SparseCodec(NamedTuple):
 
   @property
   def density(self) -> float:
-    """Entries sent over values held (one row of every leaf)."""
-    return sum(p.kept for p in self.plans) / sum(p.length for p in self.plans)
+    """Entries sent over the entries of the chunks (one row of every leaf; a padded 1-D row's
+    padding counts as held)."""
+    return sum(p.kept for p in self.plans) / sum(p.tiles * p.size for p in self.plans)
 
   def compress(self, rows: list[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
     """Rows ``[..., length_l]`` -> (``uint8 [..., row_bytes]`` on the wire, the dense rows that
