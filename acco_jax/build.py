@@ -145,10 +145,14 @@ def _check_loco(config) -> loco.LocoMethod:
   c = config.loco
   if c.workers < 0:
     raise errors.UserValueError(f"loco.workers={c.workers} must be >= 0 (0 = one per device)")
-  if config.method == "diloco" and (c.fragments != 1 or c.overlap_steps or c.alpha):
+  if config.method != "streaming_diloco" and (c.fragments != 1 or c.overlap_steps or c.alpha):
     raise errors.UserValueError(
-      "diloco syncs everything at once (loco.fragments=1, overlap_steps=0, alpha=0); use "
-      "method=streaming_diloco for fragments, overlap or alpha"
+      f"{config.method} syncs every parameter at once (loco.fragments=1, overlap_steps=0, "
+      "alpha=0); use method=streaming_diloco for fragments, overlap or alpha"
+    )
+  if config.method == "demo" and c.sync_every != 1:
+    raise errors.UserValueError(
+      f"demo updates every step: loco.sync_every={c.sync_every} must be 1"
     )
   if config.hetero.budgets or config.hetero.adaptive or config.hetero.slowdown:
     raise errors.UserValueError(

@@ -108,6 +108,4 @@ class ReplicaCollectives:
       return lax.switch(which, branches, t) if len(branches) > 1 else branches[0](t)
 
     specs = self._specs(tree)
-    return jax.shard_map(local, mesh=self.mesh, in_specs=(specs, P()), out_specs=specs)(
-      tree, which
-    )
+    return jax.shard_map(local, mesh=self.mesh, in_specs=(specs, P()), out_specs=specs)(tree, which)

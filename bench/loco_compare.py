@@ -38,7 +38,6 @@ import argparse
 import json
 import math
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -243,8 +242,12 @@ def programs_worker(args) -> dict:
               "syncs_per_step": 1.0}  # fmt: skip
     del state_bytes
     out[label] = {
-      "programs": found, "accounting": acct, "state_per_device": split,
-      "params": train.layout.num_params, "workers": m, "devices_per_worker": per,
+      "programs": found,
+      "accounting": acct,
+      "state_per_device": split,
+      "params": train.layout.num_params,
+      "workers": m,
+      "devices_per_worker": per,
       "tokens_per_step": tokens_per_update(s),
     }
     common.log(f"{label}: {json.dumps({k: v['sent_per_worker'] for k, v in found.items()})}")
@@ -345,7 +348,9 @@ def project(label: str, prog: dict, steps: float, gbit: float) -> dict:
     step = pm.step_time(label, _work(a, compute, 2 if label == "acco" else 1), cluster)
     step = pm.LocoStepTime(label, step.time, step.compute, step.exposed, step.bytes_sent)
   return {
-    "step_s": step.time, "exposed_s": step.exposed, "time_s": steps * step.time,
+    "step_s": step.time,
+    "exposed_s": step.exposed,
+    "time_s": steps * step.time,
     "compute_share": step.compute / step.time,
   }
 
@@ -376,7 +381,9 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", type=Path, default=common.RESULTS)
   p.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
-  p.add_argument("--methods", nargs="+", default=list(METHODS), help="labels; demo@<lr> for a sweep")
+  p.add_argument(
+    "--methods", nargs="+", default=list(METHODS), help="labels; demo@<lr> for a sweep"
+  )
   p.add_argument("--jobs", type=int, default=1)
   p.add_argument("--timeout", type=float, default=3600)
   p.add_argument("--collect", action="store_true")
@@ -405,7 +412,9 @@ def main(argv=None) -> int:
   programs = common.run_worker(__file__, setting(args.smoke)["devices"], extra, timeout=3600)
   results = collect(args.out, args.seeds, args.methods, programs, args.smoke)
   results.update(machine=common.machine(), wall_s=wall)
-  path = common.write_json(args.out / ("loco_compare_smoke.json" if args.smoke else args.json), results)
+  path = common.write_json(
+    args.out / ("loco_compare_smoke.json" if args.smoke else args.json), results
+  )
   common.log(f"wrote {path}")
   if failed:
     common.log(f"{len(failed)} runs failed: {', '.join(failed)}")

@@ -82,7 +82,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.loco.quantize = "none"  # outer pseudo-gradients on the wire: none (float32) | fp4 (E3M0)
   c.loco.quantize_block = 2048  # values per FP4 power-of-two scale (within a device's shard)
   # sparseloco / demo: top-k per chunk of a device's shard, error feedback, all-gather
-  c.loco.topk = 64  # k kept per chunk of chunk^2 values (sparseloco: 1-D chunks keep the same share)
+  c.loco.topk = 64  # k per chunk of chunk^2 values (sparseloco: 1-D chunks keep the same share)
   c.loco.chunk = 64  # largest tile side of 2-D leaves / length of 1-D chunks
   c.loco.bits = 2  # sparseloco value quantiser: 2 | 4 | 8 bits (shift + lookup) | 32 (float32)
   c.loco.ef_decay = 0.95  # error-feedback decay (sparseloco) / momentum decay (demo: 0.999)

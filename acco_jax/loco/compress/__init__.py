@@ -11,11 +11,11 @@
 """
 
 from acco_jax.loco.compress.bits import dequantize as dequantize
-from acco_jax.loco.compress.bits import pack_codes as pack_codes
 from acco_jax.loco.compress.bits import pack12 as pack12
+from acco_jax.loco.compress.bits import pack_codes as pack_codes
 from acco_jax.loco.compress.bits import quantize as quantize
-from acco_jax.loco.compress.bits import unpack_codes as unpack_codes
 from acco_jax.loco.compress.bits import unpack12 as unpack12
+from acco_jax.loco.compress.bits import unpack_codes as unpack_codes
 from acco_jax.loco.compress.fp4 import E3M0_LEVELS as E3M0_LEVELS
 from acco_jax.loco.compress.fp4 import SCALE_BITS as SCALE_BITS
 from acco_jax.loco.compress.fp4 import Compressor as Compressor
