@@ -294,6 +294,14 @@ def crosses(c: Collective, group_of) -> bool:
   return any(len({group_of(i) for i in g}) > 1 for g in c.groups)
 
 
+def bytes_across(text: str, per_group: int, kinds=("all-reduce",)) -> int:
+  """Bytes (as :func:`hlo_collectives` counts them) of the collectives of ``kinds`` in compiled HLO
+  ``text`` whose device groups join devices of different blocks of ``per_group`` consecutive ids
+  (e.g. the workers of a ``(replica, data)`` mesh)."""
+  group_of = lambda i: i // per_group
+  return sum(c.bytes for c in hlo_collectives(text) if c.kind in kinds and crosses(c, group_of))
+
+
 def hlo_collectives(text: str) -> list[Collective]:
   """Collectives in compiled HLO text: opcode (without -start/-done), result shape, bytes, in a loop,
   and the device groups.
@@ -308,8 +316,10 @@ def hlo_collectives(text: str) -> list[Collective]:
       op = i.opcode.removesuffix("-start")
       if op in HLO_COLLECTIVES and not i.opcode.endswith("-done"):
         shapes = _SHAPE.findall(i.shape)
-        if i.opcode.endswith("-start") and len(shapes) > 1:  # (operand, result): keep the result
-          shapes = shapes[-1:]
+        # an all-gather/collective-permute start is (operand, result, ...): keep the result; an
+        # all-reduce start is its results (a tuple when XLA combined several)
+        if i.opcode.endswith("-start") and op != "all-reduce" and len(shapes) > 1:
+          shapes = shapes[1:2] if op == "collective-permute" else shapes[-1:]
         nbytes = _shape_bytes(" ".join(f"{d}[{s}]" for d, s in shapes))
         if op == "reduce-scatter":  # the operand is group-size times the result
           nbytes *= _group_size(i.rest)

@@ -380,6 +380,10 @@ class LocoStep:
     fn = lambda s: self.layout.from_shards(jax.tree.map(lambda x: x[0], s.outer.params))
     return jax.jit(fn, out_shardings=NamedSharding(self.mesh, P()))(state)
 
+  def replicated(self, x):
+    """A copy of ``x`` on every device (readable on every process), e.g. per-worker values."""
+    return jax.jit(jnp.copy, out_shardings=NamedSharding(self.mesh, P()))(x)
+
   def worker_params(self, state: LocoState) -> PyTree:
     """Every worker's ``θ_m``, a tree of ``[M, ...]`` float32 arrays of the original shapes."""
     fn = lambda s: jax.vmap(self.layout.from_shards)(s.inner.params)

@@ -7,7 +7,13 @@ import pytest
 from acco_jax import errors, trainer
 from acco_jax.checkpoint import Checkpointer
 from configs import gpt2_demo, gpt2_diloco, gpt2_noloco, gpt2_sparseloco, gpt2_streaming_diloco
-from tests.train_test import rows, tiny
+from tests.train_test import rows
+from tests.train_test import tiny as _tiny
+
+
+def tiny(module, **overrides):
+  """The tiny preset without the sample (a compile of its own) and with one evaluation."""
+  return _tiny(module, **{"train.sample_tokens": 0, "train.eval_every": 0, **overrides})
 
 
 def test_diloco_tiny_end_to_end(tmp_path):
