@@ -89,6 +89,14 @@ def test_sparseloco_resume_carries_the_error_feedback(tmp_path):
   assert whole["wire_bytes_per_worker"] == 3 * 3 * whole["payload_bytes_per_sync"]
 
 
+def test_a_diverging_worker_stops_the_run(tmp_path):
+  """The per-worker non-finite flags (kept per worker on the devices, reduced on the host at a log
+  line) stop the run like the data-parallel methods' flag does."""
+  config = tiny(gpt2_diloco, **{"loco.workers": 4, "opt.lr": 1e9})
+  with pytest.raises(FloatingPointError, match="non-finite loss before stage"):
+    trainer.train_and_evaluate(config, str(tmp_path))
+
+
 def test_restoring_onto_other_workers_is_a_clear_error(tmp_path):
   config = tiny(gpt2_diloco, **{"loco.workers": 4})
   trainer.train_and_evaluate(config, str(tmp_path), max_stages=3)
