@@ -377,6 +377,20 @@ def test_consensus_term_sums_to_zero_over_a_pair_and_vanishes_for_equal_phi():
   np.testing.assert_array_equal(consensus_gradient(delta_mean, phi_i, phi_i), delta_mean)
 
 
+def test_consensus_pulls_each_phi_toward_the_pair_mean():
+  """loco-family.md §3 with d̄ = 0 and δ = 0: δ_i = γ (φ̄ − φ_i), so after the outer step
+  φ_i − φ̄ = (1 − γ)(φ_i − φ̄) (a wrong sign would push it away, to 1 + γ)."""
+  gamma = 0.7
+  outer = loco.noloco(50, outer_lr=gamma, momentum=0.5).outer
+  r = np.random.default_rng(1)
+  phi_i, phi_j = (r.normal(size=5).astype(np.float32) for _ in range(2))
+  phi_bar = (phi_i + phi_j) / 2
+  g = consensus_gradient(np.zeros(5, np.float32), phi_i, phi_bar)
+  update, _ = outer.update(g, outer.init(phi_i), phi_i)
+  new = phi_i + np.asarray(update)
+  np.testing.assert_allclose(new - phi_bar, (1 - gamma) * (phi_i - phi_bar), rtol=1e-5, atol=1e-6)
+
+
 def test_noloco_with_all_workers_as_one_group_is_heavy_ball_diloco(batches):
   """n = N = 2 and equal φ: one pair is everyone, so NoLoCo is DiLoCo with a heavy-ball outer step."""
   bs = toy_batches(4, 2 * 4 * K * B)
