@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +46,8 @@ from pathlib import Path
 
 import common
 import convergence
+
+FIGURES = common.REPO / "docs" / "figures"
 
 SETTING = dict(
   devices=8, workers=8, D=128, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
@@ -159,6 +162,15 @@ def _sent(c, n: int) -> float:
   return 2 * one if c.kind == "all-reduce" else one
 
 
+def _program_sent(cross: list, n: int) -> float:
+  """Bytes one device sends in one run of a program whose collectives across workers are
+  ``cross``: NoLoCo's sync switches between one collective-permute per matching, of which one runs."""
+  permutes = [_sent(c, n) for c in cross if c.kind == "collective-permute"]
+  return sum(_sent(c, n) for c in cross if c.kind != "collective-permute") + max(
+    permutes, default=0
+  )
+
+
 def programs_worker(args) -> dict:
   """Per method: bytes each program sends per worker (HLO and accounting), state per device."""
   import jax
@@ -212,7 +224,7 @@ def programs_worker(args) -> dict:
       cross = [c for c in cs if hlo.crosses(c, group_of)]
       found[name] = {
         "collectives": [f"{c.kind} {c.shape} {c.bytes}B" for c in cross],
-        "sent_per_worker": per * sum(_sent(c, m) for c in cross),
+        "sent_per_worker": per * _program_sent(cross, m),
       }
     state_bytes = {
       part: common.shard_bytes(getattr(state, part) if hasattr(state, part) else ())
@@ -229,6 +241,7 @@ def programs_worker(args) -> dict:
       acct = {
         "sync_wire": per_sync, "payload": train.payload_bytes(0), "density": train.density(),
         "syncs_per_step": len(train.parts) / train.method.sync_every,
+        "sync_every": train.method.sync_every, "overlap_steps": train.method.overlap_steps,
       }  # fmt: skip
     else:
       split = {
@@ -239,7 +252,7 @@ def programs_worker(args) -> dict:
       stage = metrics.comm_bytes_per_stage(train.plan, train.layout.padded_size, n_dev)
       stages = 2 if train.plan.two_stage else 1
       acct = {"sync_wire": {0: stage * stages}, "payload": None, "density": 1.0,
-              "syncs_per_step": 1.0}  # fmt: skip
+              "syncs_per_step": 1.0, "sync_every": 1, "overlap_steps": 0}  # fmt: skip
     del state_bytes
     out[label] = {
       "programs": found,
@@ -325,8 +338,24 @@ def steps_to(curve: dict, target: float) -> float:
   return math.inf
 
 
+# ring hops of a sync (latency terms): all-reduce 2 (M-1), all-gather M-1, one pair exchange
+HOPS = {
+  "diloco": "ar",
+  "streaming_diloco": "ar",
+  "noloco": "pair",
+  "sparseloco": "ag",
+  "demo": "ag",
+}
+
+
 def project(label: str, prog: dict, steps: float, gbit: float) -> dict:
-  """Modelled seconds to ``steps`` inner steps at ``gbit`` Gbit/s between workers."""
+  """Modelled seconds to ``steps`` inner steps at ``gbit`` Gbit/s between workers.
+
+  Data-parallel methods: :func:`acco_jax.perfmodel.step_time` on 8 nodes of 8 GPUs. LoCo methods:
+  an inner step is ZeRO-1 on one node of 8 GPUs; each sync of fragment ``p`` (every ``H`` steps)
+  takes ``hops x latency + wire_p / bandwidth`` (``wire_p``: the accounting's bytes a worker sends,
+  scaled from the CPU model to GPT-2's parameter count) and is hidden behind ``τ`` inner steps.
+  """
   from acco_jax import perfmodel as pm
 
   a = PROJECTION
@@ -334,24 +363,25 @@ def project(label: str, prog: dict, steps: float, gbit: float) -> dict:
   compute = a["tokens_per_gpu_step"] / a["gpu_tokens_per_s"]
   intra = pm.Link(a["nvlink_GBps"] * pm.GBYTE * a["link_efficiency"], a["latency_intra_s"])
   inter = pm.Link(gbit * pm.GBIT * a["link_efficiency"], a["latency_inter_s"])
-  node = pm.Cluster(1, a["gpus_per_worker"], intra)
   acct = prog["accounting"]
   if label in LOCO:
-    per_sync = [b * scale for b in acct["sync_wire"].values()]
-    step = pm.loco_step_time(
-      label, compute, per_sync, workers=a["workers"], link=inter,
-      sync_every=prog["sync_every"], overlap_steps=prog["overlap_steps"],
-      inner=pm.step_time("zero1", _work(a, compute, 1), node),
-    )  # fmt: skip
+    m = a["workers"]
+    inner = pm.step_time("zero1", _work(a, compute, 1), pm.Cluster(1, a["gpus_per_worker"], intra))
+    hops = {"ar": 2 * (m - 1), "ag": m - 1, "pair": 1}[HOPS[label]]
+    exposed = 0.0
+    for wire in acct["sync_wire"].values():
+      t = hops * inter.latency + wire * scale / inter.bandwidth
+      exposed += max(0.0, t - acct["overlap_steps"] * inner.time) / acct["sync_every"]
+    step_s, compute_s = inner.time + exposed, inner.compute
   else:
     cluster = pm.Cluster(a["workers"], a["gpus_per_worker"], intra, inter)
-    step = pm.step_time(label, _work(a, compute, 2 if label == "acco" else 1), cluster)
-    step = pm.LocoStepTime(label, step.time, step.compute, step.exposed, step.bytes_sent)
+    st = pm.step_time(label, _work(a, compute, 2 if label == "acco" else 1), cluster)
+    step_s, compute_s, exposed = st.time, st.compute, st.exposed
   return {
-    "step_s": step.time,
-    "exposed_s": step.exposed,
-    "time_s": steps * step.time,
-    "compute_share": step.compute / step.time,
+    "step_s": step_s,
+    "exposed_s": exposed,
+    "time_s": steps * step_s,
+    "compute_share": compute_s / step_s,
   }
 
 
@@ -361,7 +391,14 @@ def _work(a: dict, compute: float, k: int):
   return pm.Workload(params=a["params"], microbatch_time=compute / k, microbatches=k)
 
 
-def collect(out: Path, seeds: list[int], methods: list[str], programs: dict | None, smoke: bool):
+def collect(
+  out: Path,
+  seeds: list[int],
+  methods: list[str],
+  programs: dict | None,
+  smoke: bool,
+  target: float | None = None,
+):
   s = setting(smoke)
   s_conv = dict(s)  # convergence.read_run's setting keys
   runs: dict = {}
@@ -374,7 +411,99 @@ def collect(out: Path, seeds: list[int], methods: list[str], programs: dict | No
   for label, by_seed in runs.items():
     finals = [r["final_eval_loss"] for r in by_seed.values()]
     summary[label] = {"final_eval_loss": convergence._mean_std(finals)}
-  return {"runs": runs, "summary": summary, "setting": s, "programs": programs}
+  # the target: the loss every method reaches (the worst final eval loss), unless given
+  finals = [v["final_eval_loss"]["mean"] for v in summary.values()]
+  target = target if target is not None else (max(finals) if finals else math.nan)
+  for label, row in summary.items():
+    prog = (programs or {}).get(label)
+    curves = [r["eval"] for r in runs[label].values()]
+    steps = statistics.fmean(steps_to(c, target) for c in curves)
+    row["steps_to_target"] = steps
+    if prog is None:
+      continue
+    per_step = _hlo_bytes_per_step(label, prog)
+    tokens_per_worker = prog["tokens_per_step"] / prog["workers"]
+    row["hlo_bytes_per_worker_per_token"] = per_step / tokens_per_worker
+    row["peak_sync_bytes"] = max(prog["accounting"]["sync_wire"].values())
+    row["state_bytes_per_device"] = prog["state_per_device"]
+    row["time_to_target_s"] = {
+      str(g): project(label, prog, steps, g)["time_s"] if math.isfinite(steps) else math.inf
+      for g in GBITS
+    }
+  return {"runs": runs, "summary": summary, "setting": s, "programs": programs, "target": target}
+
+
+def _hlo_bytes_per_step(label: str, prog: dict) -> float:
+  """Bytes a worker sends per inner step, from the compiled programs: the step's own program, and
+  each sync (window, apply) program once per ``H`` steps; ACCO runs two stages per update."""
+  sent = {k: v["sent_per_worker"] for k, v in prog["programs"].items()}
+  every = prog["accounting"]["sync_every"]
+  per_step = sum(v for k, v in sent.items() if k in ("stage", "sync", "delayed"))
+  per_step += sum(v / every for k, v in sent.items() if k not in ("stage", "sync", "delayed"))
+  return per_step * (2 if label == "acco" else 1)
+
+
+def table(results: dict) -> str:
+  """The markdown table of docs/benchmarks.md's "LoCo comparison"."""
+  g = " / ".join(f"{x:g}" for x in GBITS)
+  lines = [
+    f"| method | eval loss | bytes/worker/token (HLO) | peak bytes/sync | state bytes/device "
+    f"(params + opt + comm) | steps to {results['target']:.3f} | modelled time to it at {g} "
+    "Gbit/s |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for label, row in results["summary"].items():
+    loss = row["final_eval_loss"]
+    spread = f" ± {loss['std']:.3f} ({loss['n']} seeds)" if loss["n"] > 1 else " (1 seed)"
+    if "hlo_bytes_per_worker_per_token" not in row:
+      lines.append(f"| {label} | {loss['mean']:.3f}{spread} | | | | | |")
+      continue
+    st = row["state_bytes_per_device"]
+    times = " / ".join(_seconds(row["time_to_target_s"][str(x)]) for x in GBITS)
+    lines.append(
+      f"| {label} | {loss['mean']:.3f}{spread} | {row['hlo_bytes_per_worker_per_token']:,.1f} | "
+      f"{row['peak_sync_bytes']:,.0f} | {st['params']:,} + {st['optimizer']:,} + "
+      f"{st['communication']:,} | {row['steps_to_target']:.0f} | {times} |"
+    )
+  return "\n".join(lines)
+
+
+def _seconds(t: float) -> str:
+  return "never" if not math.isfinite(t) else f"{t:,.0f} s"
+
+
+def figure(results: dict, path: Path) -> Path | None:
+  """Eval loss against tokens (seed means), and final eval loss against bytes per token."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    common.log("matplotlib is not installed: no figure (pip install matplotlib)")
+    return None
+  fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+  for label, by_seed in results["runs"].items():
+    curves = [r["eval"] for r in by_seed.values()]
+    n = min(len(c["tokens"]) for c in curves)
+    mean = [statistics.fmean(c["loss"][i] for c in curves) for i in range(n)]
+    ax.plot(curves[0]["tokens"][:n], mean, label=label)
+    row = results["summary"][label]
+    if "hlo_bytes_per_worker_per_token" in row:
+      x = row["hlo_bytes_per_worker_per_token"]
+      bx.scatter([x], [row["final_eval_loss"]["mean"]])
+      bx.annotate(label, (x, row["final_eval_loss"]["mean"]), fontsize=8)
+  ax.axhline(results["target"], color="grey", lw=0.8, ls="--")
+  ax.set(xlabel="tokens", ylabel="eval loss", title="eval loss (mean over seeds)")
+  ax.legend(fontsize=8)
+  bx.set_xscale("log")
+  bx.set(xlabel="bytes sent per worker per token (compiled HLO)", ylabel="final eval loss",
+         title="loss against communication")  # fmt: skip
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
 
 
 def main(argv=None) -> int:
@@ -389,6 +518,9 @@ def main(argv=None) -> int:
   p.add_argument("--collect", action="store_true")
   p.add_argument("--smoke", action="store_true")
   p.add_argument("--json", default="loco_compare.json")
+  p.add_argument(
+    "--target", type=float, help="eval loss of the time to target (default: the worst final)"
+  )
   p.add_argument("--train-worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--worker", dest="programs_worker", help=argparse.SUPPRESS)
   p.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -410,12 +542,16 @@ def main(argv=None) -> int:
   wall = None if args.collect else time.time() - t0
   extra = ["--methods", *args.methods] + (["--smoke"] if args.smoke else [])
   programs = common.run_worker(__file__, setting(args.smoke)["devices"], extra, timeout=3600)
-  results = collect(args.out, args.seeds, args.methods, programs, args.smoke)
+  results = collect(args.out, args.seeds, args.methods, programs, args.smoke, args.target)
   results.update(machine=common.machine(), wall_s=wall)
-  path = common.write_json(
-    args.out / ("loco_compare_smoke.json" if args.smoke else args.json), results
-  )
-  common.log(f"wrote {path}")
+  name = "loco_compare_smoke" if args.smoke else Path(args.json).stem
+  path = common.write_json(args.out / f"{name}.json", results)
+  text = table(results)
+  (args.out / f"{name}.md").write_text(text + "\n")
+  common.log(f"wrote {path} and {name}.md:\n{text}")
+  fig = figure(results, FIGURES / f"{name}.png" if not args.smoke else args.out / f"{name}.png")
+  if fig is not None:
+    common.log(f"wrote {fig}")
   if failed:
     common.log(f"{len(failed)} runs failed: {', '.join(failed)}")
   return 1 if failed else 0
