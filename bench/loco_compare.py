@@ -290,36 +290,9 @@ def launch(out: Path, label: str, seed: int, smoke: bool) -> subprocess.Popen:
 
 
 def run_all(out: Path, plan: list, jobs: int, timeout_s: float, smoke: bool) -> list[str]:
-  todo = [r for r in plan if not (run_dir(out, *r) / "result.json").exists()]
-  common.log(f"{len(plan) - len(todo)} of {len(plan)} runs already done; {len(todo)} to run")
-  running, failed, t0 = {}, [], time.time()
-  while todo or running:
-    while todo and len(running) < jobs:
-      r = todo.pop(0)
-      running[r] = (launch(out, *r, smoke), time.time())
-      common.log(f"[{time.time() - t0:6.0f} s] start {r[0]}/seed{r[1]}")
-    time.sleep(1.0)
-    for r, (proc, started) in list(running.items()):
-      code = proc.poll()
-      if code is None and time.time() - started > timeout_s:
-        proc.kill()
-        code = proc.wait()
-      if code is None:
-        continue
-      proc.log.close()
-      del running[r]
-      res_path = run_dir(out, *r) / "result.json"
-      if code != 0 or not res_path.exists():
-        failed.append(f"{r[0]}/seed{r[1]}")
-        tail = (run_dir(out, *r) / "run.log").read_text()[-1500:]
-        common.log(f"[{time.time() - t0:6.0f} s] FAILED {r} (exit {code}):\n{tail}")
-      else:
-        res = json.loads(res_path.read_text())
-        common.log(
-          f"[{time.time() - t0:6.0f} s] done {r[0]}/seed{r[1]}: {res['status']} "
-          f"eval_loss={res['final_eval_loss']:.4f} in {res['wall_s']:.0f} s"
-        )
-  return failed
+  """Runs the missing ``(label, seed)`` runs of ``plan`` with convergence.py's scheduler."""
+  start = lambda o, label, seed: launch(o, label, seed, smoke)
+  return convergence.run_all(out, plan, jobs, timeout_s, launch=start, run_dir=run_dir)
 
 
 # -- collecting -----------------------------------------------------------------------------------
