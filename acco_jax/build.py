@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from acco_jax import data, errors, hetero, loco, methods, model, optim, parallel
 from acco_jax import loco_step as loco_lib
@@ -92,6 +93,9 @@ def build(config) -> Run:
     raise errors.UserValueError(f"opt.decay={config.opt.decay!r}: choose 'matrices' or 'all'")
   mask = model.decay_mask(shapes) if config.opt.decay == "matrices" else None
   inner = optim.inner_optimizer(config.opt, config.train.num_updates, mask)
+  if config.method == "demo":  # no inner optimizer: the inner step only keeps the gradient
+    clip = [optax.clip_by_global_norm(config.opt.clip_norm)] if config.opt.clip_norm > 0 else []
+    inner = optax.chain(*clip, loco.keep_gradient())
   if is_loco:
     return _build_loco(config, method, mesh, tokens, model_cfg, shapes, inner, k)
   kwargs = {"comm_dtype": jnp.dtype(config.comm_dtype)}
@@ -117,6 +121,17 @@ def loco_method(config) -> loco.LocoMethod:
   try:
     if config.method == "diloco":
       return loco.diloco(c.sync_every, outer)
+    if config.method == "noloco":
+      return loco.noloco(
+        c.sync_every, outer_lr=c.outer_lr, momentum=c.outer_momentum, pairings=c.pairings,
+        seed=c.pairing_seed,
+      )  # fmt: skip
+    sparse = dict(topk=c.topk, chunk=c.chunk, decay=c.ef_decay, aggregate=c.aggregate)
+    if config.method == "sparseloco":
+      return loco.sparseloco(c.sync_every, bits=c.bits, outer_lr=c.outer_lr, **sparse)
+    if config.method == "demo":
+      lr = optim.schedule(config.opt, config.train.num_updates)
+      return loco.demo(lr, weight_decay=config.opt.weight_decay, **sparse)
     return loco.streaming_diloco(
       c.sync_every, c.fragments, layout=c.layout, overlap_steps=c.overlap_steps, alpha=c.alpha,
       quantize=c.quantize, block=c.quantize_block, outer=outer,
@@ -130,10 +145,14 @@ def _check_loco(config) -> loco.LocoMethod:
   c = config.loco
   if c.workers < 0:
     raise errors.UserValueError(f"loco.workers={c.workers} must be >= 0 (0 = one per device)")
-  if config.method == "diloco" and (c.fragments != 1 or c.overlap_steps or c.alpha):
+  if config.method != "streaming_diloco" and (c.fragments != 1 or c.overlap_steps or c.alpha):
     raise errors.UserValueError(
-      "diloco syncs everything at once (loco.fragments=1, overlap_steps=0, alpha=0); use "
-      "method=streaming_diloco for fragments, overlap or alpha"
+      f"{config.method} syncs every parameter at once (loco.fragments=1, overlap_steps=0, "
+      "alpha=0); use method=streaming_diloco for fragments, overlap or alpha"
+    )
+  if config.method == "demo" and c.sync_every != 1:
+    raise errors.UserValueError(
+      f"demo updates every step: loco.sync_every={c.sync_every} must be 1"
     )
   if config.hetero.budgets or config.hetero.adaptive or config.hetero.slowdown:
     raise errors.UserValueError(
@@ -145,6 +164,11 @@ def _check_loco(config) -> loco.LocoMethod:
   if c.outer_lr <= 0 or not 0 <= c.outer_momentum < 1:
     raise errors.UserValueError(
       f"loco.outer_lr={c.outer_lr} must be > 0 and loco.outer_momentum={c.outer_momentum} in [0, 1)"
+    )
+  if config.method == "sparseloco" and c.outer_momentum:
+    raise errors.UserValueError(
+      f"loco.outer_momentum={c.outer_momentum}: sparseloco's outer step is plain SGD (its error "
+      "feedback replaces the momentum); set loco.outer_momentum=0"
     )
   return loco_method(config)
 

@@ -42,6 +42,9 @@ class Collective(NamedTuple):
   shape: tuple  # operand shape (jaxpr) / result shapes as (dtype, dims) (HLO)
   bytes: int  # bytes of the full buffer: operand (jaxpr, HLO reduce-scatter), result (HLO others)
   in_loop: bool
+  # HLO only: the device groups (replica_groups), or the (source, target) pairs of a
+  # collective-permute; () when not parsed
+  groups: tuple = ()
 
 
 class DataflowReport(NamedTuple):
@@ -257,38 +260,51 @@ def _group_size(attrs: str) -> int:
   return int(m.group(1)) if m else 1
 
 
-def replica_groups(rest: str) -> list[list[int]]:
-  """The device groups of a collective from its HLO attributes (explicit or iota form)."""
-  m = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", rest)
+def replica_groups(attrs: str) -> tuple[tuple[int, ...], ...]:
+  """The device groups of a collective's attributes, in any of XLA's spellings: explicit
+  ``{{0,1},{2,3}}``, iota ``[2,4]<=[4,2]T(1,0)``, mesh axes ``mesh['a'=4,'b'=2] {'b'}``; for a
+  collective-permute, its ``source_target_pairs``. ``()`` if none is found."""
+  m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{}]*\})\}", attrs)
   if m:
-    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[(\d+)\](T\((\d+),(\d+)\))?", rest)
-  if not m:
-    return []
-  groups, size, n = int(m.group(1)), int(m.group(2)), int(m.group(3))
-  ids = list(range(n))
-  if m.group(4):  # iota reshaped to (a, b) and transposed
-    a, b = int(m.group(5)), int(m.group(6))
-    ids = [i * b + j for j in range(b) for i in range(a)]
-  return [ids[g * size : (g + 1) * size] for g in range(groups)]
+    return tuple(
+      tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([\d,]*)\}", m.group(1))
+    )
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  if m:
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return tuple(tuple(int(x) for x in g) for g in ids.reshape(int(m.group(1)), int(m.group(2))))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  if m:
+    axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+    names, dims = [a for a, _ in axes], [int(d) for _, d in axes]
+    chosen = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(2))]
+    rest = [i for i in range(len(dims)) if i not in chosen]
+    ids = np.arange(int(np.prod(dims))).reshape(dims).transpose(rest + chosen)
+    size = int(np.prod([dims[i] for i in chosen]))
+    return tuple(tuple(int(x) for x in g) for g in ids.reshape(-1, size))
+  return ()
 
 
-def bytes_across(text: str, per_group: int, opcodes=("all-reduce", "all-reduce-start")) -> int:
-  """Result bytes of the collectives in ``text`` whose device groups join devices of different
-  blocks of ``per_group`` consecutive ids (e.g. the workers of a ``(replica, data)`` mesh)."""
-  comps, _ = parse_hlo(text)
-  total = 0
-  for instrs in comps.values():
-    for i in instrs:
-      if i.opcode in opcodes:
-        groups = replica_groups(i.rest)
-        if any(len({d // per_group for d in g}) > 1 for g in groups):
-          total += _shape_bytes(i.shape)
-  return total
+def crosses(c: Collective, group_of) -> bool:
+  """Whether collective ``c`` moves data between devices of different groups, ``group_of(device
+  id)`` (e.g. ``lambda i: i // D`` for the workers of a ``(replica, data)`` mesh)."""
+  return any(len({group_of(i) for i in g}) > 1 for g in c.groups)
+
+
+def bytes_across(text: str, per_group: int, kinds=("all-reduce",)) -> int:
+  """Bytes (as :func:`hlo_collectives` counts them) of the collectives of ``kinds`` in compiled HLO
+  ``text`` whose device groups join devices of different blocks of ``per_group`` consecutive ids
+  (e.g. the workers of a ``(replica, data)`` mesh)."""
+  group_of = lambda i: i // per_group
+  return sum(c.bytes for c in hlo_collectives(text) if c.kind in kinds and crosses(c, group_of))
 
 
 def hlo_collectives(text: str) -> list[Collective]:
-  """Collectives in compiled HLO text: opcode (without -start/-done), result shape, bytes, in a loop.
+  """Collectives in compiled HLO text: opcode (without -start/-done), result shape, bytes, in a loop,
+  and the device groups.
 
   Async pairs are counted once (at the start, or at the op wrapped by an ``async-start``).
   """
@@ -300,12 +316,14 @@ def hlo_collectives(text: str) -> list[Collective]:
       op = i.opcode.removesuffix("-start")
       if op in HLO_COLLECTIVES and not i.opcode.endswith("-done"):
         shapes = _SHAPE.findall(i.shape)
-        if i.opcode.endswith("-start") and len(shapes) > 1:  # (operand, result): keep the result
-          shapes = shapes[-1:]
+        # an all-gather/collective-permute start is (operand, result, ...): keep the result; an
+        # all-reduce start is its results (a tuple when XLA combined several)
+        if i.opcode.endswith("-start") and op != "all-reduce" and len(shapes) > 1:
+          shapes = shapes[1:2] if op == "collective-permute" else shapes[-1:]
         nbytes = _shape_bytes(" ".join(f"{d}[{s}]" for d, s in shapes))
         if op == "reduce-scatter":  # the operand is group-size times the result
           nbytes *= _group_size(i.rest)
-        out.append(Collective(op, tuple(shapes), nbytes, comp in in_loop))
+        out.append(Collective(op, tuple(shapes), nbytes, comp in in_loop, replica_groups(i.rest)))
   return out
 
 

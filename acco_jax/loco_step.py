@@ -10,8 +10,9 @@ the data, and an outer step every few inner steps that moves data *between* work
 State (:class:`LocoState`; every leaf has a leading worker dimension ``M`` sharded over
 ``replica``): the inner :class:`acco_jax.step.TrainState` (``θ_m`` as ``[M, D, s]`` shards, the
 inner optimizer state, the bf16 compute weights), the outer state (each worker's copy of ``θ_g`` and
-one outer optimizer state per fragment; identical on every worker for DiLoCo) and the mean
-pseudo-gradient of a fragment in flight.
+one outer optimizer state per fragment; identical on every worker except for NoLoCo, whose ``φ_i``
+and ``δ_i`` they are), the mean pseudo-gradient of a fragment in flight, and each worker's
+error-feedback buffer (SparseLoCo) or momentum (DeMo).
 
 Programs, each one jitted XLA program (``s`` = inner steps done, see :meth:`LocoStep.plan`):
 
@@ -24,6 +25,11 @@ Programs, each one jitted XLA program (``s`` = inner steps done, see :meth:`Loco
              τ inner steps on every worker                         } in flight together
              the mean goes to the state (in flight)
   apply p    θ_g[p] ← outer(in-flight mean); α-merge into the θ_m of now (τ steps later)
+
+How a sync moves data between workers is the method's aggregator (:mod:`acco_jax.replica`): an
+all-reduce mean here, a collective-permute with one peer or an all-gather of packed sparse bytes in
+:mod:`acco_jax.loco_programs`. No program but a sync or a window moves data between workers; their
+metrics stay per worker (``[M]``, sharded over ``replica``).
 
 A window's reduction and its ``τ`` inner steps are one program, with an ``optimization_barrier``
 that makes the loop wait for the payload (not for the reduction): on a GPU the all-reduce can stay
@@ -46,6 +52,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax import errors
+from acco_jax import loco_programs as programs
 from acco_jax.loco import base
 from acco_jax.loco.base import LocoMethod, OuterState
 from acco_jax.replica import REPLICA, ReplicaCollectives
@@ -65,6 +72,8 @@ class LocoState(NamedTuple):
       the other leaves and when none is in flight).
     inflight_fragment: int32, the fragment in flight, ``-1`` if none.
     step: int32, inner steps done.
+    comp: each worker's compressor state, ``[M, D, s]`` shards: SparseLoCo's error feedback,
+      DeMo's momentum (``()`` for the other methods).
   """
 
   inner: TrainState
@@ -72,6 +81,7 @@ class LocoState(NamedTuple):
   inflight: PyTree
   inflight_fragment: jax.Array
   step: jax.Array
+  comp: PyTree = ()
 
 
 class Call(NamedTuple):
@@ -114,6 +124,8 @@ class LocoStep:
     self.comm = ReplicaCollectives(
       self.mesh, self.inner.plan.axis_name, self.inner.plan.sharded, REPLICA
     )
+    self.codec = programs.make_codec(method, self.layout)
+    self.matchings = programs.make_matchings(method, self.num_workers)
     self._programs: dict = {}
 
   @property
@@ -142,6 +154,7 @@ class LocoStep:
       inflight=jax.tree.map(lambda _: self._data_sharded, state_shape.inflight),
       inflight_fragment=rep,
       step=rep,
+      comp=jax.tree.map(leaf, state_shape.comp),
     )
 
   @property
@@ -167,6 +180,7 @@ class LocoStep:
       inflight=jax.tree.map(copies, zeros),
       inflight_fragment=jnp.int32(-1),
       step=jnp.int32(0),
+      comp=jax.tree.map(copies, zeros) if self.method.sparse else (),
     )
 
   def abstract_state(self, params: PyTree) -> LocoState:
@@ -225,9 +239,8 @@ class LocoStep:
     delta = base.pseudo_gradient(
       base.select(state.outer.params, idx), base.select(state.inner.params, idx)
     )
-    sent = {k: self.method.compressor.roundtrip(v) for k, v in delta.items()}
-    payload = {k: v[0] for k, v in sent.items()}
-    finite = jnp.all(jnp.stack([v[1] for v in sent.values()]))
+    payload = {k: self.method.compressor.roundtrip(v)[0] for k, v in delta.items()}
+    finite = programs.finite_per_worker(payload)
     flat = jnp.concatenate([payload[f"{i:04d}"] for i in idx], axis=-1)
     return payload, self.comm.mean(flat), finite
 
@@ -248,12 +261,11 @@ class LocoStep:
     local = base.merge(base.select(state.inner.params, idx), new_g, self.method.alpha)
     params = base.replace(state.inner.params, local)
     inner = state.inner._replace(params=params, w=self.inner._gather(params))
-    step_norm = optax.tree.norm(base.pseudo_gradient(base.select(state.outer.params, idx), new_g))
+    step = base.pseudo_gradient(base.select(state.outer.params, idx), new_g)
+    norm = jax.vmap(optax.tree.norm)  # per worker: no metric moves data between workers
     metrics = {
-      # norms over every worker's (identical) copy, / sqrt(M): a scalar reduction, where taking
-      # worker 0's copy would broadcast it to every device, a collective as large as the sync's
-      "outer_delta_norm": optax.tree.norm(mean) / jnp.sqrt(self.num_workers),
-      "outer_step_norm": step_norm / jnp.sqrt(self.num_workers),
+      "outer_delta_norm": norm(mean),
+      "outer_step_norm": norm(step),
       "outer_fragment": jnp.int32(p),
     }
     return state._replace(inner=inner, outer=outer), metrics
@@ -266,9 +278,13 @@ class LocoStep:
     tau = self.method.overlap_steps
 
     def sync(state):
-      payload, mean, finite = self._send(state, p)
-      state, metrics = self._apply(state, p, self._split(p, mean))
-      return state, {**metrics, "outer_finite": finite}
+      if self.method.aggregate == "mean":
+        _, mean, finite = self._send(state, p)
+        state, mean, extra = state, self._split(p, mean), {"outer_finite": finite}
+      else:
+        state, mean, extra = programs.exchange(self, state, p)
+      state, metrics = self._apply(state, p, mean)
+      return state, {**metrics, **extra}
 
     def apply(state):
       mean = base.select(state.inflight, self.parts[p])
@@ -306,8 +322,7 @@ class LocoStep:
       )
       return state, {**metrics, "outer_finite": finite}
 
-    rep = NamedSharding(self.mesh, P())
-    metric_sharding = rep
+    metric_sharding = None  # as computed: per-worker metrics stay on their workers
     if kind in ("sync", "apply"):
       fn = {"sync": sync, "apply": apply}[kind]
       jitted = jax.jit(fn, in_shardings=(sharding,), out_shardings=(sharding, metric_sharding),
@@ -377,12 +392,29 @@ class LocoStep:
     fn = lambda s: jax.vmap(self.layout.from_shards)(s.inner.params)
     return jax.jit(fn, out_shardings=NamedSharding(self.mesh, P()))(state)
 
-  def wire_bytes(self, fragment: int) -> float:
-    """Bytes one worker sends to sync ``fragment`` (ring all-reduce, ``2 (M−1)/M`` of the payload
-    as quantised, scales included), summed over the worker's devices."""
-    m = self.num_workers
+  def payload_bytes(self, fragment: int) -> float:
+    """Bytes of one worker's payload for a sync of ``fragment``, summed over its devices: values
+    as quantised with their scales (all-reduce), the packed indices, values, shifts and tables
+    (sparse), ``Δ`` and ``φ`` in float32 (pairs)."""
     size = self.fragment_sizes()[fragment]
-    return 2 * (m - 1) / m * self.method.compressor.payload_bytes(size) if m > 1 else 0.0
+    if self.method.aggregate == "sparse":
+      return float(self.codec.row_bytes * self.layout.num_shards)
+    if self.method.aggregate == "pairs":
+      return 2 * 4.0 * size
+    return float(self.method.compressor.payload_bytes(size))
+
+  def wire_bytes(self, fragment: int) -> float:
+    """Bytes one worker sends to sync ``fragment``, summed over its devices: a ring all-reduce
+    sends ``2 (M−1)/M`` payloads, a ring all-gather ``M − 1``, a pair exchange one."""
+    m = self.num_workers
+    if m == 1:
+      return 0.0
+    fan = {"mean": 2 * (m - 1) / m, "sparse": m - 1, "pairs": 1}[self.method.aggregate]
+    return fan * self.payload_bytes(fragment)
+
+  def density(self) -> float:
+    """Share of the payload's values a sync sends (1 for dense methods)."""
+    return self.codec.density if self.codec is not None else 1.0
 
   def peak_sync_bytes(self) -> float:
     """The largest :meth:`wire_bytes` of one sync (the fragment with the embeddings and head)."""
@@ -392,18 +424,36 @@ class LocoStep:
     """One line: workers, the schedule and what a sync costs."""
     m = self.method
     per_step = sum(self.wire_bytes(p) for p in range(len(self.parts))) / m.sync_every
+    if m.sparse is not None:
+      s = m.sparse
+      slots = (
+        f"k={s.topk} per {s.chunk}x{s.chunk} ({s.transform}), bits={s.bits}, decay={s.decay}, "
+        f"{s.aggregate}, density={self.density():.4f}"
+      )
+    elif m.pairing is not None:
+      slots = f"pairs from {m.pairing.count} matchings (seed {m.pairing.seed})"
+    else:
+      slots = (
+        f"fragments={m.fragments} ({m.layout}), overlap={m.overlap_steps}, alpha={m.alpha}, "
+        f"quantize={m.compressor.name}"
+      )
     return (
       f"{m.name}: workers={self.num_workers} x {self.num_devices} devices, inner="
-      f"{self.inner.plan.name}, H={m.sync_every}, fragments={m.fragments} ({m.layout}), "
-      f"overlap={m.overlap_steps}, alpha={m.alpha}, quantize={m.compressor.name}; "
-      f"bytes/worker: peak sync {self.peak_sync_bytes():,.0f}, per inner step {per_step:,.0f}"
+      f"{self.inner.plan.name}, H={m.sync_every}, {slots}; bytes/worker: peak sync "
+      f"{self.peak_sync_bytes():,.0f}, per inner step {per_step:,.0f}"
     )
 
-  @staticmethod
-  def outer_row(metrics: dict) -> dict:
-    """The outer-step fields of a call's (host) metrics, for a log line."""
-    keys = ("outer_fragment", "outer_delta_norm", "outer_step_norm")
-    return {k: metrics[k] for k in keys if k in metrics}
+  def outer_row(self, metrics: dict) -> dict:
+    """The outer-step fields of a call's (host) metrics, for a log line: per-worker values as their
+    mean over workers, the bytes the sync sent per worker and the share of values it sent."""
+    keys = ("outer_fragment", "outer_delta_norm", "outer_step_norm", "outer_pairing")
+    row = {k: np.mean(np.asarray(metrics[k])).item() for k in keys if k in metrics}
+    if "outer_fragment" in row:
+      row["outer_fragment"] = p = int(row["outer_fragment"])
+      row.update(sync_bytes_per_worker=self.wire_bytes(p), sent_density=self.density())
+    if "outer_pairing" in row:
+      row["outer_pairing"] = int(row["outer_pairing"])
+    return row
 
 
 def mesh_mismatch(saved: LocoState, mesh) -> str:

@@ -193,7 +193,11 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   pending = None  # a logged stage's device metrics, read after the next stage is dispatched
 
   def check_finite(flag, at_stage):
-    if config.train.on_nonfinite == "stop" and bool(flag):
+    if config.train.on_nonfinite != "stop":
+      return
+    if not flag.is_fully_addressable:  # per-worker flags across processes: one copy everywhere
+      flag = train.replicated(flag)
+    if bool(np.any(np.asarray(flag))):
       raise FloatingPointError(
         f"non-finite loss before stage {at_stage}; the last good checkpoint is kept. Lower "
         "opt.lr, or set train.on_nonfinite=skip to drop non-finite microbatches"
@@ -275,8 +279,9 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       stages_run = len(batches)
       used = n * train.num_microbatches if budgets is None else int(budgets.sum())
       tokens_seen += used * rows_per_microbatch * config.data.seq_len * stages_run
-      finite = jnp.all(jnp.isfinite(m["loss"])) & m.get("outer_finite", True)
-      nonfinite = nonfinite | ~finite
+      # elementwise, per worker under LoCo: a reduction here would be a collective across every
+      # device after every stage, which the next stage's programs would queue behind
+      nonfinite = nonfinite | ~(jnp.isfinite(m["loss"]) & m.get("outer_finite", True))
       stage += stages_run
       done = updates_done(config, stage)
       prev = updates_done(config, stage - stages_run)
@@ -322,7 +327,10 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
     if run.loco:
       for at, outer in jax.device_get(outer_rows):
         writer.write(at, train.outer_row(outer))
-      summary.update(wire_bytes_per_worker=wire_bytes, peak_sync_bytes=train.peak_sync_bytes())
+      summary.update(
+        wire_bytes_per_worker=wire_bytes, peak_sync_bytes=train.peak_sync_bytes(),
+        payload_bytes_per_sync=train.payload_bytes(0), sent_density=train.density(),
+      )  # fmt: skip
     final = train.params(state)
     if evaluated_at != stage:  # the last update may have been evaluated already
       ev = evaluate(run, config, final, eval_fn)

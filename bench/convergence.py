@@ -190,8 +190,13 @@ def launch(out: Path, setting: str, label: str, seed: int) -> subprocess.Popen:
   return proc
 
 
-def run_all(out: Path, plan: list[tuple[str, str, int]], jobs: int, timeout_s: float) -> list[str]:
-  """Runs the missing runs of ``plan``, ``jobs`` at a time; returns the runs that failed."""
+def run_all(
+  out: Path, plan: list[tuple], jobs: int, timeout_s: float, *, launch=launch, run_dir=run_dir
+) -> list[str]:
+  """Runs the missing runs of ``plan``, ``jobs`` at a time; returns the runs that failed.
+
+  ``launch(out, *run)`` starts a run's process and ``run_dir(out, *run)`` is where it writes its
+  ``result.json`` (this script's by default; ``bench/loco_compare.py`` passes its own)."""
   todo = [r for r in plan if not (run_dir(out, *r) / "result.json").exists()]
   common.log(f"{len(plan) - len(todo)} of {len(plan)} runs already done; {len(todo)} to run")
   running, failed, t0 = {}, [], time.time()

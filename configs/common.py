@@ -19,7 +19,8 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   if preset not in PRESETS:
     raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
   c = ml_collections.ConfigDict()
-  c.method = method  # acco | zero1 | ddp | dpu | wp | diloco | streaming_diloco
+  c.method = method  # acco | zero1 | ddp | dpu | wp | diloco | streaming_diloco | noloco |
+  #                    sparseloco | demo
   c.comm_dtype = "bfloat16"  # dtype of the reduce-scatter / all-gather / all-reduce
   c.dpu_warmup_updates = 0  # dpu only: synchronous updates before the delay starts
 
@@ -63,8 +64,9 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.hetero.hysteresis = 0.1  # ignore plans that move less than this share of the microbatches
   c.hetero.slowdown = ""  # simulate stragglers: "device:seconds,..." of sleep per microbatch
 
-  # Workers with local steps and an outer optimizer (method diloco | streaming_diloco;
-  # acco_jax.loco, acco_jax.loco_step). An update is one inner step of every worker.
+  # Workers with local steps and an outer optimizer (method diloco | streaming_diloco | noloco |
+  # sparseloco | demo; acco_jax.loco, acco_jax.loco_step). An update is one inner step of every
+  # worker.
   c.loco = ml_collections.ConfigDict()
   c.loco.workers = (
     0  # M, workers on the 'replica' axis, each of devices/M devices (0 = one per device)
@@ -79,6 +81,15 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.loco.alpha = 0.0  # merge: local <- alpha * local + (1 - alpha) * global (0 = replace)
   c.loco.quantize = "none"  # outer pseudo-gradients on the wire: none (float32) | fp4 (E3M0)
   c.loco.quantize_block = 2048  # values per FP4 power-of-two scale (within a device's shard)
+  # sparseloco / demo: top-k per chunk of a device's shard, error feedback, all-gather
+  c.loco.topk = 64  # k per chunk of chunk^2 values (sparseloco: 1-D chunks keep the same share)
+  c.loco.chunk = 64  # largest tile side of 2-D leaves / length of 1-D chunks
+  c.loco.bits = 2  # sparseloco value quantiser: 2 | 4 | 8 bits (shift + lookup) | 32 (float32)
+  c.loco.ef_decay = 0.95  # error-feedback decay (sparseloco) / momentum decay (demo: 0.999)
+  c.loco.aggregate = "mean_contributors"  # mean_contributors | mean_R (divide by all workers)
+  # noloco: each worker averages with one random peer
+  c.loco.pairings = 16  # K random perfect matchings drawn once; one is picked per sync
+  c.loco.pairing_seed = 0  # the shared seed of the matchings and of the pick per sync
 
   # Health of multi-process runs (acco_jax.monitor).
   c.health = ml_collections.ConfigDict()

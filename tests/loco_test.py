@@ -154,7 +154,9 @@ def ref_loco(params, batches, M, D, H, P=1, tau=0, alpha=0.0, outer=None, quant=
 def run(method, M, D, batches, inner_name="zero1", params=None, loss=toy_loss, k=K):
   params = toy_params() if params is None else params
   mesh = loco_step.worker_mesh(M, jax.devices()[: M * D])
-  tx = acco_jax.get_method(inner_name, inner_opt(), comm_dtype=jnp.float32)
+  tx = inner_name  # a method transform, or the name of one over inner_opt()
+  if isinstance(inner_name, str):
+    tx = acco_jax.get_method(inner_name, inner_opt(), comm_dtype=jnp.float32)
   train = loco_step.make_loco_step(loss, tx, method, mesh, num_microbatches=k, params=params)
   state, s, total, logged = train.init(params), 0, len(batches), []
   while s < total:

@@ -1,4 +1,4 @@
-"""DiLoCo and Streaming DiLoCo through the trainer: logging, bytes, exact resume, one-line errors."""
+"""The low-communication methods through the trainer: logging, bytes, exact resume, one-line errors."""
 
 import jax
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 from acco_jax import errors, trainer
 from acco_jax.checkpoint import Checkpointer
-from configs import gpt2_diloco, gpt2_streaming_diloco
+from configs import gpt2_demo, gpt2_diloco, gpt2_noloco, gpt2_sparseloco, gpt2_streaming_diloco
 from tests.train_test import rows
 from tests.train_test import tiny as _tiny
 
@@ -64,6 +64,39 @@ def test_streaming_resume_from_a_checkpoint_with_a_fragment_in_flight(tmp_path):
     np.testing.assert_array_equal(x, y)  # every worker, the outer states, the in-flight buffer
 
 
+def test_sparseloco_resume_carries_the_error_feedback(tmp_path):
+  """A stop between two syncs (stage 3 of 6, H = 2) checkpoints the workers' error-feedback buffers;
+  the resumed run is bit-exact, and every sync logs its bytes and the share of values it sent."""
+  config = tiny(gpt2_sparseloco, **{"loco.workers": 4, "train.log_every": 1})
+  whole = trainer.train_and_evaluate(config, str(tmp_path / "whole"))
+  trainer.train_and_evaluate(config, str(tmp_path / "split"), max_stages=3)
+  stopped, _ = _final_state(tmp_path / "split", config)
+  assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(stopped.comp))
+  second = trainer.train_and_evaluate(config, str(tmp_path / "split"))
+  losses = lambda w: {r["stage"]: r["worker_loss"] for r in rows(w) if "loss" in r}
+  assert losses(tmp_path / "split") == losses(tmp_path / "whole")
+  assert second["eval_loss"] == whole["eval_loss"]
+  a, _ = _final_state(tmp_path / "whole", config)
+  b, _ = _final_state(tmp_path / "split", config)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(x, y)  # parameters, inner and outer states, error feedback
+  run = trainer.build(config)
+  outer = [r for r in rows(tmp_path / "whole") if "outer_fragment" in r]
+  assert [r["step"] for r in outer] == [2, 4, 6]
+  assert {r["sync_bytes_per_worker"] for r in outer} == {run.train.wire_bytes(0)}
+  assert {r["sent_density"] for r in outer} == {run.train.density()} and run.train.density() < 0.1
+  # an all-gather of 4 workers: each sends its packed payload on, 3 times
+  assert whole["wire_bytes_per_worker"] == 3 * 3 * whole["payload_bytes_per_sync"]
+
+
+def test_a_diverging_worker_stops_the_run(tmp_path):
+  """The per-worker non-finite flags (kept per worker on the devices, reduced on the host at a log
+  line) stop the run like the data-parallel methods' flag does."""
+  config = tiny(gpt2_diloco, **{"loco.workers": 4, "opt.lr": 1e9})
+  with pytest.raises(FloatingPointError, match="non-finite loss before stage"):
+    trainer.train_and_evaluate(config, str(tmp_path))
+
+
 def test_restoring_onto_other_workers_is_a_clear_error(tmp_path):
   config = tiny(gpt2_diloco, **{"loco.workers": 4})
   trainer.train_and_evaluate(config, str(tmp_path), max_stages=3)
@@ -90,6 +123,22 @@ BAD = [
   ("unknown-inner", gpt2_diloco, {"loco.inner": "acco"}, r"loco.inner='acco': choose"),
   ("hetero-with-loco", gpt2_diloco, {"hetero.budgets": "1,1,1,1,1,1,1,1"},
    r"hetero.\* .* not to method=diloco"),
+  ("k-over-chunk", gpt2_sparseloco, {"loco.topk": 5000},
+   r"loco.topk=5000 must be in \[1, loco.chunk\^2 = 4096\]"),
+  ("k-zero", gpt2_demo, {"loco.topk": 0}, r"loco.topk=0 must be in \[1,"),
+  ("bits", gpt2_sparseloco, {"loco.bits": 3}, r"loco.bits=3: choose 2, 4 or 8"),
+  ("ef-decay", gpt2_sparseloco, {"loco.ef_decay": 1.0}, r"loco.ef_decay=1.0 must be in \[0, 1\)"),
+  ("chunk-zero", gpt2_sparseloco, {"loco.chunk": 0}, r"loco.chunk=0 must be >= 1"),
+  ("aggregate", gpt2_demo, {"loco.aggregate": "sum"}, r"loco.aggregate='sum': choose"),
+  ("sparseloco-momentum", gpt2_sparseloco, {"loco.outer_momentum": 0.9},
+   r"sparseloco's outer step is plain SGD"),
+  ("noloco-h-zero", gpt2_noloco, {"loco.sync_every": 0}, r"loco.sync_every=0 must be >= 1"),
+  ("noloco-odd-workers", gpt2_noloco, {"loco.workers": 1},
+   r"loco.workers=1: NoLoCo pairs the workers, so it needs an even number"),
+  ("noloco-pairings", gpt2_noloco, {"loco.pairings": 0}, r"loco.pairings=0 must be >= 1"),
+  ("noloco-fragments", gpt2_noloco, {"loco.fragments": 2}, r"noloco syncs every parameter at once"),
+  ("demo-every-step", gpt2_demo, {"loco.sync_every": 2},
+   r"demo updates every step: loco.sync_every=2 must be 1"),
 ]  # fmt: skip
 
 

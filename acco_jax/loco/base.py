@@ -12,20 +12,27 @@ workers, and fed to an optax outer transform that updates the global parameters 
 is merged back into every worker, ``θ_m ← α θ_m + (1 − α) θ_g`` (``α = 0``: replace). A method is
 one choice per slot (``loco-family.md`` §0), a :class:`LocoMethod`:
 
-============  ====================  ==================================================
-slot          DiLoCo                Streaming DiLoCo
-============  ====================  ==================================================
-schedule      every ``H``           one fragment of blocks every ``H/P``, each once per ``H``
-payload       ``Δ``                 ``Δ`` of the fragment, snapshot at the send point
-compressor    none                  FP4 (E3M0), :mod:`acco_jax.loco.compress`
-aggregator    all-reduce mean       all-reduce mean, in flight for ``τ`` inner steps
-outer update  Nesterov SGD          the same, one outer state per fragment
-merge         replace               α-mix
-============  ====================  ==================================================
+============  ===============  =================  ===============  ================  =============
+slot          DiLoCo           Streaming DiLoCo   NoLoCo           SparseLoCo        DeMo
+============  ===============  =================  ===============  ================  =============
+schedule      every ``H``      a fragment every   every ``H``      every ``H``       every step
+                               ``H/P``
+payload       ``Δ``            ``Δ`` of the       ``Δ`` and ``φ``  ``Δ`` into the    the gradient
+                               fragment                            error feedback    into momentum
+compressor    none             FP4 (E3M0)         none             top-k per chunk,  DCT, top-k
+                                                                   2-bit             per chunk
+aggregator    all-reduce mean  all-reduce mean,   mean with one    all-gather,       all-gather,
+                               in flight ``τ``    random peer      scatter-mean      scatter-mean
+outer update  Nesterov SGD     the same, per      heavy-ball with  SGD, lr 1         sign-SGD
+                               fragment           consensus
+merge         replace          α-mix              replace by φ_i   replace           replace
+============  ===============  =================  ===============  ================  =============
 
-This module holds the pure pieces: the method record, the fragment partition, the host-side
-schedule and the outer update of one fragment. :mod:`acco_jax.loco_step` runs them on the mesh and
-owns every collective over the worker (``replica``) axis.
+The last three use the slots :class:`Sparsify`, :class:`Pairing` and ``payload``, set by
+:mod:`acco_jax.loco.sparseloco`, :mod:`~acco_jax.loco.noloco` and :mod:`~acco_jax.loco.demo`. This
+module holds the pure pieces: the method record, the fragment partition, the host-side schedule and
+the outer update of one fragment. :mod:`acco_jax.loco_step` runs them on the mesh;
+:mod:`acco_jax.replica` owns every collective over the worker (``replica``) axis.
 """
 
 from __future__ import annotations
@@ -38,12 +45,51 @@ import jax.numpy as jnp
 import optax
 
 from acco_jax.loco.compress import Compressor, get_compressor
+from acco_jax.loco.compress.bits import BITS
+from acco_jax.loco.compress.sparse import AGGREGATES
 
 PyTree = Any
 
 # A leaf belongs to transformer block i when its path has a component named like these followed by
 # the block index (``['blocks']['3']`` in acco_jax.model; ``layers_3`` / ``h.3`` elsewhere).
 _BLOCK = re.compile(r"(?:^|\W)(?:blocks|layers|h)[\W_]+(\d+)")
+
+
+class Sparsify(NamedTuple):
+  """Error-feedback top-k compression of the payload, sent by all-gather (SparseLoCo, DeMo).
+
+  Every sync, per worker: ``e ← β e + c_t x`` (``x`` the payload, ``c_t`` = ``scale(t)`` or 1),
+  the top-``k`` entries of each chunk of ``e`` (after a DCT with ``transform='dct'``), quantised to
+  ``bits``, are sent and subtracted from ``e``; the workers' entries are then scatter-averaged
+  (:class:`acco_jax.loco.compress.SparseCodec`).
+
+  Attributes:
+    decay: ``β`` in ``[0, 1)``.
+    topk: ``k``, entries kept per chunk of ``chunk²`` values (see ``rule``).
+    chunk: largest tile side / 1-D chunk length.
+    rule: ``scaled`` (1-D chunks keep ``k`` per ``chunk²`` values) or ``clamped`` (``min(k, size)``).
+    transform: ``none`` or ``dct``.
+    bits: 2, 4, 8 (quantised values) or 32 (float32).
+    aggregate: ``mean_contributors`` or ``mean_R``.
+    scale: ``t -> c_t`` on the sync index, or None for 1 (DeMo: the learning rate).
+  """
+
+  decay: float
+  topk: int
+  chunk: int = 64
+  rule: str = "scaled"
+  transform: str = "none"
+  bits: int = 32
+  aggregate: str = "mean_contributors"
+  scale: Any = None
+
+
+class Pairing(NamedTuple):
+  """Random pairs of workers (NoLoCo): ``count`` perfect matchings drawn from ``seed``, one picked
+  per sync from ``seed`` and the sync index (:mod:`acco_jax.loco.noloco`)."""
+
+  count: int = 16
+  seed: int = 0
 
 
 class LocoMethod(NamedTuple):
@@ -61,7 +107,11 @@ class LocoMethod(NamedTuple):
     overlap_steps: ``τ``: the fragment's reduction is sent ``τ`` inner steps before it is applied
       and is in flight meanwhile (0: applied at once).
     alpha: merge factor, ``θ_m ← α θ_m + (1 − α) θ_g`` (0 replaces the local parameters).
-    compressor: how the pseudo-gradient is quantised on the wire.
+    compressor: how the pseudo-gradient is quantised on the wire (all-reduce methods).
+    sparse: a :class:`Sparsify` (sent by all-gather and scatter-mean) or None.
+    pairing: a :class:`Pairing` (each worker averages with one peer) or None.
+    payload: ``delta`` (``θ_g − θ_m``) or ``gradient`` (the inner step keeps the gradient and
+      leaves the parameters alone; DeMo).
   """
 
   name: str
@@ -72,6 +122,14 @@ class LocoMethod(NamedTuple):
   overlap_steps: int = 0
   alpha: float = 0.0
   compressor: Compressor = get_compressor("none")
+  sparse: Sparsify | None = None
+  pairing: Pairing | None = None
+  payload: str = "delta"
+
+  @property
+  def aggregate(self) -> str:
+    """``mean`` (all-reduce), ``pairs`` (one peer, collective-permute) or ``sparse`` (all-gather)."""
+    return "sparse" if self.sparse else "pairs" if self.pairing else "mean"
 
   @property
   def period(self) -> int:
@@ -107,6 +165,37 @@ def check(method: LocoMethod) -> None:
     raise ValueError(f"loco.alpha={method.alpha} must be in [0, 1] (0 replaces, 1 keeps local)")
   if method.layout not in ("strided", "sequential"):
     raise ValueError(f"loco.layout={method.layout!r}: choose 'strided' or 'sequential'")
+  if method.aggregate != "mean" and (p != 1 or tau or method.alpha):
+    raise ValueError(
+      f"{method.name} syncs every parameter at once: set loco.fragments=1, loco.overlap_steps=0 "
+      "and loco.alpha=0"
+    )
+  if method.payload not in ("delta", "gradient"):
+    raise ValueError(f"payload={method.payload!r}: choose 'delta' or 'gradient'")
+  if method.payload == "gradient" and h != 1:
+    raise ValueError(f"{method.name} updates every step: loco.sync_every={h} must be 1")
+  if method.sparse is not None:
+    _check_sparse(method.sparse)
+  if method.pairing is not None and method.pairing.count < 1:
+    raise ValueError(f"loco.pairings={method.pairing.count} must be >= 1 (random matchings drawn)")
+
+
+def _check_sparse(s: Sparsify) -> None:
+  if not 0.0 <= s.decay < 1.0:
+    raise ValueError(f"loco.ef_decay={s.decay} must be in [0, 1) (error-feedback decay)")
+  if s.chunk < 1:
+    raise ValueError(f"loco.chunk={s.chunk} must be >= 1 (the largest tile side)")
+  if not 1 <= s.topk <= s.chunk**2:
+    raise ValueError(
+      f"loco.topk={s.topk} must be in [1, loco.chunk^2 = {s.chunk**2}]: k values are kept per "
+      "chunk, so more than a chunk holds cannot be sent"
+    )
+  if s.bits not in (*BITS, 32):
+    raise ValueError(
+      f"loco.bits={s.bits}: choose 2, 4 or 8 (quantised values) or 32 (float32, no quantiser)"
+    )
+  if s.aggregate not in AGGREGATES:
+    raise ValueError(f"loco.aggregate={s.aggregate!r}: choose one of {', '.join(AGGREGATES)}")
 
 
 # -- fragments ------------------------------------------------------------------------------------

@@ -1,0 +1,516 @@
+"""NoLoCo, SparseLoCo and DeMo on the worker mesh against NumPy references written here from
+loco-family.md §3-§8 (not from the library), their reductions to simpler methods, what their
+compiled programs move between workers, and bit-exact resume of all their state.
+
+Toy problem of ``loco_test.py``: M = 4 workers of D = 2 devices, a few syncs. The inner steps of the
+references are the tree-based ones of ``loco_test.py`` (jax.grad + optax on whole trees); everything
+a sync does is NumPy, on each device's shard row of each leaf (chunks never straddle shards).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import scipy.fft
+
+import acco_jax
+from acco_jax import hlo, loco, loco_step
+from acco_jax.checkpoint import Checkpointer
+from acco_jax.loco import compress
+from acco_jax.loco.noloco import consensus_gradient, matchings, pairing_index
+from tests.loco_test import (
+  B,
+  K,
+  assert_trees_close,
+  inner_opt,
+  run,
+  toy_batches,
+  toy_params,
+  worker_grad,
+)
+
+M, D = 4, 2
+
+# -- reference pieces (NumPy, one device row of one leaf at a time) --------------------------------
+
+
+def leaf_rows(x, d=D):
+  """A leaf as the flat layout's d shard rows (raveled, zero-padded)."""
+  flat = np.asarray(x, np.float32).reshape(-1)
+  s = -(-flat.size // d)
+  return np.pad(flat, (0, d * s - flat.size)).reshape(d, s)
+
+
+def rows_leaf(rows, shape):
+  return rows.reshape(-1)[: int(np.prod(shape))].reshape(shape)
+
+
+def chunks(row, plan):
+  """A row -> [T, c1 c2]: the (rows x cols) block's c1 x c2 tiles, row-major, each flattened."""
+  block = np.pad(row, (0, plan.rows * plan.cols - row.size)).reshape(plan.rows, plan.cols)
+  return np.stack(
+    [
+      block[i : i + plan.c1, j : j + plan.c2].reshape(-1)
+      for i in range(0, plan.rows, plan.c1)
+      for j in range(0, plan.cols, plan.c2)
+    ]
+  )
+
+
+def unchunks(tiles, plan):
+  block = np.zeros((plan.rows, plan.cols), np.float32)
+  t = 0
+  for i in range(0, plan.rows, plan.c1):
+    for j in range(0, plan.cols, plan.c2):
+      block[i : i + plan.c1, j : j + plan.c2] = tiles[t].reshape(plan.c1, plan.c2)
+      t += 1
+  return block.reshape(-1)[: plan.length]
+
+
+def top(tiles, k):
+  """Positions of the k largest |x| per tile (the lower position first on a tie)."""
+  return np.argsort(-np.abs(tiles), axis=-1, kind="stable")[:, :k]
+
+
+def quantise(v, nbits=2, spread=6.0):
+  """loco-family.md §4: shift, σ, step = spread σ / bins, codes, per-bin mean lookup."""
+  v = v.astype(np.float32)
+  bins = 2**nbits
+  shift = v.mean(dtype=np.float32)
+  c = v - shift
+  sigma = np.sqrt((c * c).sum(dtype=np.float32) / (v.size - 1)) if v.size > 1 else 0.0
+  step = spread * sigma / bins if sigma > 0 else 1.0
+  code = np.clip(np.round(c / step + bins / 2), 0, bins - 1).astype(int)
+  lut = np.array([c[code == b].mean() if (code == b).any() else 0.0 for b in range(bins)])
+  return (lut[code] + shift).astype(np.float32)
+
+
+def scatter_mean(sent, size, mode="mean_contributors"):
+  """sent: one (positions [T, k], values [T, k]) per worker -> [T, size]."""
+  t = sent[0][0].shape[0]
+  total, count = np.zeros((t, size), np.float32), np.zeros((t, size), np.float32)
+  for pos, val in sent:
+    for i in range(t):
+      total[i, pos[i]] += val[i]
+      count[i, pos[i]] += 1
+  if mode == "mean_R":
+    return total / len(sent)
+  return np.where(count > 0, total / np.maximum(count, 1), 0.0)
+
+
+def dct2(tiles, plan):
+  x = tiles.reshape(-1, plan.c1, plan.c2)
+  return scipy.fft.dctn(x, type=2, norm="ortho", axes=(1, 2)).reshape(tiles.shape)
+
+
+def idct2(tiles, plan):
+  x = tiles.reshape(-1, plan.c1, plan.c2)
+  return scipy.fft.idctn(x, type=2, norm="ortho", axes=(1, 2)).reshape(tiles.shape)
+
+
+def inner_steps(theta, states, batch):
+  """One inner AdamW step of every worker on its block of the batch (loco_test's reference)."""
+  inner = inner_opt()
+  for m in range(M):
+    u, states[m] = inner.update(worker_grad(theta[m], batch, m, M, D), states[m], theta[m])
+    theta[m] = optax.apply_updates(theta[m], u)
+
+
+def np_tree(tree):
+  return jax.tree.map(lambda x: np.asarray(x, np.float32), tree)
+
+
+# -- the references ---------------------------------------------------------------------------------
+
+
+def ref_sparseloco(batches, H, topk, chunk, nbits, decay, lr=1.0, mode="mean_contributors"):
+  """loco-family.md §4, per device row: e ← βe + Δ; top-k per chunk; quantise; e ← e − ê; all
+  workers' ê scatter-averaged; θ_g ← θ_g − α D; θ_r ← θ_g."""
+  params = toy_params()
+  leaves, treedef = jax.tree.flatten(params)
+  plans = [compress.plan_chunks(x.shape, D, chunk=chunk, topk=topk) for x in leaves]
+  theta, states = [params] * M, [inner_opt().init(params)] * M
+  glob = [np.asarray(x, np.float32) for x in leaves]
+  ef = [[np.zeros_like(leaf_rows(x)) for x in leaves] for _ in range(M)]
+  for s, batch in enumerate(batches):
+    inner_steps(theta, states, batch)
+    if (s + 1) % H:
+      continue
+    new_glob = []
+    for li, (g, plan) in enumerate(zip(glob, plans, strict=True)):
+      step_rows = np.zeros_like(leaf_rows(g))
+      for d in range(D):
+        sent = []
+        for m in range(M):
+          delta = leaf_rows(g)[d] - leaf_rows(jax.tree.leaves(theta[m])[li])[d]
+          ef[m][li][d] = decay * ef[m][li][d] + delta
+          tiles = chunks(ef[m][li][d], plan)
+          pos = top(tiles, plan.k)
+          vals = np.take_along_axis(tiles, pos, -1)
+          if nbits != 32:  # one tensor = this leaf's selected values on this device
+            vals = quantise(vals.reshape(-1), nbits).reshape(vals.shape)
+          dense = np.zeros_like(tiles)
+          np.put_along_axis(dense, pos, vals, -1)
+          ef[m][li][d] = ef[m][li][d] - unchunks(dense, plan)
+          sent.append((pos, vals))
+        step_rows[d] = unchunks(scatter_mean(sent, plan.size, mode), plan)
+      new_glob.append(g - lr * rows_leaf(step_rows, g.shape))
+    glob = new_glob
+    theta = [jax.tree.unflatten(treedef, [jnp.asarray(x) for x in glob])] * M
+  return jax.tree.unflatten(treedef, glob), ef, plans
+
+
+def partners(count, seed, sync):
+  """loco-family.md §3 / acco_jax.loco.noloco: K permutations from the seed, element j of a
+  permutation pairs with element j + M/2; sync t uses randint(fold_in(key(seed), t), 0, K)."""
+  rng = np.random.default_rng(seed)
+  perms = [rng.permutation(M) for _ in range(count)]
+  k = int(jax.random.randint(jax.random.fold_in(jax.random.key(seed), sync), (), 0, count))
+  perm, partner = perms[k], np.empty(M, int)
+  partner[perm[: M // 2]], partner[perm[M // 2 :]] = perm[M // 2 :], perm[: M // 2]
+  return partner
+
+
+def ref_noloco(batches, H, gamma=0.7, beta=0.5, count=16, seed=0):
+  """loco-family.md §3: δ_i ← β δ_i + γ d̄ + γ (φ̄ − φ_i); φ_i ← φ_i + δ_i; θ_i ← φ_i."""
+  params = toy_params()
+  treedef = jax.tree.structure(params)
+  theta, states = [params] * M, [inner_opt().init(params)] * M
+  phi = [np_tree(jax.tree.leaves(params))] * M
+  mom = [[np.zeros_like(x) for x in phi[0]] for _ in range(M)]
+  for s, batch in enumerate(batches):
+    inner_steps(theta, states, batch)
+    if (s + 1) % H:
+      continue
+    partner = partners(count, seed, (s + 1) // H - 1)
+    th = [np_tree(jax.tree.leaves(t)) for t in theta]
+    new_phi = []
+    for i in range(M):
+      j, out = partner[i], []
+      for li in range(len(phi[i])):
+        phibar = (phi[i][li] + phi[j][li]) / 2
+        dbar = ((th[i][li] - phi[i][li]) + (th[j][li] - phi[j][li])) / 2
+        mom[i][li] = beta * mom[i][li] + gamma * dbar + gamma * (phibar - phi[i][li])
+        out.append(phi[i][li] + mom[i][li])
+      new_phi.append(out)
+    phi = new_phi
+    theta = [jax.tree.unflatten(treedef, [jnp.asarray(x) for x in p]) for p in phi]
+  return [jax.tree.unflatten(treedef, p) for p in phi]
+
+
+def ref_demo(batches, lr, topk, chunk, decay, wd=0.0, workers=M, devices=D):
+  """loco-family.md §5 per device row: m ← βm + ηg; DCT tiles; top-k; m ← m − IDCT(sent); the
+  workers' coefficients averaged over contributors; p ← p (1 − ηλ) − η sign(IDCT(mean))."""
+  params = toy_params()
+  leaves, treedef = jax.tree.flatten(params)
+  plans = [
+    compress.plan_chunks(x.shape, devices, chunk=chunk, topk=topk, rule="clamped") for x in leaves
+  ]
+  p = [np.asarray(x, np.float32) for x in leaves]
+  mom = [[np.zeros_like(leaf_rows(x, devices)) for x in leaves] for _ in range(workers)]
+  for batch in batches:
+    tree = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in p])
+    grads = []
+    for m in range(workers):
+      g = np_tree(jax.tree.leaves(worker_grad(tree, batch, m, workers, devices)))
+      norm = np.sqrt(sum((x.astype(np.float64) ** 2).sum() for x in g))
+      grads.append([x * min(1.0, 1.0 / norm) for x in g])  # clip_by_global_norm(1.0)
+    new_p = []
+    for li, plan in enumerate(plans):
+      update = np.zeros_like(leaf_rows(p[li], devices))
+      for d in range(devices):
+        sent = []
+        for m in range(workers):
+          mom[m][li][d] = decay * mom[m][li][d] + lr * leaf_rows(grads[m][li], devices)[d]
+          coeffs = dct2(chunks(mom[m][li][d], plan), plan)
+          pos = top(coeffs, plan.k)
+          vals = np.take_along_axis(coeffs, pos, -1)
+          dense = np.zeros_like(coeffs)
+          np.put_along_axis(dense, pos, vals, -1)
+          mom[m][li][d] = mom[m][li][d] - unchunks(idct2(dense, plan), plan)
+          sent.append((pos, vals))
+        update[d] = unchunks(idct2(scatter_mean(sent, plan.size), plan), plan)
+      u = rows_leaf(update, p[li].shape)
+      new_p.append(p[li] * (1 - lr * wd) - lr * np.sign(u))
+    p = new_p
+  return jax.tree.unflatten(treedef, p), mom
+
+
+# -- running the library ---------------------------------------------------------------------------
+
+
+def demo_tx():
+  return acco_jax.zero1(
+    optax.chain(optax.clip_by_global_norm(1.0), loco.keep_gradient()), comm_dtype=jnp.float32
+  )
+
+
+def outer_params(train, state):
+  """Every worker's θ_g (NoLoCo: φ_i) as a tree of [M, ...] arrays of the original shapes."""
+  fn = jax.jit(lambda s: jax.vmap(train.layout.from_shards)(s.outer.params))
+  return jax.device_get(fn(state))
+
+
+def worker(tree, m):
+  return jax.tree.map(lambda x: x[m], tree)
+
+
+SPARSE = dict(topk=3, chunk=4, bits=2, decay=0.95)  # 3 of 16 per 4 x 4 tile, a few 1-D chunks
+DEMO = dict(topk=4, chunk=4, decay=0.9)
+
+
+@pytest.fixture(scope="module")
+def batches():
+  return toy_batches(6, M * D * K * B)
+
+
+@pytest.fixture(scope="module")
+def sparseloco_run(batches):
+  method = loco.sparseloco(2, **SPARSE)
+  return run(method, M, D, batches)
+
+
+@pytest.fixture(scope="module")
+def noloco_run(batches):
+  return run(loco.noloco(2, pairings=5, seed=3), M, D, batches)
+
+
+@pytest.fixture(scope="module")
+def demo_run(batches):
+  return run(loco.demo(1e-2, **DEMO), M, D, batches[:4], demo_tx())
+
+
+# -- SparseLoCo ------------------------------------------------------------------------------------
+
+
+def test_sparseloco_matches_reference(sparseloco_run, batches):
+  train, state, logged = sparseloco_run
+  glob, ef, plans = ref_sparseloco(
+    batches, 2, SPARSE["topk"], SPARSE["chunk"], SPARSE["bits"], SPARSE["decay"]
+  )
+  assert 0 < train.density() < 0.4  # a real top-k
+  got = outer_params(train, state)
+  for m in range(M):
+    assert_trees_close(worker(got, m), glob, rtol=1e-4, atol=1e-5)
+  comp = jax.device_get(state.comp)
+  for m in range(M):
+    for li, x in enumerate(jax.tree.leaves(comp)):  # the residuals stay with their workers
+      np.testing.assert_allclose(np.asarray(x)[m], ef[m][li], rtol=1e-4, atol=1e-5)
+  outer = [r for r in logged if "outer_fragment" in r]
+  assert len(outer) == 3
+
+
+def test_sparseloco_workers_stay_bit_identical(sparseloco_run):
+  train, state, _ = sparseloco_run
+  got, local = outer_params(train, state), train.worker_params(state)
+  for m in range(1, M):
+    for a, b, c in zip(
+      jax.tree.leaves(got), jax.tree.leaves(local), jax.tree.leaves(got), strict=True
+    ):
+      np.testing.assert_array_equal(np.asarray(a)[m], np.asarray(a)[0])
+      np.testing.assert_array_equal(np.asarray(b)[m], np.asarray(c)[0])  # θ_m = θ_g after a sync
+
+
+def test_sparseloco_full_k_no_quantiser_is_momentum_free_diloco(batches):
+  full = loco.sparseloco(3, topk=16, chunk=4, bits=32, decay=0.0, outer_lr=1.0)
+  batches = batches[:3]  # one sync
+  train, state, _ = run(full, M, D, batches)
+  assert train.density() == 1.0
+  plain = loco.diloco(3, outer=loco.default_outer(lr=1.0, momentum=0.0))
+  ref_train, ref_state, _ = run(plain, M, D, batches)
+  assert_trees_close(train.params(state), ref_train.params(ref_state), rtol=1e-5, atol=1e-6)
+
+
+# -- NoLoCo ----------------------------------------------------------------------------------------
+
+
+def test_noloco_matches_reference(noloco_run, batches):
+  train, state, logged = noloco_run
+  phi = ref_noloco(batches, 2, count=5, seed=3)
+  got = outer_params(train, state)
+  for m in range(M):
+    assert_trees_close(worker(got, m), phi[m], rtol=1e-4, atol=1e-5)
+  local = train.worker_params(state)
+  for m in range(M):  # θ_i ← φ_i
+    assert_trees_close(worker(local, m), phi[m], rtol=1e-4, atol=1e-5)
+  spread = max(
+    float(np.abs(np.asarray(x)[0] - np.asarray(x)[1]).max()) for x in jax.tree.leaves(got)
+  )
+  assert spread > 1e-4  # each worker keeps its own φ_i
+  picks = [int(r["outer_pairing"]) for r in logged if "outer_pairing" in r]
+  assert picks == [
+    int(jax.random.randint(jax.random.fold_in(jax.random.key(3), t), (), 0, 5)) for t in range(3)
+  ]
+
+
+def test_pairings_are_perfect_matchings_agreed_without_talking():
+  for workers, seed in ((2, 0), (4, 1), (8, 2)):
+    table = matchings(workers, 16, seed)
+    for row in table:
+      assert (row[row] == np.arange(workers)).all() and (row != np.arange(workers)).all()
+    np.testing.assert_array_equal(table, matchings(workers, 16, seed))  # same seed, same
+  assert not np.array_equal(matchings(8, 16, 0), matchings(8, 16, 1))
+  with pytest.raises(ValueError, match="needs an even number"):
+    matchings(3, 4, 0)
+  # every worker computes the pick from the seed and the sync index alone: inside a program over
+  # the worker axis, each worker's own computation gives the same matching
+  mesh = loco_step.worker_mesh(M, jax.devices()[: M * D])
+
+  def local(sync):
+    return pairing_index(7, sync[0, 0], 16)[None, None]
+
+  spec = jax.P("replica", "data")
+  picks = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec))(
+    jnp.full((M, D), 5, jnp.int32)
+  )
+  assert len(set(np.asarray(picks).reshape(-1).tolist())) == 1
+
+
+def test_consensus_term_sums_to_zero_over_a_pair_and_vanishes_for_equal_phi():
+  r = np.random.default_rng(0)
+  delta_mean, phi_i, phi_j = (r.normal(size=5) for _ in range(3))
+  phi_bar = (phi_i + phi_j) / 2
+  g_i = consensus_gradient(delta_mean, phi_i, phi_bar)
+  g_j = consensus_gradient(delta_mean, phi_j, phi_bar)
+  np.testing.assert_allclose((g_i - delta_mean) + (g_j - delta_mean), 0.0, atol=1e-12)
+  np.testing.assert_array_equal(consensus_gradient(delta_mean, phi_i, phi_i), delta_mean)
+
+
+def test_consensus_pulls_each_phi_toward_the_pair_mean():
+  """loco-family.md §3 with d̄ = 0 and δ = 0: δ_i = γ (φ̄ − φ_i), so after the outer step
+  φ_i − φ̄ = (1 − γ)(φ_i − φ̄) (a wrong sign would push it away, to 1 + γ)."""
+  gamma = 0.7
+  outer = loco.noloco(50, outer_lr=gamma, momentum=0.5).outer
+  r = np.random.default_rng(1)
+  phi_i, phi_j = (r.normal(size=5).astype(np.float32) for _ in range(2))
+  phi_bar = (phi_i + phi_j) / 2
+  g = consensus_gradient(np.zeros(5, np.float32), phi_i, phi_bar)
+  update, _ = outer.update(g, outer.init(phi_i), phi_i)
+  new = phi_i + np.asarray(update)
+  np.testing.assert_allclose(new - phi_bar, (1 - gamma) * (phi_i - phi_bar), rtol=1e-5, atol=1e-6)
+
+
+def test_noloco_with_all_workers_as_one_group_is_heavy_ball_diloco(batches):
+  """n = N = 2 and equal φ: one pair is everyone, so NoLoCo is DiLoCo with a heavy-ball outer step."""
+  bs = toy_batches(4, 2 * 4 * K * B)
+  train, state, _ = run(loco.noloco(2), 2, 4, bs)
+  heavy = loco.diloco(2, outer=loco.default_outer(0.7, 0.5, nesterov=False))
+  ref_train, ref_state, _ = run(heavy, 2, 4, bs)
+  got = outer_params(train, state)
+  assert_trees_close(worker(got, 0), ref_train.params(ref_state), rtol=1e-5, atol=1e-6)
+  for a in jax.tree.leaves(got):
+    np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(a)[1])
+
+
+# -- DeMo ------------------------------------------------------------------------------------------
+
+
+def test_demo_matches_reference(demo_run, batches):
+  train, state, logged = demo_run
+  params, mom = ref_demo(batches[:4], 1e-2, DEMO["topk"], DEMO["chunk"], DEMO["decay"])
+  got = outer_params(train, state)
+  local = train.worker_params(state)
+  for m in range(M):
+    assert_trees_close(worker(got, m), params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(worker(local, m), params, rtol=1e-5, atol=1e-6)
+  comp = jax.device_get(state.comp)
+  for m in range(M):
+    for li, x in enumerate(jax.tree.leaves(comp)):
+      np.testing.assert_allclose(np.asarray(x)[m], mom[m][li], rtol=1e-4, atol=1e-6)
+  assert sum("outer_fragment" in r for r in logged) == 4  # a sync every step
+
+
+def test_demo_workers_stay_bit_identical(demo_run):
+  train, state, _ = demo_run
+  for tree in (outer_params(train, state), train.worker_params(state)):
+    for x in jax.tree.leaves(tree):
+      for m in range(1, M):
+        np.testing.assert_array_equal(np.asarray(x)[m], np.asarray(x)[0])
+
+
+def test_demo_one_worker_full_k_is_sign_sgd(batches):
+  """N = 1, k = the chunk: everything is sent, the momentum drains to 0 each step, and the update
+  is sign-SGD on η g."""
+  bs = toy_batches(3, 1 * 8 * K * B)
+  lr = 1e-2
+  train, state, _ = run(loco.demo(lr, topk=16, chunk=4, decay=0.9), 1, 8, bs, demo_tx())
+  assert train.density() == 1.0
+  for x in jax.tree.leaves(jax.device_get(state.comp)):
+    assert np.abs(np.asarray(x)).max() < 1e-7
+  p = np_tree(toy_params())
+  for batch in bs:
+    g = np_tree(worker_grad(jax.tree.map(jnp.asarray, p), batch, 0, 1, 8))
+    norm = np.sqrt(sum((x.astype(np.float64) ** 2).sum() for x in jax.tree.leaves(g)))
+    scale = lr * min(1.0, 1.0 / norm)  # η times the clipping factor
+    p = jax.tree.map(lambda w, x, c=scale: w - lr * np.sign(c * x), p, g)
+  assert_trees_close(train.params(state), p, rtol=0, atol=1e-6)
+
+
+# -- what the compiled programs move between workers ------------------------------------------------
+
+
+def cross_worker(train, kind, state, batch=None):
+  """The collectives of a compiled program that move data between workers."""
+  fn = train._program(kind, 0 if kind == "sync" else None, state)
+  args = (state,) if kind == "sync" else (state, train.put_batch(batch), train._counts())
+  found = hlo.hlo_collectives(fn.lower(*args).compile().as_text())
+  per = train.num_devices
+  return [c for c in found if hlo.crosses(c, lambda i: i // per)]
+
+
+def test_noloco_programs_only_collective_permute(noloco_run, batches):
+  train, state, _ = noloco_run
+  assert cross_worker(train, "stage", state, batches[0]) == []
+  sync = cross_worker(train, "sync", state)
+  assert sync and {c.kind for c in sync} == {"collective-permute"}, sync
+  assert len(sync) == 5  # one branch per matching, each one ppermute of [Δ | φ]
+  for c in sync:  # each device sends its shard row of Δ and φ: 2 x 4 bytes x values
+    assert c.bytes == 2 * 4 * train.layout.shard_size
+
+
+def test_demo_programs_have_no_all_reduce_between_workers(demo_run, batches):
+  train, state, _ = demo_run
+  assert cross_worker(train, "stage", state, batches[0]) == []  # no gradient all-reduce
+  sync = cross_worker(train, "sync", state)
+  assert [c.kind for c in sync] == ["all-gather"], sync
+  assert sync[0].shape[0][0] == "u8"  # the packed bytes themselves
+  assert sync[0].bytes == M * train.codec.row_bytes
+
+
+def test_sparseloco_and_diloco_syncs(sparseloco_run, batches):
+  train, state, _ = sparseloco_run
+  sync = cross_worker(train, "sync", state)
+  assert [(c.kind, c.shape[0][0]) for c in sync] == [("all-gather", "u8")], sync
+  assert sync[0].bytes == M * train.codec.row_bytes
+  assert train.payload_bytes(0) == D * train.codec.row_bytes
+  dense, dstate, _ = run(loco.diloco(2), M, D, batches[:2])
+  sync = cross_worker(dense, "sync", dstate)  # one all-reduce of the parameters, nothing else
+  assert [c.kind for c in sync] == ["all-reduce"] and sync[0].bytes == 4 * dense.layout.shard_size
+
+
+# -- bit-exact resume of every state (error feedback, momenta, φ_i and δ_i, the pairing stream) ----
+
+
+@pytest.mark.parametrize("name", ["noloco", "sparseloco", "demo"])
+def test_resume_from_a_checkpoint_is_bit_exact(name, tmp_path, batches, request):
+  """Stop halfway (after a sync), checkpoint, restore into a fresh state, finish: the same bits as
+  the uninterrupted run of the fixture, for every buffer."""
+  train, whole, _ = request.getfixturevalue(f"{name}_run")
+  total = 4 if name == "demo" else 6
+  state = train.init(toy_params())
+  for s in range(total // 2):
+    state, _ = train.run(state, batches[s : s + 1], s, total)
+  with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+    ckpt.save(total // 2, state, extra={})
+  del state
+  with Checkpointer(str(tmp_path)) as ckpt:
+    state, _ = ckpt.restore(None, train.abstract_state(toy_params()))
+  if name != "noloco":  # error feedback / momentum are in the checkpoint
+    assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(state.comp))
+  for s in range(total // 2, total):
+    state, _ = train.run(state, batches[s : s + 1], s, total)
+  for a, b in zip(
+    jax.tree.leaves(jax.device_get(whole)), jax.tree.leaves(jax.device_get(state)), strict=True
+  ):
+    np.testing.assert_array_equal(a, b)
