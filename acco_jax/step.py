@@ -254,11 +254,14 @@ class TrainStep:
       carry = loop.run(params_var, mbs, 0, jnp.minimum(count, h), carry)
       if sharded:  # the barrier makes every output varying: keep invariant values out of it
         (carry, n0), g_1xS = lax.optimization_barrier(((carry, n0), g_1xS))
+      if self.quantized_reduce:  # the bytes received went through the barrier: decode them now
+        g_1xS = self._mean_of(g_1xS[0][0], g_1xS[1])[None]
       return jax.tree.map(lambda x: x[None], (carry, n0)), g_1xS, valid
 
     d, sharded = P(self.plan.axis_name), self.plan.sharded
     g_spec = d if sharded else P()
-    specs = (P(), d, d, d, d, P(), g_spec, P(), d)
+    g_in = (d, P()) if self.quantized_reduce else g_spec
+    specs = (P(), d, d, d, d, P(), g_in, P(), d)
     fn = self._smap(local, in_specs=specs, out_specs=(d, g_spec, P()))
     loop_a, g_rows, valid = fn(w, batch, counts, buf, buf_count, keep, *reduced)
     return loop_a, (g_rows, valid)
@@ -292,18 +295,19 @@ class TrainStep:
 
     Returns ``(rows, valid, rest)``: ``rest`` is ``[N, N*S]``, what each device's quantized send
     did not deliver (error feedback; all of it when no device had a microbatch), else ``None``.
+    Quantized and delayed, ``rows`` is ``(bytes received, count)``, decoded after loop A.
     """
-    axis, layout = self.plan.axis_name, self.layout
+    axis, layout, late = self.plan.axis_name, self.layout, self.plan.delayed
 
     def local(buf_1xP, count_1):
       count = lax.psum(count_1[0], axis)
       total = jnp.maximum(count, 1).astype(jnp.float32)
       flat = buf_1xP[0].astype(self.comm_dtype)
       if self.quantized_reduce:
-        g_S, rest = self._exchange(flat)
+        got, rest = self._exchange(flat)
         if rest is not None:
           rest = jnp.where(count > 0, rest, flat.astype(jnp.float32))[None]
-        return (g_S / total)[None], count > 0, rest
+        return (got[None], total) if late else self._mean_of(got, total)[None], count > 0, rest
       if self.plan.sharded:
         g_S = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
         return (g_S.astype(jnp.float32) / total)[None], count > 0, None
@@ -311,12 +315,14 @@ class TrainStep:
       g = (g_P.astype(jnp.float32) / total).reshape(layout.num_shards, layout.shard_size)
       return g, count > 0, None
 
-    out = (P(axis) if self.plan.sharded else P(), P(), P(axis))
-    fn = self._smap(local, in_specs=(P(axis), P(axis)), out_specs=out)
+    rows = (
+      (P(axis), P()) if self.quantized_reduce and late else P(axis) if self.plan.sharded else P()
+    )
+    fn = self._smap(local, in_specs=(P(axis), P(axis)), out_specs=(rows, P(), P(axis)))
     return fn(buf, buf_count)
 
   def _exchange(self, flat_P):
-    """Per device, the quantized reduce-scatter: its shard's gradient sum ``[S]`` (float32) and,
+    """Per device, the quantized reduce-scatter: the encoded rows of its shard it received and,
     with error feedback, what its send did not deliver ``[N*S]`` (float32, exact), else ``None``.
 
     Chunk ``c`` of the flat buffer belongs to device ``c``. The ``L = node_size`` devices of a node
@@ -324,24 +330,25 @@ class TrainStep:
     ``{a L + l}``; these rows are quantized and exchanged by one all-to-all among the rank-``l``
     devices of all nodes (all devices when ``L = 1``); each device sums what it got in float32.
     """
-    plan, axis, s, size = (
-      self.plan,
-      self.plan.axis_name,
-      self.layout.shard_size,
-      self.plan.node_size,
-    )
-    x = flat_P
+    plan, axis, s = self.plan, self.plan.axis_name, self.layout.shard_size
+    x, size = flat_P, plan.node_size
     if size > 1:
       x = lax.psum_scatter(quantize_lib.rank_major(x, size, s), axis, tiled=True,
                            axis_index_groups=self._nodes)  # fmt: skip
     x = x.reshape(-1, s).astype(jnp.float32)
     wire, sent = quantize_lib.encode(x, plan.quantize, plan.block)
     got = lax.all_to_all(wire, axis, 0, 0, tiled=True, axis_index_groups=self._rails)
-    g_S = quantize_lib.decode(got, plan.quantize, plan.block, s).sum(0)
     if not plan.error_feedback:
-      return g_S, None
+      return got, None
     rank = lax.axis_index(axis) % size  # the rest of the buffer was delivered within the node
-    return g_S, quantize_lib.rank_column(x - sent, rank, size)
+    return got, quantize_lib.rank_column(x - sent, rank, size)
+
+  def _mean_of(self, got, total):
+    """The mean gradient ``[S]`` from the encoded rows received: dequantized, summed in float32."""
+    plan = self.plan
+    return (
+      quantize_lib.decode(got, plan.quantize, plan.block, self.layout.shard_size).sum(0) / total
+    )
 
   def _new_rows(self, params, old):
     """What the all-gather of the new weights needs: ``(rows,)`` ``[N, S]`` in ``comm_dtype``, or,

@@ -96,13 +96,19 @@ def tokens_per_update(s: dict) -> int:
 
 
 def make_config(setting: str, label: str, seed: int):
-  """The trainer config of one run: configs/tinystories_acco.py:cpu with the setting's overrides."""
+  """The trainer config of one run: configs/tinystories_acco.py:cpu with the setting's overrides.
+
+  A label ``<method>-int8`` / ``<method>-int4`` quantizes the communication (``comm`` group; every
+  simulated device its own node, blocks of 256: ``bench/acco_quantized.py``)."""
   sys.path.insert(0, str(common.REPO))
   from configs import tinystories_acco
 
   s = SETTINGS[setting]
   c = tinystories_acco.get_config("cpu")
   c.method = label.split("-")[0]
+  quantize = label.rsplit("-", 1)[-1]
+  if quantize in ("int8", "int4"):
+    c.comm.quantize, c.comm.block, c.comm.node_size = quantize, 256, 1
   c.dpu_warmup_updates = warmup_updates(label, s["num_updates"])
   c.model.D, c.model.N, c.model.H = s["D"], s["N"], s["H"]
   c.data.tokenizer, c.data.seq_len = s["tokenizer"], s["seq_len"]
