@@ -258,6 +258,36 @@ def _group_size(attrs: str) -> int:
   return int(m.group(1)) if m else 1
 
 
+def replica_groups(rest: str) -> list[list[int]]:
+  """The device groups of a collective from its HLO attributes (explicit or iota form)."""
+  m = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", rest)
+  if m:
+    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[(\d+)\](T\((\d+),(\d+)\))?", rest)
+  if not m:
+    return []
+  groups, size, n = int(m.group(1)), int(m.group(2)), int(m.group(3))
+  ids = list(range(n))
+  if m.group(4):  # iota reshaped to (a, b) and transposed
+    a, b = int(m.group(5)), int(m.group(6))
+    ids = [i * b + j for j in range(b) for i in range(a)]
+  return [ids[g * size : (g + 1) * size] for g in range(groups)]
+
+
+def bytes_across(text: str, per_group: int, opcodes=("all-reduce", "all-reduce-start")) -> int:
+  """Result bytes of the collectives in ``text`` whose device groups join devices of different
+  blocks of ``per_group`` consecutive ids (e.g. the workers of a ``(replica, data)`` mesh)."""
+  comps, _ = parse_hlo(text)
+  total = 0
+  for instrs in comps.values():
+    for i in instrs:
+      if i.opcode in opcodes:
+        groups = replica_groups(i.rest)
+        if any(len({d // per_group for d in g}) > 1 for g in groups):
+          total += _shape_bytes(i.shape)
+  return total
+
+
 def hlo_collectives(text: str) -> list[Collective]:
   """Collectives in compiled HLO text: opcode (without -start/-done), result shape, bytes, in a loop.
 

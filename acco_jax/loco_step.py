@@ -250,7 +250,9 @@ class LocoStep:
     inner = state.inner._replace(params=params, w=self.inner._gather(params))
     step_norm = optax.tree.norm(base.pseudo_gradient(base.select(state.outer.params, idx), new_g))
     metrics = {
-      "outer_delta_norm": optax.tree.norm(jax.tree.map(lambda x: x[0], mean)),
+      # norms over every worker's (identical) copy, / sqrt(M): a scalar reduction, where taking
+      # worker 0's copy would broadcast it to every device, a collective as large as the sync's
+      "outer_delta_norm": optax.tree.norm(mean) / jnp.sqrt(self.num_workers),
       "outer_step_norm": step_norm / jnp.sqrt(self.num_workers),
       "outer_fragment": jnp.int32(p),
     }
@@ -362,6 +364,10 @@ class LocoStep:
     """``θ_g`` of worker 0 (the same on every worker) as a float32 tree of the original shapes."""
     fn = lambda s: self.layout.from_shards(jax.tree.map(lambda x: x[0], s.outer.params))
     return jax.jit(fn, out_shardings=NamedSharding(self.mesh, P()))(state)
+
+  def replicated(self, x):
+    """A copy of ``x`` on every device (readable on every process), e.g. per-worker values."""
+    return jax.jit(jnp.copy, out_shardings=NamedSharding(self.mesh, P()))(x)
 
   def worker_params(self, state: LocoState) -> PyTree:
     """Every worker's ``θ_m``, a tree of ``[M, ...]`` float32 arrays of the original shapes."""

@@ -574,6 +574,10 @@ class TrainStep:
     fn = lambda s: self.layout.from_shards(methods.committed_params(s.opt_state, s.params))
     return jax.jit(fn, out_shardings=self._sharding(P()))(state)
 
+  def replicated(self, x):
+    """A copy of ``x`` on every device (readable on every process)."""
+    return jax.jit(jnp.copy, out_shardings=self._sharding(P()))(x)
+
   def compute_params(self, state: TrainState) -> PyTree:
     """The weights the next stage computes at (θ̃ after an ACCO estimate), in ``comm_dtype``."""
     fn = lambda w: self.layout.unravel(w, self.comm_dtype)

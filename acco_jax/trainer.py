@@ -290,7 +290,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
         lr = methods.hyperparams(opt_state).get("learning_rate", float("nan"))
         pending = {
           "stage": stage, "update": done, "metrics": m, "nonfinite": nonfinite,
-          "lr": jnp.copy(lr) if isinstance(lr, jax.Array) else lr,  # the state is donated next
+          "lr": train.replicated(lr) if isinstance(lr, jax.Array) else lr,  # donated next
           "tokens_seen": tokens_seen, "budgets": None if budgets is None else budgets.tolist(),
           "wire_bytes": wire_bytes, "outer": list(outer_rows),
         }  # fmt: skip

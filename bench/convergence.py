@@ -70,6 +70,21 @@ SETTINGS = {
     microbatches=4, num_updates=160, eval_every=8, eval_batches=12, lr=5e-4,
     methods=("zero1", "acco", "dpu"),
   ),
+  # Low-communication methods (bench/loco.py): M workers of 8/M devices, the d8 model and batch
+  # per device, longer (H = 50 needs several syncs). Labels: ddp, diloco-h<H> (the paper's outer
+  # Nesterov 0.7 / 0.9), diloco-h<H>-avg (outer lr 1, no momentum: parameter averaging, the best of
+  # a short sweep at this scale), streaming-h<H> (2 fragments, FP4, tau = 1, alpha = 0.5, the
+  # paper's outer step). loco-m8's DDP baseline is loco-m4's (the same run).
+  "loco-m4": dict(
+    devices=8, workers=4, D=128, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
+    microbatches=4, num_updates=400, eval_every=25, eval_batches=12,
+    methods=("ddp", "diloco-h10", "diloco-h50", "diloco-h50-avg", "streaming-h50"),
+  ),
+  "loco-m8": dict(
+    devices=8, workers=8, D=128, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
+    microbatches=4, num_updates=400, eval_every=25, eval_batches=12, baseline="loco-m4",
+    methods=("diloco-h10", "diloco-h50", "diloco-h50-avg", "streaming-h50"),
+  ),
   "smoke": dict(
     devices=2, D=32, N=1, H=2, tokenizer="byte", seq_len=32, microbatch_size=1, microbatches=2,
     num_updates=2, eval_every=1, eval_batches=2, methods=("zero1", "acco"),
@@ -106,6 +121,8 @@ def make_config(setting: str, label: str, seed: int):
   s = SETTINGS[setting]
   c = tinystories_acco.get_config("cpu")
   c.method = label.split("-")[0]
+  if c.method in ("diloco", "streaming"):
+    loco_overrides(c, label, s)
   quantize = label.rsplit("-", 1)[-1]
   if quantize in ("int8", "int4"):
     c.comm.quantize, c.comm.block, c.comm.node_size = quantize, 256, 1
@@ -123,6 +140,19 @@ def make_config(setting: str, label: str, seed: int):
   c.ckpt.every, c.ckpt.async_save = 0, False
   c.mesh.num_devices, c.mesh.cpu_devices = s["devices"], 0  # XLA_FLAGS is set by the parent
   return c
+
+
+def loco_overrides(c, label: str, s: dict) -> None:
+  """``diloco-h<H>``: DiLoCo (outer Nesterov 0.7 / 0.9); ``streaming-h<H>``: Streaming DiLoCo with
+  2 fragments, FP4, tau = 1, alpha = 0.5 (the paper's final setting, 2 blocks -> 2 fragments)."""
+  name, _, rest = label.partition("-h")
+  h, _, variant = rest.partition("-")
+  c.method = "streaming_diloco" if name == "streaming" else "diloco"
+  c.loco.workers, c.loco.sync_every, c.loco.inner = s["workers"], int(h), "zero1"
+  if variant == "avg":
+    c.loco.outer_lr, c.loco.outer_momentum = 1.0, 0.0
+  if name == "streaming":
+    c.loco.fragments, c.loco.overlap_steps, c.loco.alpha, c.loco.quantize = 2, 1, 0.5, "fp4"
 
 
 def worker(args) -> None:
@@ -253,13 +283,16 @@ def eval_at(run: dict, update: int) -> float:
   return ev.get(update, float("nan"))
 
 
-def summarize(setting: str, runs: dict[str, dict[int, dict]]) -> dict:
-  """Final eval loss per method (mean ± std over seeds) and gaps to zero1 at 25 / 50 / 100 %."""
+def summarize(setting: str, runs: dict[str, dict[int, dict]], base_runs=None) -> dict:
+  """Final eval loss per method (mean ± std over seeds) and gaps to the baseline (zero1, or
+  ``base_runs``) at 25 / 50 / 100 %."""
   s = SETTINGS[setting]
   total = s["num_updates"]
   points = {f"{int(f * 100)}%": round(f * total) for f in FRACTIONS}
   out = {"methods": {}}
   base = runs.get("zero1", {})
+  if base_runs is not None:
+    base = base_runs
   for label, seeds in runs.items():
     m = {"final_eval_loss": _mean_std([r["final_eval_loss"] for r in seeds.values()])}
     m["wall_s"] = _mean_std([r["wall_s"] for r in seeds.values()])
@@ -301,9 +334,18 @@ def collect(
       schedule="constant",
       dpu_warmups={m: warmup_updates(m, s["num_updates"]) for m in s["methods"] if "dpu" in m},
     )
+    base_runs = None
+    if s.get("baseline"):  # another setting's baseline run (e.g. the same DDP run)
+      base_runs = {}
+      for seed in seeds:
+        d = run_dir(out, s["baseline"], "ddp", seed)
+        if (d / "result.json").exists():
+          base_runs[seed] = read_run(d, SETTINGS[s["baseline"]])
+    elif "ddp" in runs:
+      base_runs = runs["ddp"]
     results["settings"][setting] = {
       "config": info,
-      "summary": summarize(setting, runs),
+      "summary": summarize(setting, runs, base_runs),
       "runs": {label: {str(k): v for k, v in seeds_.items()} for label, seeds_ in runs.items()},
     }
   results["assumptions"] = {

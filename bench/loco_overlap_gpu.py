@@ -29,21 +29,6 @@ from pathlib import Path
 import common
 
 
-def replica_groups(rest: str) -> list[list[int]]:
-  m = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", rest)
-  if m:
-    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[(\d+)\](T\((\d+),(\d+)\))?", rest)
-  if not m:
-    return []
-  groups, size, n = int(m.group(1)), int(m.group(2)), int(m.group(3))
-  ids = list(range(n))
-  if m.group(4):  # iota reshaped to (a, b) and transposed
-    a, b = int(m.group(5)), int(m.group(6))
-    ids = [i * b + j for j in range(b) for i in range(a)]
-  return [ids[g * size : (g + 1) * size] for g in range(groups)]
-
-
 def worker_pairs(text: str, per_worker: int) -> list[dict]:
   """Async all-reduce pairs of the entry whose groups span workers (device id // per_worker)."""
   from acco_jax import hlo
@@ -59,7 +44,7 @@ def worker_pairs(text: str, per_worker: int) -> list[dict]:
     if start.opcode in ("async-start", "call-start"):  # the wrapped computation holds the groups
       called = re.findall(r"calls=%?([\w.\-]+)", rest)
       rest = " ".join(i.rest for c in called for i in comps.get(c, []))
-    groups = replica_groups(rest)
+    groups = hlo.replica_groups(rest)
     if any(len({d // per_worker for d in g}) > 1 for g in groups):
       out.append({**p._asdict(), "groups": groups[:4]})
   return out

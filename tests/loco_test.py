@@ -417,3 +417,25 @@ def test_checkpoint_in_flight_state_shape():
   assert train.plan(2, 4).apply == 0
   state, _ = train.run(state, batches[2:3], 2, 4)  # applies fragment 0 first
   assert int(state.inflight_fragment) == -1
+
+
+def test_sync_moves_the_accounted_bytes_between_workers():
+  """The compiled sync program's all-reduce across workers carries exactly the fragment (float32,
+  each device its 1/D share): what :meth:`LocoStep.wire_bytes` accounts (a ring sends 2 (M-1)/M of
+  it), with nothing else of that size crossing workers (a metric reading one worker's copy once
+  doubled it)."""
+  from acco_jax import hlo
+
+  M, D = 4, 2
+  mesh = loco_step.worker_mesh(M, jax.devices()[: M * D])
+  method = loco.streaming_diloco(sync_every=4, fragments=2, overlap_steps=0, quantize="none")
+  tx = acco_jax.zero1(inner_opt(), comm_dtype=jnp.float32)
+  train = loco_step.make_loco_step(
+    toy_loss, tx, method, mesh, num_microbatches=K, params=toy_params()
+  )
+  state = train.abstract_state(toy_params())
+  for p in range(2):
+    text = train._program("sync", p, state).lower(state).compile().as_text()
+    across = hlo.bytes_across(text, D)
+    assert across == 4 * train.fragment_sizes()[p] // D
+    assert train.wire_bytes(p) == pytest.approx(2 * (M - 1) / M * D * across)

@@ -1,4 +1,5 @@
-"""ACCO across real processes: 2 processes x 4 CPU devices (gloo) against 1 process x 8 devices.
+"""ACCO and Streaming DiLoCo across real processes: 2 processes x 4 CPU devices (gloo) against
+1 process x 8 devices (for Streaming DiLoCo, 2 workers of 4 devices: one worker per process).
 
 The two workers (``tests/multiprocess_worker.py``) each see 4 local devices and feed only their own
 rows through ``acco_jax.parallel.global_batch``; the reference runs the same code in this process on
@@ -88,15 +89,16 @@ def test_two_processes_match_one_process(tmp_path):
   np.testing.assert_array_equal(multi["committed"], single["committed"])
   assert list(single["committed"]) == [False, True] * (worker.STAGES // 2)
   np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(multi["loco_losses"], single["loco_losses"], rtol=1e-5, atol=1e-7)
   for key in single:
-    if key.startswith(("final/", "compute/")):
+    if key.startswith(("final/", "compute/", "loco_final/")):
       np.testing.assert_allclose(multi[key], single[key], rtol=1e-5, atol=1e-6, err_msg=key)
   # guard: the run moved the parameters, so equality is not trivial
-  moved = max(
-    float(np.max(np.abs(single[f"final/{k}"] - v)))
-    for k, v in (("hidden/kernel", worker.init_params()["hidden"]["kernel"]),)
-  )
-  assert moved > 1e-2
+  for prefix in ("final/", "loco_final/"):
+    moved = float(
+      np.max(np.abs(single[prefix + "hidden/kernel"] - worker.init_params()["hidden"]["kernel"]))
+    )
+    assert moved > 1e-2, prefix
   assert any("connected to" in log for log in logs), "gloo did not report its peers"
   worst = max(
     float(np.max(np.abs(multi[k] - single[k]) / (np.abs(single[k]) + 1e-12)))

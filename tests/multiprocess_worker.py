@@ -91,16 +91,44 @@ def run() -> dict:
     committed.append(bool(metrics["committed"]))
   final = jax.tree.map(np.asarray, train.params(state))
   compute = jax.tree.map(lambda x: np.asarray(x, np.float32), train.compute_params(state))
+  loco_losses, loco_final = run_loco(batches, inner)
   return {"losses": np.array(losses), "committed": np.array(committed), "final": final,
-          "compute": compute}  # fmt: skip
+          "compute": compute, "loco_losses": loco_losses, "loco_final": loco_final}  # fmt: skip
+
+
+def run_loco(batches, inner):
+  """Streaming DiLoCo (P = 1, tau = 1: every fragment's all-reduce is in flight across a window)
+  on 2 workers of 4 devices: with 2 processes, each worker is one process and the outer
+  all-reduce crosses processes. Returns per-step per-worker losses and the final theta_g."""
+  import jax
+  import jax.numpy as jnp
+
+  import acco_jax
+  from acco_jax import loco, loco_step, parallel
+
+  mesh = loco_step.worker_mesh(2)
+  method = loco.streaming_diloco(sync_every=2, fragments=1, overlap_steps=1, quantize="fp4")
+  tx = acco_jax.zero1(inner, comm_dtype=jnp.float32)
+  params = init_params()
+  train = loco_step.make_loco_step(loss_fn, tx, method, mesh, num_microbatches=K, params=params)
+  pi, pc = jax.process_index(), jax.process_count()
+  axes = tuple(mesh.axis_names)
+  state, s, total, losses = train.init(params), 0, len(batches), []
+  while s < total:
+    n = train.plan(s, total).stages
+    rows = [parallel.global_batch(local_rows(b, pi, pc), mesh, axes) for b in batches[s : s + n]]
+    state, metrics = train.run(state, rows, s, total)
+    losses.append(np.asarray(metrics["loss"]))
+    s += n
+  return np.stack(losses), jax.tree.map(np.asarray, train.params(state))
 
 
 def flatten(result: dict) -> dict[str, np.ndarray]:
   """``{'losses': ..., 'final/hidden/kernel': ..., ...}`` (for ``np.savez``)."""
   import jax
 
-  out = {"losses": result["losses"], "committed": result["committed"]}
-  for name in ("final", "compute"):
+  out = {k: result[k] for k in ("losses", "committed", "loco_losses")}
+  for name in ("final", "compute", "loco_final"):
     for path, leaf in jax.tree_util.tree_leaves_with_path(result[name]):
       out[name + "/" + "/".join(str(getattr(k, "key", k)) for k in path)] = np.asarray(leaf)
   return out
