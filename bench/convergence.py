@@ -156,7 +156,6 @@ def loco_overrides(c, label: str, s: dict) -> None:
 
 
 def worker(args) -> None:
-  sys.path.insert(0, str(common.REPO))  # this checkout's acco_jax, not an installed one
   import jax
 
   from acco_jax import trainer
