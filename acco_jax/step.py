@@ -47,9 +47,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax import methods
-from acco_jax import quantize as quantize_lib
 from acco_jax.flat import FlatLayout
 from acco_jax.microbatch import MicrobatchLoop
+from acco_jax.quantized_comm import QuantizedComm, all_gather_invariant
 from acco_jax.reshard import reshard_state
 
 PyTree = Any
@@ -82,10 +82,6 @@ class TrainState(NamedTuple):
 def _loop_a_size(k: int) -> int:
   """Microbatches in loop A of a delayed stage, ``ceil(k/2)``; loop B runs the rest."""
   return -(-k // 2)
-
-
-def _all_gather_invariant(x, axis_name):
-  return lax.all_gather(x, axis_name, axis=0, tiled=True, to="invarying")
 
 
 class TrainStep:
@@ -133,14 +129,9 @@ class TrainStep:
     self.layout = FlatLayout(params_like, self.num_devices)
     self.comm_dtype = jnp.dtype(self.plan.comm_dtype)
     methods.check_elementwise(self.tx, self.plan, params_like, self.layout)
-    self.quantized = self.plan.quantize != "none"
-    self.quantized_reduce = quantize_lib.check_plan(
-      self.plan, self.num_devices, self.layout.shard_size, replica_axis
-    )
-    self._nodes, self._rails = quantize_lib.node_groups(self.num_devices, self.plan.node_size)
-    self.keeps_residual = (
-      self.quantized_reduce and self.plan.error_feedback and not self.plan.delayed
-    )
+    self.qcomm = QuantizedComm(self.plan, self.num_devices, self.layout.shard_size, replica_axis)
+    self.quantized, self.quantized_reduce = self.qcomm.quantized, self.qcomm.reduce
+    self.keeps_residual = self.qcomm.reduce and self.plan.error_feedback and not self.plan.delayed
     self._sharding = functools.partial(NamedSharding, self.mesh)
     self._compiled = {}
 
@@ -255,7 +246,7 @@ class TrainStep:
       if sharded:  # the barrier makes every output varying: keep invariant values out of it
         (carry, n0), g_1xS = lax.optimization_barrier(((carry, n0), g_1xS))
       if self.quantized_reduce:  # the bytes received went through the barrier: decode them now
-        g_1xS = self._mean_of(g_1xS[0][0], g_1xS[1])[None]
+        g_1xS = self.qcomm.mean_of(g_1xS[0][0], g_1xS[1])[None]
       return jax.tree.map(lambda x: x[None], (carry, n0)), g_1xS, valid
 
     d, sharded = P(self.plan.axis_name), self.plan.sharded
@@ -270,7 +261,9 @@ class TrainStep:
     """Delayed methods, loop B: microbatches ``[h, counts[i])`` while the new weights all-gather.
 
     An ``optimization_barrier`` joins loop A's carry with ``rows`` (the updated ``[N, S]`` shards),
-    so this loop cannot start before the update: the all-gather of ``rows`` runs during it. Returns
+    so this loop cannot start before the update: the all-gather of ``rows`` runs during it (quantized:
+    the rows are encoded before the barrier, so the all-gather's input exists when loop B starts;
+    encoded after it, XLA:GPU ran the encoding and the all-gather after loop B). Returns
     the new buffer ``[N, N*S]``, its counts ``[N]``, metrics summed over devices and the gathered
     weights ``[N*S]``. ``rows``: see :meth:`_new_rows`.
     """
@@ -279,10 +272,14 @@ class TrainStep:
     def local(w_P, batch_local, count_1, loop_a, rows_1xS):
       params_var, mbs = loop.prepare(w_P, batch_local)
       count = count_1[0]
-      (carry, n0), rows_1xS = lax.optimization_barrier(
-        (jax.tree.map(lambda x: x[0], loop_a), rows_1xS)
-      )
-      w_next = self._gather_local(w_P, *(r[0] for r in rows_1xS))
+      rows_S = tuple(r[0] for r in rows_1xS)
+      if self.quantized:  # encoded before the barrier: the all-gather's input is ready for loop B
+        rows_S = (self.qcomm.encode_update(w_P, *rows_S),)
+      (carry, n0), rows_S = lax.optimization_barrier((jax.tree.map(lambda x: x[0], loop_a), rows_S))
+      if self.quantized:
+        w_next = self.qcomm.apply_update(w_P, rows_S[0])
+      else:
+        w_next = all_gather_invariant(rows_S[0], self.plan.axis_name)
       carry = loop.run(params_var, mbs, h, jnp.maximum(count, h), carry)
       return (*self._finish(loop, carry, count, n0), w_next)
 
@@ -304,10 +301,10 @@ class TrainStep:
       total = jnp.maximum(count, 1).astype(jnp.float32)
       flat = buf_1xP[0].astype(self.comm_dtype)
       if self.quantized_reduce:
-        got, rest = self._exchange(flat)
+        got, rest = self.qcomm.exchange(flat)
         if rest is not None:
           rest = jnp.where(count > 0, rest, flat.astype(jnp.float32))[None]
-        return (got[None], total) if late else self._mean_of(got, total)[None], count > 0, rest
+        return (got[None], total) if late else self.qcomm.mean_of(got, total)[None], count > 0, rest
       if self.plan.sharded:
         g_S = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
         return (g_S.astype(jnp.float32) / total)[None], count > 0, None
@@ -321,35 +318,6 @@ class TrainStep:
     fn = self._smap(local, in_specs=(P(axis), P(axis)), out_specs=(rows, P(), P(axis)))
     return fn(buf, buf_count)
 
-  def _exchange(self, flat_P):
-    """Per device, the quantized reduce-scatter: the encoded rows of its shard it received and,
-    with error feedback, what its send did not deliver ``[N*S]`` (float32, exact), else ``None``.
-
-    Chunk ``c`` of the flat buffer belongs to device ``c``. The ``L = node_size`` devices of a node
-    first reduce-scatter in ``comm_dtype`` so that rank ``l`` holds the node's sums of the chunks
-    ``{a L + l}``; these rows are quantized and exchanged by one all-to-all among the rank-``l``
-    devices of all nodes (all devices when ``L = 1``); each device sums what it got in float32.
-    """
-    plan, axis, s = self.plan, self.plan.axis_name, self.layout.shard_size
-    x, size = flat_P, plan.node_size
-    if size > 1:
-      x = lax.psum_scatter(quantize_lib.rank_major(x, size, s), axis, tiled=True,
-                           axis_index_groups=self._nodes)  # fmt: skip
-    x = x.reshape(-1, s).astype(jnp.float32)
-    wire, sent = quantize_lib.encode(x, plan.quantize, plan.block)
-    got = lax.all_to_all(wire, axis, 0, 0, tiled=True, axis_index_groups=self._rails)
-    if not plan.error_feedback:
-      return got, None
-    rank = lax.axis_index(axis) % size  # the rest of the buffer was delivered within the node
-    return got, quantize_lib.rank_column(x - sent, rank, size)
-
-  def _mean_of(self, got, total):
-    """The mean gradient ``[S]`` from the encoded rows received: dequantized, summed in float32."""
-    plan = self.plan
-    return (
-      quantize_lib.decode(got, plan.quantize, plan.block, self.layout.shard_size).sum(0) / total
-    )
-
   def _new_rows(self, params, old):
     """What the all-gather of the new weights needs: ``(rows,)`` ``[N, S]`` in ``comm_dtype``, or,
     quantized, float32 rows (and the previous ones without error feedback)."""
@@ -361,22 +329,10 @@ class TrainStep:
     return rows, self.layout.shards_to_rows(old)
 
   def _gather_local(self, w_P, rows_S, old_S=None):
-    """Per device, new compute weights ``[N*S]`` (invariant) from its new shard ``rows_S``.
-
-    Quantized, each device sends its shard's update ``θ' - w`` (with error feedback: against the
-    weights every device holds, so the error of each send is part of the next) and every device
-    adds the dequantized updates to ``w``; without error feedback the update is ``θ' - θ``.
-    """
-    plan, axis = self.plan, self.plan.axis_name
+    """Per device, new compute weights ``[N*S]`` (invariant) from its new shard ``rows_S``."""
     if not self.quantized:
-      return _all_gather_invariant(rows_S, axis)
-    s = self.layout.shard_size
-    if old_S is None:
-      old_S = lax.dynamic_slice_in_dim(w_P, lax.axis_index(axis) * s, s)
-    wire, _ = quantize_lib.encode(rows_S - old_S.astype(jnp.float32), plan.quantize, plan.block)
-    got = _all_gather_invariant(wire, axis).reshape(self.num_devices, -1)
-    update = quantize_lib.decode(got, plan.quantize, plan.block, s).reshape(-1)
-    return (w_P.astype(jnp.float32) + update).astype(self.comm_dtype)
+      return all_gather_invariant(rows_S, self.plan.axis_name)
+    return self.qcomm.gather(w_P, rows_S, old_S)
 
   def _gather(self, params, w=None, old=None):
     """New compute weights ``[N*S]`` (replicated) from the optimizer's shards."""
