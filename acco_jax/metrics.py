@@ -56,7 +56,7 @@ def quantized_bytes_per_stage(plan, padded_size: int, num_devices: int) -> int:
 
   With ``W(m)`` the encoded bytes of ``m`` values (integers and a float32 scale per block), ``S =
   P/N`` the shard size, ``L`` the node size and ``A = N/L`` nodes: the node's reduce-scatter in
-  ``comm_dtype`` (``L > 1``) :math:`rac{L-1}{L} P b`, the all-to-all of the node sums
+  ``comm_dtype`` (``L > 1``) :math:`\frac{L-1}{L} P b`, the all-to-all of the node sums
   :math:`(A-1)\,W(S)` (nothing with one node) and the ring all-gather of the encoded weight updates
   :math:`(N-1)\,W(S)`.
   """
