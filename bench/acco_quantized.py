@@ -38,6 +38,10 @@ import common
 import convergence as conv
 
 LABELS = ("zero1", "zero1-int8", "zero1-int4", "acco", "acco-int8", "acco-int4")
+# Diagnostics, not in the default plan: -n<L> sets comm.node_size=L. n8 (one node of 8): the gradients
+# stay bf16 and only the weight updates are quantized, which tells the two collectives' shares
+# apart; n4 (two nodes of 4): only the node sums of the gradients are quantized, as on a cluster.
+DIAGNOSTIC = ("acco-int8-n8", "acco-int8-n4", "acco-int4-n4")
 SETTINGS = ("d8", "d32")
 OUT = common.RESULTS / "quantized"  # runs/<setting>/<label>/seed<k>/ (not in git)
 TARGETS = {"int8": (0.5, 0.55), "int4": (1.0, 0.30)}  # (max |gap| %, max bytes ratio) for acco
@@ -70,7 +74,7 @@ def collect(out: Path, seeds: list[int]) -> dict:
     s = conv.SETTINGS[setting]
     runs: dict[str, dict[int, dict]] = {}
     sent: dict[str, float] = {}
-    for label in LABELS:
+    for label in LABELS + DIAGNOSTIC:
       for seed in seeds:
         d = conv.run_dir(out, setting, label, seed)
         if (d / "result.json").exists():
@@ -137,6 +141,7 @@ def figure(results: dict, path: Path) -> None:
       loss = np.asarray([x["eval"]["loss"][:n] for x in runs])
       style = "-" if base_of(label) == "acco" else "--"
       ax = axes[0, j]
+      style = ":" if label in DIAGNOSTIC else style
       ax.plot(tokens, loss.mean(0), style, color=colors[mode_of(label)], label=label)
       ax.fill_between(tokens, loss.min(0), loss.max(0), color=colors[mode_of(label)], alpha=0.08)
       base = r["runs"].get(base_of(label))
@@ -358,7 +363,7 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-  ap.add_argument("--labels", nargs="+", default=list(LABELS), choices=list(LABELS))
+  ap.add_argument("--labels", nargs="+", default=list(LABELS), choices=LABELS + DIAGNOSTIC)
   ap.add_argument("--jobs", type=int, default=1, help="runs at a time")
   ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
   ap.add_argument("--collect", action="store_true", help="only collect existing runs")
