@@ -295,6 +295,33 @@ def test_compiled_collectives_move_integers(name, mode, node_size):
   assert sent == metrics.comm_bytes_per_stage(train.plan, train.layout.padded_size, N)
 
 
+def _eqns(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs in its parameters, with its own jaxpr's eqns."""
+  for eqn in jaxpr.eqns:
+    yield eqn, jaxpr.eqns
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_acco_all_gather_reads_bytes_encoded_before_loop_b(mode):
+  """The all-gather of the encoded weight updates reads the output of loop B's barrier: the bytes
+  exist before loop B starts, so XLA:GPU can run the all-gather during it (encoded after the
+  barrier, the GPT-2 compile for 8 x H100 ran the encoding and the all-gather after loop B)."""
+  train, state = build("acco", mode)
+  fn, args = stage_program(train, state)
+  found = 0
+  for eqn, siblings in _eqns(jax.make_jaxpr(fn)(*args).jaxpr):
+    if "all_gather" in eqn.primitive.name and eqn.invars[0].aval.dtype == jnp.int8:
+      src = next(e for e in siblings if eqn.invars[0] in e.outvars)
+      assert src.primitive.name == "optimization_barrier", src.primitive.name
+      found += 1
+  assert found == 1
+
+
 # -- checkpoints: exact resume, and restore on another device count ------------------------------
 
 
