@@ -141,7 +141,7 @@ def figure(results: dict, path: Path) -> None:
       loss = np.asarray([x["eval"]["loss"][:n] for x in runs])
       style = "-" if base_of(label) == "acco" else "--"
       ax = axes[0, j]
-      style = ":" if label in DIAGNOSTIC else style
+      style = (":" if label.endswith("n8") else "-.") if label in DIAGNOSTIC else style
       ax.plot(tokens, loss.mean(0), style, color=colors[mode_of(label)], label=label)
       ax.fill_between(tokens, loss.min(0), loss.max(0), color=colors[mode_of(label)], alpha=0.08)
       base = r["runs"].get(base_of(label))
