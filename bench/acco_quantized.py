@@ -43,6 +43,7 @@ LABELS = ("zero1", "zero1-int8", "zero1-int4", "acco", "acco-int8", "acco-int4")
 # apart; n4 (two nodes of 4): only the node sums of the gradients are quantized, as on a cluster.
 DIAGNOSTIC = ("acco-int8-n8", "acco-int8-n4", "acco-int4-n4")
 SETTINGS = ("d8", "d32")
+EXTRA_SETTINGS = ("d8-lr5e-4",)  # diagnostic: d8 at the paper's TinyStories learning rate
 OUT = common.RESULTS / "quantized"  # runs/<setting>/<label>/seed<k>/ (not in git)
 TARGETS = {"int8": (0.5, 0.55), "int4": (1.0, 0.30)}  # (max |gap| %, max bytes ratio) for acco
 
@@ -68,9 +69,9 @@ def bytes_per_update(run_dir: Path, label: str) -> float:
   return float("nan")
 
 
-def collect(out: Path, seeds: list[int]) -> dict:
+def collect(out: Path, seeds: list[int], settings=SETTINGS) -> dict:
   results = {"machine": common.machine(), "settings": {}}
-  for setting in SETTINGS:
+  for setting in settings:
     s = conv.SETTINGS[setting]
     runs: dict[str, dict[int, dict]] = {}
     sent: dict[str, float] = {}
@@ -362,7 +363,9 @@ def cost_report(args) -> int:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-  ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+  ap.add_argument(
+    "--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS + EXTRA_SETTINGS
+  )
   ap.add_argument("--labels", nargs="+", default=list(LABELS), choices=LABELS + DIAGNOSTIC)
   ap.add_argument("--jobs", type=int, default=1, help="runs at a time")
   ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
@@ -384,7 +387,7 @@ def main(argv=None) -> int:
   plan = [(s, label, k) for s in args.settings for k in args.seeds for label in args.labels]
   t0 = time.time()
   failed = [] if args.collect else conv.run_all(OUT, plan, args.jobs, args.timeout)
-  results = collect(OUT, args.seeds)
+  results = collect(OUT, args.seeds, args.settings)
   if not args.collect:
     results["wall_s"] = time.time() - t0
   path = common.write_json(Path(args.out) / "acco_quantized.json", results)
