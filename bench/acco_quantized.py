@@ -393,7 +393,9 @@ def main(argv=None) -> int:
   path = common.write_json(Path(args.out) / "acco_quantized.json", results)
   print_tables(results)
   if results["settings"]:
-    figure(results, common.REPO / "docs" / "figures" / "acco_quantized.png")
+    extra = [s for s in args.settings if s not in SETTINGS]  # diagnostics get their own figure
+    name = "_".join(["acco_quantized", *extra])
+    figure(results, common.REPO / "docs" / "figures" / f"{name}.png")
   common.log(f"wrote {path}")
   return 1 if failed else 0
 
