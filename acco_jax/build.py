@@ -9,6 +9,7 @@ is refused here, before anything is written, with a one-line :class:`acco_jax.er
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -16,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from acco_jax import data, errors, hetero, loco, methods, model, optim, parallel
+from acco_jax import data, errors, hetero, loco, methods, model, optim, parallel, quantize
 from acco_jax import loco_step as loco_lib
+from acco_jax.flat import FlatLayout
 from acco_jax.step import make_train_step
 
 
@@ -96,9 +98,10 @@ def build(config) -> Run:
   if config.method == "demo":  # no inner optimizer: the inner step only keeps the gradient
     clip = [optax.clip_by_global_norm(config.opt.clip_norm)] if config.opt.clip_norm > 0 else []
     inner = optax.chain(*clip, loco.keep_gradient())
+  comm = _comm(config, mesh.size, shapes)
   if is_loco:
     return _build_loco(config, method, mesh, tokens, model_cfg, shapes, inner, k)
-  kwargs = {"comm_dtype": jnp.dtype(config.comm_dtype)}
+  kwargs = {"comm_dtype": jnp.dtype(config.comm_dtype), **comm}
   if config.method == "dpu":
     kwargs["warmup_steps"] = int(config.dpu_warmup_updates)
   tx = methods.get_method(config.method, inner, **kwargs)
@@ -112,6 +115,29 @@ def build(config) -> Run:
     skip_nonfinite=config.train.on_nonfinite == "skip",
   )  # fmt: skip
   return Run(mesh, tokens, model_cfg, shapes, train, per_update, total, k, budgets)
+
+
+def _comm(config, n: int, shapes) -> dict:
+  """The method's quantization arguments from the ``comm`` group (none for ``comm.quantize=none``);
+  one-line errors for values that cannot work."""
+  c = config.get("comm")
+  if c is None or c.quantize == "none":
+    return {}
+  if config.method not in ("acco", "zero1"):
+    raise errors.UserValueError(
+      f"comm.quantize={c.quantize!r} applies to method acco or zero1, not {config.method}; set "
+      "comm.quantize=none"
+    )
+  size = c.node_size or (jax.local_device_count() if jax.process_count() > 1 else 1)
+  out = dict(quantize=c.quantize, block=c.block, error_feedback=c.error_feedback, node_size=size)
+  try:
+    quantize.check(**out)
+    plan = methods.CommPlan(config.method, **out)
+    quantize.check_plan(plan, n, FlatLayout(shapes, n).shard_size)
+  except ValueError as e:  # name the config keys
+    message = re.sub(r"\b(quantize|block|error_feedback|node_size)=", r"comm.\1=", str(e))
+    raise errors.UserValueError(message) from None
+  return out
 
 
 def loco_method(config) -> loco.LocoMethod:

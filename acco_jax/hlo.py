@@ -3,9 +3,9 @@
 Three checks back the claim that a stage's communication can hide behind its microbatch loop:
 
 * :func:`dataflow_report` walks the step's jaxpr (through ``jit`` and ``shard_map``) and tells whether
-  any reduce-scatter or all-gather depends on a loop's output or feeds a loop's input, whether a
-  collective sits inside a loop, and lists all-reduces (``psum``) of large values, i.e. the implicit
-  gradient all-reduce that makes a step DDP.
+  any reduce-scatter, all-to-all or all-gather depends on a loop's output or feeds a loop's input,
+  whether a collective sits inside a loop, and lists all-reduces (``psum``) of large values, i.e. the
+  implicit gradient all-reduce that makes a step DDP.
 * :func:`hlo_collectives` lists the collectives of compiled HLO text with their bytes and whether they
   run inside a ``while`` body.
 * :func:`async_overlap_report` reads a *scheduled* GPU module: for each async collective it finds the
@@ -33,7 +33,7 @@ COLLECTIVES = (
   "pmax",
   "pmin",
 )
-DATA_MOVERS = ("reduce_scatter", "all_gather", "all_gather_invariant")
+DATA_MOVERS = ("reduce_scatter", "all_gather", "all_gather_invariant", "all_to_all")
 LOOPS = ("while", "scan")
 
 
@@ -45,6 +45,7 @@ class Collective(NamedTuple):
   # HLO only: the device groups (replica_groups), or the (source, target) pairs of a
   # collective-permute; () when not parsed
   groups: tuple = ()
+  group: int = 0  # devices per replica group (HLO; 0 in jaxpr reports)
 
 
 class DataflowReport(NamedTuple):
@@ -321,9 +322,12 @@ def hlo_collectives(text: str) -> list[Collective]:
         if i.opcode.endswith("-start") and op != "all-reduce" and len(shapes) > 1:
           shapes = shapes[1:2] if op == "collective-permute" else shapes[-1:]
         nbytes = _shape_bytes(" ".join(f"{d}[{s}]" for d, s in shapes))
+        group = _group_size(i.rest)
         if op == "reduce-scatter":  # the operand is group-size times the result
-          nbytes *= _group_size(i.rest)
-        out.append(Collective(op, tuple(shapes), nbytes, comp in in_loop, replica_groups(i.rest)))
+          nbytes *= group
+        out.append(
+          Collective(op, tuple(shapes), nbytes, comp in in_loop, replica_groups(i.rest), group)
+        )
   return out
 
 

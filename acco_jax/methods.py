@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from acco_jax import quantize as quantize_lib
+
 PyTree = Any
 
 METHODS = ("acco", "ddp", "zero1", "dpu", "wp")
@@ -46,6 +48,14 @@ class CommPlan(NamedTuple):
       estimate stage it is reset. Without it the accumulator is reset every stage.
     two_stage: stages alternate estimate (even) and commit (odd); only commits advance the optimizer.
     warmup_steps: synchronous updates before the delayed pipeline starts (DPU's warm-up).
+    quantize: ``none``, ``int8`` or ``int4``: gradients reach their shard through a quantized
+      all-to-all and the compute weights receive quantized updates (:mod:`acco_jax.quantize`).
+    block: values per scale of the quantized payloads.
+    error_feedback: what a quantized send did not deliver is sent again later (gradients: it stays
+      in the device's accumulator; weights: each update is taken against the weights the devices
+      hold), so nothing is lost over time.
+    node_size: devices per node. Within a node the gradients are reduce-scattered in
+      ``comm_dtype``; only node sums are quantized and cross nodes. 1: every device quantizes.
   """
 
   name: str
@@ -56,6 +66,10 @@ class CommPlan(NamedTuple):
   keep_after_commit: bool = False
   two_stage: bool = False
   warmup_steps: int = 0
+  quantize: str = "none"
+  block: int = 256
+  error_feedback: bool = True
+  node_size: int = 1
 
 
 class MethodTransformation(optax.GradientTransformationExtraArgs):
@@ -87,6 +101,11 @@ def _tree_sub(a: PyTree, b: PyTree) -> PyTree:
   return jax.tree.map(lambda x, y: x - y.astype(x.dtype), a, b)
 
 
+def _quantized(quantize: str, block: int, error_feedback: bool, node_size: int) -> dict:
+  quantize_lib.check(quantize, block, error_feedback, node_size)
+  return dict(quantize=quantize, block=block, error_feedback=error_feedback, node_size=node_size)
+
+
 # -- ACCO -----------------------------------------------------------------------------------------
 
 
@@ -110,6 +129,10 @@ def acco(
   *,
   axis_name: str = "data",
   comm_dtype=jnp.bfloat16,
+  quantize: str = "none",
+  block: int = 256,
+  error_feedback: bool = True,
+  node_size: int = 1,
 ) -> MethodTransformation:
   r"""ACCO: two-stage (estimate, then commit) updates that hide communication without staleness.
 
@@ -143,6 +166,8 @@ def acco(
     axis_name: the data-parallel mesh axis.
     comm_dtype: dtype of the reduce-scatter and the all-gather (``jnp.bfloat16`` as in the paper,
       ``jnp.float32`` for exactness).
+    quantize, block, error_feedback, node_size: quantized communication (see :class:`CommPlan`;
+      ``none`` by default).
 
   Returns:
     A :class:`MethodTransformation` with state :class:`AccoState` and plan ``acco``.
@@ -181,6 +206,7 @@ def acco(
     delayed=True,
     keep_after_commit=True,
     two_stage=True,
+    **_quantized(quantize, block, error_feedback, node_size),
   )
   return _method(init_fn, update_fn, plan)
 
@@ -210,7 +236,16 @@ def ddp(inner, *, axis_name: str = "data", comm_dtype=jnp.bfloat16) -> MethodTra
   return _passthrough(inner, CommPlan("ddp", axis_name, comm_dtype, sharded=False))
 
 
-def zero1(inner, *, axis_name: str = "data", comm_dtype=jnp.bfloat16) -> MethodTransformation:
+def zero1(
+  inner,
+  *,
+  axis_name: str = "data",
+  comm_dtype=jnp.bfloat16,
+  quantize: str = "none",
+  block: int = 256,
+  error_feedback: bool = True,
+  node_size: int = 1,
+) -> MethodTransformation:
   r"""ZeRO-1: the same update as :func:`ddp`, with master weights and inner state sharded 1/N.
 
   ``θ_{t+1} = Opt(θ_t, ḡ(θ_t))``: reduce-scatter the stage's gradient sums, update the local shard,
@@ -220,6 +255,8 @@ def zero1(inner, *, axis_name: str = "data", comm_dtype=jnp.bfloat16) -> MethodT
     inner: any elementwise optax transform.
     axis_name: the data-parallel mesh axis.
     comm_dtype: dtype of the reduce-scatter and all-gather.
+    quantize, block, error_feedback, node_size: quantized communication (see :class:`CommPlan`;
+      ``none`` by default).
 
   Returns:
     The inner transform with plan ``zero1``.
@@ -227,7 +264,8 @@ def zero1(inner, *, axis_name: str = "data", comm_dtype=jnp.bfloat16) -> MethodT
   References:
     Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020.
   """
-  return _passthrough(inner, CommPlan("zero1", axis_name, comm_dtype, sharded=True))
+  quant = _quantized(quantize, block, error_feedback, node_size)
+  return _passthrough(inner, CommPlan("zero1", axis_name, comm_dtype, sharded=True, **quant))
 
 
 def dpu(

@@ -14,6 +14,8 @@ import time
 
 import jax
 
+from acco_jax import quantize as quantize_lib
+
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (vendor datasheets, no sparsity).
 PEAK_FLOPS = {
   "H100": 989e12,
@@ -42,7 +44,30 @@ def comm_bytes_per_stage(plan, padded_size: int, num_devices: int) -> int:
   """
   n = num_devices
   itemsize = jax.numpy.dtype(plan.comm_dtype).itemsize
-  return int(2 * (n - 1) * padded_size * itemsize / n) if n > 1 else 0
+  if n <= 1:
+    return 0
+  if getattr(plan, "quantize", "none") != "none":
+    return quantized_bytes_per_stage(plan, padded_size, n)
+  return int(2 * (n - 1) * padded_size * itemsize / n)
+
+
+def quantized_bytes_per_stage(plan, padded_size: int, num_devices: int) -> int:
+  r"""Bytes one device sends per stage with quantized communication (:mod:`acco_jax.quantize`).
+
+  With ``W(m)`` the encoded bytes of ``m`` values (integers and a float32 scale per block), ``S =
+  P/N`` the shard size, ``L`` the node size and ``A = N/L`` nodes: the node's reduce-scatter in
+  ``comm_dtype`` (``L > 1``) :math:`\frac{L-1}{L} P b`, the all-to-all of the node sums
+  :math:`(A-1)\,W(S)` (nothing with one node) and the ring all-gather of the encoded weight updates
+  :math:`(N-1)\,W(S)`.
+  """
+  n, size = num_devices, plan.node_size
+  shard, nodes = padded_size // n, n // size
+  wire = quantize_lib.wire_bytes(shard, plan.quantize, plan.block)
+  itemsize = jax.numpy.dtype(plan.comm_dtype).itemsize
+  intra = (size - 1) * padded_size * itemsize // size if nodes > 1 else 0
+  if nodes == 1:  # the gradients never leave the node: an unquantized reduce-scatter
+    intra = (n - 1) * padded_size * itemsize // n
+  return int(intra + (nodes - 1) * wire + (n - 1) * wire)
 
 
 class MetricWriter:

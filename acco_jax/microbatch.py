@@ -79,16 +79,21 @@ class MicrobatchLoop:
     mbs = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch_local)
     return params_var, mbs
 
-  def start(self, params_var, mbs, count, buf_1xP=None, buf_count_1=None, keep=None):
+  def start(self, params_var, mbs, count, buf_1xP=None, buf_count_1=None, keep=None, rest_1xP=None):
     """The initial carry, and the count ``n0`` already in it.
 
     With ``buf_1xP``, the sums start from the device's buffer row (and ``n0`` from its count) when
-    ``keep`` (ACCO after a commit keeps g̃), else from zero.
+    ``keep`` (ACCO after a commit keeps g̃), else from ``rest_1xP`` (what a quantized send of the
+    buffer did not deliver; it carries no count) or zero. Without a buffer they start from
+    ``rest_1xP`` if given.
     """
     zero = vary_like(jnp.zeros((), jnp.float32), jax.tree.leaves(params_var)[0])
+    rest = zero if rest_1xP is None else rest_1xP[0].astype(jnp.float32)
     if buf_1xP is not None:
-      acc0 = self.layout.unravel(jnp.where(keep, buf_1xP[0].astype(jnp.float32), zero), jnp.float32)
+      acc0 = self.layout.unravel(jnp.where(keep, buf_1xP[0].astype(jnp.float32), rest), jnp.float32)
       n0 = jnp.where(keep, buf_count_1[0], 0)
+    elif rest_1xP is not None:
+      acc0, n0 = self.layout.unravel(rest, jnp.float32), jnp.zeros_like(count)
     else:
       acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32) + zero, params_var)
       n0 = jnp.zeros_like(count)

@@ -20,6 +20,10 @@ target's as host numpy arrays and hands them to a ``reshard`` callable, normally
   consecutive rows are summed in float32 and stored in the buffer's dtype. The reduced mean
   gradient is the same up to float summation order, plus, when shrinking a bfloat16 buffer, one
   rounding of each merged row to bfloat16 (as a reduction in that dtype rounds partial sums).
+- ``residual`` ``[N, N*S]`` (ZeRO-1 with quantized gradients and error feedback): what each device's
+  last quantized send did not deliver. Like ``buf``, only its sum over devices matters (it joins the
+  next sends), so it carries over by the same rule: rows move or merge, sums kept. ACCO's residual
+  lives in ``buf`` and carries over with it; the compute weights' is ``θ - w``, kept bit for bit.
 - scalars (stage counters, optimizer step counts, injected hyperparameters): unchanged.
 
 Nothing has to divide: every ``N >= 1`` has its own padding. A checkpoint of another model or
@@ -48,13 +52,14 @@ def saved_num_devices(saved) -> int:
   return int(np.shape(jax.tree.leaves(saved.params)[0])[0])
 
 
-def _state_shapes(layout: FlatLayout, tx, delayed: bool) -> list[tuple[int, ...]]:
+def _state_shapes(layout: FlatLayout, tx, delayed: bool, residual: bool) -> list[tuple[int, ...]]:
   """Shapes of the leaves of a ``TrainState`` for ``layout``, in flattening order."""
   n, padded = layout.num_shards, layout.padded_size
   opt = jax.eval_shape(tx.init, layout.shard_shapes())
   shapes = [(padded,), *[(n, s.chunk) for s in layout.specs]]
   shapes += [tuple(x.shape) for x in jax.tree.leaves(opt)]
-  return shapes + ([(n, padded), (n,)] if delayed else []) + [()]
+  shapes += ([(n, padded), (n,)] if delayed else []) + [()]
+  return shapes + ([(n, padded)] if residual else [])
 
 
 def _param_index(tx, layout: FlatLayout) -> list[int | None]:
@@ -105,7 +110,8 @@ def reshard_state(saved, layout: FlatLayout, tx):
   old = layout.resized(n_old)
   delayed = saved.buf is not None
   flat = jax.tree_util.tree_flatten_with_path(saved)[0]
-  expected = _state_shapes(old, tx, delayed)
+  residual = getattr(saved, "residual", None) is not None
+  expected = _state_shapes(old, tx, delayed, residual)
   if len(flat) != len(expected):
     raise ValueError(f"it holds {len(flat)} arrays, but this state has {len(expected)}")
   for (path, x), want in zip(flat, expected, strict=True):
@@ -138,6 +144,10 @@ def reshard_state(saved, layout: FlatLayout, tx):
   if delayed:
     buf, count = _merge_rows(np.asarray(saved.buf), np.asarray(saved.buf_count), old, layout)
     out = out._replace(buf=buf, buf_count=count)
+  if residual:
+    rest = np.asarray(saved.residual)
+    rest, _ = _merge_rows(rest, np.zeros(rest.shape[:1], np.int32), old, layout)
+    out = out._replace(residual=rest)
   return out
 
 

@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from acco_jax import methods
 from acco_jax.flat import FlatLayout
 from acco_jax.microbatch import MicrobatchLoop
+from acco_jax.quantized_comm import QuantizedComm, all_gather_invariant
 from acco_jax.reshard import reshard_state
 
 PyTree = Any
@@ -65,6 +66,8 @@ class TrainState(NamedTuple):
     buf: ``[N, N*S]`` per-device gradient sums waiting to be reduced (delayed methods), else ``None``.
     buf_count: ``[N]`` int32 microbatch counts of ``buf`` (delayed methods), else ``None``.
     stage: int32 number of stages run.
+    residual: ``[N, N*S]`` per-device gradient values a quantized send did not deliver yet (ZeRO-1
+      with quantized gradients and error feedback), else ``None``. ACCO keeps them in ``buf``.
   """
 
   w: jax.Array
@@ -73,15 +76,12 @@ class TrainState(NamedTuple):
   buf: jax.Array | None
   buf_count: jax.Array | None
   stage: jax.Array
+  residual: jax.Array | None = None
 
 
 def _loop_a_size(k: int) -> int:
   """Microbatches in loop A of a delayed stage, ``ceil(k/2)``; loop B runs the rest."""
   return -(-k // 2)
-
-
-def _all_gather_invariant(x, axis_name):
-  return lax.all_gather(x, axis_name, axis=0, tiled=True, to="invarying")
 
 
 class TrainStep:
@@ -129,6 +129,9 @@ class TrainStep:
     self.layout = FlatLayout(params_like, self.num_devices)
     self.comm_dtype = jnp.dtype(self.plan.comm_dtype)
     methods.check_elementwise(self.tx, self.plan, params_like, self.layout)
+    self.qcomm = QuantizedComm(self.plan, self.num_devices, self.layout.shard_size, replica_axis)
+    self.quantized, self.quantized_reduce = self.qcomm.quantized, self.qcomm.reduce
+    self.keeps_residual = self.qcomm.reduce and self.plan.error_feedback and not self.plan.delayed
     self._sharding = functools.partial(NamedSharding, self.mesh)
     self._compiled = {}
 
@@ -160,6 +163,7 @@ class TrainStep:
       buf=buf_rule(state_shape.buf),
       buf_count=buf_rule(state_shape.buf_count),
       stage=rep,
+      residual=buf_rule(state_shape.residual),
     )
 
   # -- building blocks (each a shard_map over the data axis) --------------------------------------
@@ -196,21 +200,22 @@ class TrainStep:
     row, row_count, totals = loop.finish(carry, count, n0)
     return row, row_count, lax.psum(totals, self.plan.axis_name)
 
-  def _accumulate(self, w, batch, counts, k, token=None):
+  def _accumulate(self, w, batch, counts, k, token=None, start=None):
     """Synchronous methods: each device sums the gradients of its first ``counts[i]`` microbatches.
 
     Returns the per-device buffer ``[N, N*S]``, its counts ``[N]`` and the metrics summed over
     devices (one psum after the loop), and ``token`` after it if given. ``token``: a tree of
     ``[N, ...]`` arrays (sharded over the data axis) that an ``optimization_barrier`` joins with
     the loop's result: whatever produces it (a collective started before the stage) may finish
-    during the loop, and must before the stage's own collectives start.
+    during the loop, and must before the stage's own collectives start. ``start``: per-device
+    ``[N, N*S]`` values the sums start from (the residual of a quantized send; no count).
     """
     loop = self._loop(k)
 
-    def local(w_P, batch_local, count_1, *token_1):
+    def local(w_P, batch_local, count_1, start_1xP, *token_1):
       params_var, mbs = loop.prepare(w_P, batch_local)
       count = count_1[0]
-      carry, n0 = loop.start(params_var, mbs, count)
+      carry, n0 = loop.start(params_var, mbs, count, rest_1xP=start_1xP)
       carry = loop.run(params_var, mbs, 0, count, carry)
       if token_1:
         carry, token_1 = lax.optimization_barrier((carry, token_1))
@@ -219,8 +224,8 @@ class TrainStep:
     d = P(self.plan.axis_name)
     extra = () if token is None else (token,)
     specs = tuple(d for _ in extra)
-    fn = self._smap(local, in_specs=(P(), d, d, *specs), out_specs=(d, d, P(), *specs))
-    return fn(w, batch, counts, *extra)
+    fn = self._smap(local, in_specs=(P(), d, d, d, *specs), out_specs=(d, d, P(), *specs))
+    return fn(w, batch, counts, start, *extra)
 
   def _first_loop(self, w, batch, counts, k, buf, buf_count, keep, reduced):
     """Delayed methods, loop A: microbatches ``[0, h)``, ``h = ceil(k/2)``, on top of ``buf``.
@@ -233,18 +238,22 @@ class TrainStep:
     """
     loop, h = self._loop(k), _loop_a_size(k)
 
-    def local(w_P, batch_local, count_1, buf_1xP, buf_count_1, keep, g_1xS, valid):
+    def local(w_P, batch_local, count_1, buf_1xP, buf_count_1, keep, g_1xS, valid, rest_1xP):
       params_var, mbs = loop.prepare(w_P, batch_local)
       count = count_1[0]
-      carry, n0 = loop.start(params_var, mbs, count, buf_1xP, buf_count_1, keep)
+      carry, n0 = loop.start(params_var, mbs, count, buf_1xP, buf_count_1, keep, rest_1xP)
       carry = loop.run(params_var, mbs, 0, jnp.minimum(count, h), carry)
       if sharded:  # the barrier makes every output varying: keep invariant values out of it
         (carry, n0), g_1xS = lax.optimization_barrier(((carry, n0), g_1xS))
+      if self.quantized_reduce:  # the bytes received went through the barrier: decode them now
+        g_1xS = self.qcomm.mean_of(g_1xS[0][0], g_1xS[1])[None]
       return jax.tree.map(lambda x: x[None], (carry, n0)), g_1xS, valid
 
     d, sharded = P(self.plan.axis_name), self.plan.sharded
     g_spec = d if sharded else P()
-    fn = self._smap(local, in_specs=(P(), d, d, d, d, P(), g_spec, P()), out_specs=(d, g_spec, P()))
+    g_in = (d, P()) if self.quantized_reduce else g_spec
+    specs = (P(), d, d, d, d, P(), g_in, P(), d)
+    fn = self._smap(local, in_specs=specs, out_specs=(d, g_spec, P()))
     loop_a, g_rows, valid = fn(w, batch, counts, buf, buf_count, keep, *reduced)
     return loop_a, (g_rows, valid)
 
@@ -252,57 +261,88 @@ class TrainStep:
     """Delayed methods, loop B: microbatches ``[h, counts[i])`` while the new weights all-gather.
 
     An ``optimization_barrier`` joins loop A's carry with ``rows`` (the updated ``[N, S]`` shards),
-    so this loop cannot start before the update: the all-gather of ``rows`` runs during it. Returns
+    so this loop cannot start before the update: the all-gather of ``rows`` runs during it (quantized:
+    the rows are encoded before the barrier, so the all-gather's input exists when loop B starts;
+    encoded after it, XLA:GPU ran the encoding and the all-gather after loop B). Returns
     the new buffer ``[N, N*S]``, its counts ``[N]``, metrics summed over devices and the gathered
-    weights ``[N*S]``.
+    weights ``[N*S]``. ``rows``: see :meth:`_new_rows`.
     """
-    axis = self.plan.axis_name
     loop, h = self._loop(k), _loop_a_size(k)
 
     def local(w_P, batch_local, count_1, loop_a, rows_1xS):
       params_var, mbs = loop.prepare(w_P, batch_local)
       count = count_1[0]
-      (carry, n0), rows_1xS = lax.optimization_barrier(
-        (jax.tree.map(lambda x: x[0], loop_a), rows_1xS)
-      )
-      w_next = _all_gather_invariant(rows_1xS[0], axis)
+      rows_S = tuple(r[0] for r in rows_1xS)
+      if self.quantized:  # encoded before the barrier: the all-gather's input is ready for loop B
+        rows_S = (self.qcomm.encode_update(w_P, *rows_S),)
+      (carry, n0), rows_S = lax.optimization_barrier((jax.tree.map(lambda x: x[0], loop_a), rows_S))
+      if self.quantized:
+        w_next = self.qcomm.apply_update(w_P, rows_S[0])
+      else:
+        w_next = all_gather_invariant(rows_S[0], self.plan.axis_name)
       carry = loop.run(params_var, mbs, h, jnp.maximum(count, h), carry)
       return (*self._finish(loop, carry, count, n0), w_next)
 
-    d = P(axis)
+    d = P(self.plan.axis_name)
     fn = self._smap(local, in_specs=(P(), d, d, d, d), out_specs=(d, d, P(), P()))
     return fn(w, batch, counts, loop_a, rows)
 
   def _reduce(self, buf, buf_count):
-    """Reduce per-device gradient sums to the mean gradient as ``[N, S]`` rows (sharded if ZeRO-1)."""
-    axis, layout = self.plan.axis_name, self.layout
+    """Reduce per-device gradient sums to the mean gradient as ``[N, S]`` rows (sharded if ZeRO-1).
+
+    Returns ``(rows, valid, rest)``: ``rest`` is ``[N, N*S]``, what each device's quantized send
+    did not deliver (error feedback; all of it when no device had a microbatch), else ``None``.
+    Quantized and delayed, ``rows`` is ``(bytes received, count)``, decoded after loop A.
+    """
+    axis, layout, late = self.plan.axis_name, self.layout, self.plan.delayed
 
     def local(buf_1xP, count_1):
       count = lax.psum(count_1[0], axis)
       total = jnp.maximum(count, 1).astype(jnp.float32)
       flat = buf_1xP[0].astype(self.comm_dtype)
+      if self.quantized_reduce:
+        got, rest = self.qcomm.exchange(flat)
+        if rest is not None:
+          rest = jnp.where(count > 0, rest, flat.astype(jnp.float32))[None]
+        return (got[None], total) if late else self.qcomm.mean_of(got, total)[None], count > 0, rest
       if self.plan.sharded:
         g_S = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
-        return (g_S.astype(jnp.float32) / total)[None], count > 0
+        return (g_S.astype(jnp.float32) / total)[None], count > 0, None
       g_P = lax.psum(flat, axis)
       g = (g_P.astype(jnp.float32) / total).reshape(layout.num_shards, layout.shard_size)
-      return g, count > 0
+      return g, count > 0, None
 
-    out = (P(axis) if self.plan.sharded else P(), P())
-    fn = self._smap(local, in_specs=(P(axis), P(axis)), out_specs=out)
+    rows = (
+      (P(axis), P()) if self.quantized_reduce and late else P(axis) if self.plan.sharded else P()
+    )
+    fn = self._smap(local, in_specs=(P(axis), P(axis)), out_specs=(rows, P(), P(axis)))
     return fn(buf, buf_count)
 
-  def _rows(self, params):
-    return self.layout.shards_to_rows(params).astype(self.comm_dtype)
+  def _new_rows(self, params, old):
+    """What the all-gather of the new weights needs: ``(rows,)`` ``[N, S]`` in ``comm_dtype``, or,
+    quantized, float32 rows (and the previous ones without error feedback)."""
+    rows = self.layout.shards_to_rows(params)
+    if not self.quantized:
+      return (rows.astype(self.comm_dtype),)
+    if self.plan.error_feedback:
+      return (rows,)
+    return rows, self.layout.shards_to_rows(old)
 
-  def _gather(self, params):
+  def _gather_local(self, w_P, rows_S, old_S=None):
+    """Per device, new compute weights ``[N*S]`` (invariant) from its new shard ``rows_S``."""
+    if not self.quantized:
+      return all_gather_invariant(rows_S, self.plan.axis_name)
+    return self.qcomm.gather(w_P, rows_S, old_S)
+
+  def _gather(self, params, w=None, old=None):
     """New compute weights ``[N*S]`` (replicated) from the optimizer's shards."""
-    rows = self._rows(params)
+    rows = self._new_rows(params, old)
     if not self.plan.sharded:
-      return rows.reshape(*rows.shape[:-2], -1)
-    axis = self.plan.axis_name
-    fn = self._smap(lambda r: _all_gather_invariant(r[0], axis), in_specs=P(axis), out_specs=P())
-    return fn(rows)
+      return rows[0].reshape(*rows[0].shape[:-2], -1)
+    d = P(self.plan.axis_name)
+    local = lambda w_P, *r: self._gather_local(w_P, *(x[0] for x in r))
+    fn = self._smap(local, in_specs=(P(), *(d for _ in rows)), out_specs=P())
+    return fn(w, *rows)
 
   def _update(self, reduced, opt_state, params):
     """Inner step on the mean gradient; a stage whose microbatches were all skipped changes nothing.
@@ -355,6 +395,7 @@ class TrainStep:
         keep = state.stage % 2 == 0 if plan.keep_after_commit else jnp.bool_(False)
       else:
         committed, keep = jnp.bool_(kind != "fill"), jnp.bool_(False)
+      residual = state.residual
       if kind == "delayed":
         reduced = self._reduce(state.buf, state.buf_count)
         loop_a, reduced = self._first_loop(
@@ -362,19 +403,20 @@ class TrainStep:
         )
         params, opt_state, gnorm = self._update(reduced, state.opt_state, state.params)
         buf, buf_count, totals, w_next = self._second_loop(
-          state.w, batch, counts, k, loop_a, self._rows(params)
+          state.w, batch, counts, k, loop_a, self._new_rows(params, state.params)
         )
       else:
-        acc, acc_count, totals, *ride = self._accumulate(state.w, batch, counts, k, token)
+        acc, acc_count, totals, *ride = self._accumulate(state.w, batch, counts, k, token, residual)
         if kind == "fill":
           params, opt_state, w_next, gnorm = state.params, state.opt_state, state.w, jnp.float32(0)
           buf, buf_count = acc, acc_count
         else:
-          reduced = self._reduce(acc, acc_count)
-          params, opt_state, gnorm = self._update(reduced, state.opt_state, state.params)
-          w_next = self._gather(params)
+          g_rows, valid, rest = self._reduce(acc, acc_count)
+          params, opt_state, gnorm = self._update((g_rows, valid), state.opt_state, state.params)
+          w_next = self._gather(params, state.w, state.params)
           buf, buf_count = state.buf, state.buf_count
-      new = TrainState(w_next, params, opt_state, buf, buf_count, state.stage + 1)
+          residual = rest.astype(self.comm_dtype) if self.keeps_residual else None
+      new = TrainState(w_next, params, opt_state, buf, buf_count, state.stage + 1, residual)
       out = (new, self._metrics(totals, gnorm, committed, state))
       return out if token is None else (*out, ride[0])
 
@@ -415,6 +457,7 @@ class TrainStep:
       buf=self._zeros_buf() if plan.delayed else None,
       buf_count=self._zeros_count() if plan.delayed else None,
       stage=jnp.zeros((), jnp.int32),
+      residual=self._zeros_buf() if self.keeps_residual else None,
     )
 
   def abstract_state(self, params: PyTree) -> TrainState:

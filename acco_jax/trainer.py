@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from acco_jax import checkpoint, data, errors, hetero, methods, model, monitor, parallel
+from acco_jax import checkpoint, data, errors, hetero, methods, model, monitor, parallel, quantize
 from acco_jax import loco_step as loco_lib
 from acco_jax import metrics as metrics_lib
 from acco_jax import reshard as reshard_lib
@@ -159,6 +159,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
     )
     if run.loco:
       print(train.describe(), flush=True)
+    elif train.quantized:
+      print(quantize.describe(train.plan, n, train.layout.shard_size), flush=True)
 
   budgets, policy = run.budgets, None
   if config.hetero.adaptive:

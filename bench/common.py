@@ -22,6 +22,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
+if str(REPO) not in sys.path[:1]:  # this checkout's acco_jax and configs, not an installed copy
+  sys.path.insert(0, str(REPO))
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 

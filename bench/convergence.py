@@ -111,7 +111,10 @@ def tokens_per_update(s: dict) -> int:
 
 
 def make_config(setting: str, label: str, seed: int):
-  """The trainer config of one run: configs/tinystories_acco.py:cpu with the setting's overrides."""
+  """The trainer config of one run: configs/tinystories_acco.py:cpu with the setting's overrides.
+
+  A label ``<method>-int8`` / ``<method>-int4`` quantizes the communication (``comm`` group; every
+  simulated device its own node, blocks of 256: ``bench/acco_quantized.py``)."""
   sys.path.insert(0, str(common.REPO))
   from configs import tinystories_acco
 
@@ -120,6 +123,10 @@ def make_config(setting: str, label: str, seed: int):
   c.method = label.split("-")[0]
   if c.method in ("diloco", "streaming"):
     loco_overrides(c, label, s)
+  parts = label.split("-")  # <method>-int8|int4[-n<devices per node>]
+  if len(parts) > 1 and parts[1] in ("int8", "int4"):
+    node_size = int(parts[2][1:]) if len(parts) > 2 and parts[2].startswith("n") else 1
+    c.comm.quantize, c.comm.block, c.comm.node_size = parts[1], 256, node_size
   c.dpu_warmup_updates = warmup_updates(label, s["num_updates"])
   c.model.D, c.model.N, c.model.H = s["D"], s["N"], s["H"]
   c.data.tokenizer, c.data.seq_len = s["tokenizer"], s["seq_len"]

@@ -1,4 +1,5 @@
-"""Wall clock of whole training runs between emulated hosts: DDP, ACCO, DiLoCo, Streaming DiLoCo.
+"""Wall clock of whole training runs between emulated hosts: DDP, ZeRO-1, ACCO (bf16, int8, int4),
+DiLoCo, Streaming DiLoCo.
 
 Two "hosts" (network namespaces joined by a veth pair shaped with ``tc tbf`` at both ends, the
 recipe of ``environment.md`` §9, set up by ``bench/netns.py``'s helpers), each running one
@@ -14,6 +15,7 @@ Usage (root)::
 
   python bench/netns_train.py                      # 100 and 1000 Mbit/s, 60 updates each
   python bench/netns_train.py --mbit 100 --steps 30 --methods ddp diloco
+  python bench/netns_train.py --mbit 10 100 --methods ddp zero1 acco acco-int8 acco-int4
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ import netns
 RUNS = common.RESULTS / "runs" / "netns_train"
 METHODS = {
   "ddp": ("gpt2_ddp", {}),
+  "zero1": ("gpt2_zero1", {}),
   "acco": ("gpt2_acco", {}),
+  # quantized communication (comm.quantize): each host is its own node, so its gradients are
+  # quantized before they cross the shaped link; blocks of 256, error feedback
+  "acco-int8": ("gpt2_acco", {"comm.quantize": "int8", "comm.node_size": 1}),
+  "acco-int4": ("gpt2_acco", {"comm.quantize": "int4", "comm.node_size": 1}),
   "diloco": ("gpt2_diloco", {"loco.sync_every": 10, "loco.workers": 2}),
   "streaming_diloco": ("gpt2_streaming_diloco", {"loco.sync_every": 10, "loco.workers": 2}),
 }
@@ -118,11 +125,12 @@ def main() -> int:
     netns.cleanup()
   table = {}
   for mbit in args.mbit:
-    ddp = next(r for r in results if r["mbit"] == mbit and r["method"] == "ddp")
+    ddp = next(r for r in results if r["mbit"] == mbit and r["method"] == args.methods[0])
     for r in results:
       if r["mbit"] == mbit:
         r["ratio_to_ddp"] = r["s_per_update"] / ddp["s_per_update"]
         table.setdefault(f"{int(mbit)} Mbit/s", {})[r["method"]] = round(r["ratio_to_ddp"], 3)
+  table["relative_to"] = args.methods[0]
   common.write_json(args.out, {"machine": common.machine(), "runs": results, "ratio_to_ddp": table,
                                "args": {k: str(v) for k, v in vars(args).items()}})  # fmt: skip
   common.log(json.dumps(table, indent=1))

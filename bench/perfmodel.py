@@ -21,6 +21,9 @@ Usage::
 
   python bench/perfmodel.py            # table on stdout, bench/results/perfmodel.json,
                                        # docs/figures/perfmodel_speedup.png (needs matplotlib)
+  python bench/perfmodel.py --quantized  # comm.quantize: time per update vs bandwidth on the
+                                       # 4 x 8 A100 setting, the bandwidth below which ACCO stops
+                                       # being compute-bound; perfmodel_quantized.{json,png}
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ ASSUMPTIONS = {
   "adamw_bytes_per_param": 32,  # fp32 grad, master, m, v read + written, bf16 param written
   "ft_seq_len": 512,  # 80M tokens = 3 epochs x 52,002 Alpaca rows x 512: tokens counted padded
   "ft_cv": 0.2,  # per-microbatch compute variation across workers in fine-tuning (assumed)
+  # quantized communication: HBM bytes per parameter per stage of encoding the gradient rows
+  # (read bf16 twice, write int8 and the float32 residual) and the weight updates (read the
+  # float32 shard, decode every shard, read and write the bf16 weights): about 14
+  "quant_bytes_per_param": 14,
 }
 
 # GPT-Neo: (layers, width, vocab, positions); q/k/v projections have no bias.
@@ -195,13 +202,141 @@ def plot(sw: dict, path: Path) -> bool:
   return True
 
 
+# -- quantized communication ------------------------------------------------------------------------
+
+QUANT_VARIANTS = {  # label -> (method, quantize, node size: None = the cluster's per node)
+  "zero1": ("zero1", "none", None),
+  "acco": ("acco", "none", None),
+  "zero1-int8": ("zero1", "int8", None),
+  "acco-int8": ("acco", "int8", None),
+  "acco-int4": ("acco", "int4", None),
+  "acco-int8-flat": ("acco", "int8", 1),  # every device quantizes: comm.node_size=1
+}
+
+
+def quantized_point(label: str, work: pm.Workload, c: pm.Cluster, t_q: float) -> dict:
+  """Time per update and the network chain ``X`` (to compare with ``C/2``) of one variant."""
+  method, mode, size = QUANT_VARIANTS[label]
+  n, per, stages = c.workers, c.per_node, 2 if method == "acco" else 1
+  ring = (n - 1) / n * work.params  # values a ring collective moves across each node boundary
+  if mode == "none":
+    st = pm.step_time(method, work, c)
+    chain = pm.step_time("dpu", work, c).comm  # T_RS + T_opt + T_AG
+    link = 2 * ring * work.comm_bytes
+  else:
+    st = pm.quantized_step_time(method, work, c, mode, node_size=size, quant_time=t_q)
+    wire = pm.wire_bytes_per_value(mode)
+    _, t_a2a, _ = pm.quantized_reduce_time(c, work.params, wire, size or c.per_node)
+    chain = t_a2a + work.opt_time + pm.collective_time("all_gather", c, work.params * wire)
+    nodes = n // (size or per)
+    a2a = (nodes - 1) / nodes if size != 1 else per * (n - per) / n
+    link = (a2a * work.params + ring) * wire
+  return {"time": st.time, "chain": chain, "sent": st.bytes_sent, "exposed": st.exposed,
+          "link": stages * link}  # fmt: skip
+
+
+def compute_bound_below(label: str, r: dict, calibration: str, t_q: float) -> float:
+  """The inter-node bandwidth (nominal Gbit/s) below which the network chain outlasts half an
+  update's compute (ACCO stops hiding it): bisection on log-bandwidth."""
+  work, _ = workload(r, calibration)
+  half = work.microbatches * work.microbatch_time / 2
+  lo, hi = 1e-3, 1e5
+  for _ in range(200):
+    mid = (lo * hi) ** 0.5
+    if quantized_point(label, work, cluster(r, mid), t_q)["chain"] > half:
+      lo = mid
+    else:
+      hi = mid
+  return hi
+
+
+def quantized(args) -> int:
+  a, r = ASSUMPTIONS, ROWS[1]  # PT 125M on 4 x 8 A100 (the paper's 100 Gb/s setting)
+  gbits = [round(10 ** (e / 32), 3) for e in range(0, 84)]  # 1 .. 400 Gbit/s
+  out = {"machine": common.machine(), "assumptions": a, "row": r, "gbit": gbits}
+  rows, thresholds = [], []
+  for cal in ("A", "B"):
+    work, info = workload(r, cal)
+    t_q = a["quant_bytes_per_param"] * info["params"] / a["hbm_Bps"][r["gpu"]]
+    curves = {label: [quantized_point(label, work, cluster(r, g), t_q)["time"] for g in gbits]
+              for label in QUANT_VARIANTS}  # fmt: skip
+    below = {label: compute_bound_below(label, r, cal, t_q)
+             for label in QUANT_VARIANTS if label.startswith("acco")}  # fmt: skip
+    out[cal] = {"info": info, "quant_time_s": t_q, "compute_s": work.microbatches
+                * work.microbatch_time, "curves": curves, "compute_bound_below_gbit": below}  # fmt: skip
+    for g in (100, 10):
+      pts = {label: quantized_point(label, work, cluster(r, g), t_q) for label in QUANT_VARIANTS}
+      base = pts["zero1"]["time"]
+      for label, p in pts.items():
+        rows.append({"cal": cal, "gbit": g, "label": label, "t": f"{1e3 * p['time']:.0f}",
+                     "vs": f"{base / p['time']:.2f}", "chain": f"{1e3 * p['chain']:.0f}",
+                     "half": f"{1e3 * out[cal]['compute_s'] / 2:.0f}",
+                     "gb": f"{p['sent'] / 1e9:.3f}", "link": f"{p['link'] / 1e9:.3f}"})  # fmt: skip
+    for label, g in below.items():
+      thresholds.append({"cal": cal, "mfu": f"{100 * info['mfu']:.0f}%", "label": label,
+                         "gbit": f"{g:.1f}", "x": f"{below['acco'] / g:.2f}"})  # fmt: skip
+  print("GPT-Neo 125M pre-training on 4 x 8 A100 (NVLink inside, one inter-node link per node),"
+        " k = 2 x 24 x 1024 tokens per update; quantized: blocks of 256, two-level unless flat\n")  # fmt: skip
+  print(common.format_table(rows, [("cal", "cal."), ("gbit", "Gbit/s"), ("label", "variant"),
+        ("t", "ms/update"), ("vs", "speed-up vs ZeRO-1"), ("chain", "network chain X ms"),
+        ("half", "C/2 ms"), ("gb", "GB sent/device/update"),
+        ("link", "GB over a node's link/update")]))  # fmt: skip
+  print("\nBandwidth below which ACCO stops being compute-bound (X > C/2), and how much lower "
+        "quantization moves it\n")  # fmt: skip
+  print(common.format_table(thresholds, [("cal", "cal."), ("mfu", "MFU"), ("label", "variant"),
+        ("gbit", "compute-bound above, Gbit/s"), ("x", "x lower than bf16 ACCO")]))  # fmt: skip
+  out["table"], out["thresholds"] = rows, thresholds
+  drew = plot_quantized(out, Path(args.figure))
+  path = common.write_json(Path(args.out), out)
+  print(f"\nwrote {path}" + (f" and {args.figure}" if drew else ""))
+  return 0
+
+
+def plot_quantized(out: dict, path: Path) -> bool:
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    common.log("matplotlib is not installed: no figure (pip install matplotlib)")
+    return False
+  styles = {"zero1": ("gray", "--"), "acco": ("k", "-"), "zero1-int8": ("tab:blue", "--"),
+            "acco-int8": ("tab:blue", "-"), "acco-int4": ("tab:red", "-"),
+            "acco-int8-flat": ("tab:blue", ":")}  # fmt: skip
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+  for ax, cal in zip(axes, ("A", "B"), strict=True):
+    d = out[cal]
+    for label, curve in d["curves"].items():
+      color, ls = styles[label]
+      ax.plot(out["gbit"], curve, color=color, ls=ls, label=label)
+    ax.axhline(d["compute_s"], color="gray", lw=0.6)
+    for label in ("acco", "acco-int8", "acco-int4"):
+      ax.axvline(d["compute_bound_below_gbit"][label], color=styles[label][0], lw=0.6, ls="-.")
+    ax.set(xscale="log", yscale="log", xlabel="inter-node bandwidth (Gbit/s, nominal; 80% usable)",
+           title=f"calibration {cal} ({100 * d['info']['mfu']:.0f}% MFU)")  # fmt: skip
+    ax.grid(True, which="both", alpha=0.3)
+  axes[0].set_ylabel("time per update (s)")
+  axes[1].legend(fontsize=8)
+  fig.suptitle("GPT-Neo 125M on 4 x 8 A100: time per update; dash-dot: ACCO compute-bound above")
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  return True
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--out", default=str(common.RESULTS / "perfmodel.json"))
-  ap.add_argument(
-    "--figure", default=str(common.REPO / "docs" / "figures" / "perfmodel_speedup.png")
-  )
+  ap.add_argument("--out", default=None, help="default bench/results/perfmodel[_quantized].json")
+  ap.add_argument("--figure", default=None, help="default docs/figures/perfmodel_*.png")
+  ap.add_argument("--quantized", action="store_true", help="the comm.quantize variants")
   args = ap.parse_args(argv)
+  name = "perfmodel_quantized" if args.quantized else "perfmodel"
+  args.out = args.out or str(common.RESULTS / f"{name}.json")
+  figure = "perfmodel_quantized.png" if args.quantized else "perfmodel_speedup.png"
+  args.figure = args.figure or str(common.REPO / "docs" / "figures" / figure)
+  if args.quantized:
+    return quantized(args)
 
   results = []
   for cal in ("A", "B"):

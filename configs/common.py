@@ -24,6 +24,17 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.comm_dtype = "bfloat16"  # dtype of the reduce-scatter / all-gather / all-reduce
   c.dpu_warmup_updates = 0  # dpu only: synchronous updates before the delay starts
 
+  # Quantized communication (acco and zero1; acco_jax.quantize): the gradients reach their shard
+  # through an all-to-all of int8/int4 blocks, the compute weights get quantized updates.
+  c.comm = ml_collections.ConfigDict()
+  c.comm.quantize = "none"  # none | int8 | int4
+  c.comm.block = 256  # values per float32 scale (a device's shard is zero-padded to a multiple)
+  c.comm.error_feedback = True  # what a quantized send did not deliver is sent again later
+  # Devices per node: gradients are reduce-scattered within a node in comm_dtype, and only node
+  # sums are quantized and cross the network (1 = every device quantizes its own gradients;
+  # 0 = the devices of one process when there are several processes, else 1).
+  c.comm.node_size = 0
+
   c.model = ml_collections.ConfigDict()
   c.model.size = "tiny"  # acco_jax.model.SIZES name; fields below override it when > 0
   c.model.D = 0  # width

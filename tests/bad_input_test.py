@@ -155,6 +155,20 @@ CONFIGS += [  # sizes and counts (trainer._check_config); the last field: what h
   ("zero-ckpt-keep", {"ckpt.keep": 0}, ValueError, r"ckpt.keep=0 must be >= 1",
    "'keep must be >= 1 or None, got 0' after the workdir is created"),
 ]  # fmt: skip
+CONFIGS += [  # quantized communication (the comm group)
+  ("unknown-comm-quantize", {"comm.quantize": "int2"}, ValueError,
+   r"comm.quantize='int2' is unknown: choose one of none, int8, int4"),
+  ("comm-block-zero", {"comm.quantize": "int8", "comm.block": 0}, ValueError,
+   r"comm.block=0 must be a positive integer \(values per scale\)"),
+  ("comm-int4-odd-block", {"comm.quantize": "int4", "comm.block": 255}, ValueError,
+   r"comm.block=255 is odd: int4 packs two values per byte, use an even block"),
+  ("comm-block-larger-than-shard", {"comm.quantize": "int8", "comm.block": 1 << 20}, ValueError,
+   r"comm.block=1048576 is larger than a device's shard of [\d,]+ values: use a block of at most"),
+  ("comm-node-size-not-dividing", {"comm.quantize": "int8", "comm.node_size": 3}, ValueError,
+   r"comm.node_size=3 does not divide the 8 devices of the 'data' axis"),
+  ("comm-quantize-with-dpu", {"method": "dpu", "comm.quantize": "int8"}, ValueError,
+   r"comm.quantize='int8' applies to method acco or zero1, not dpu; set comm.quantize=none"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(

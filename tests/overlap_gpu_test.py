@@ -121,3 +121,37 @@ def gpu_schedule(tmp_path_factory):
 @needs_gpu[1]
 def test_on_gpu_gpt2(gpu_schedule, check):
   check(gpu_schedule)
+
+
+@pytest.fixture(scope="module")
+def aot_quantized(tmp_path_factory):
+  data = run_bench(
+    tmp_path_factory, "--mode", "aot", "--target", "h100", "--model", "tiny", "--seq", "64",
+    "--variants", "acco-int8,zero1-int8",
+  )  # fmt: skip
+  return by_name(data)
+
+
+@pytest.mark.cuda_plugin
+@needs_plugin
+def test_compile_only_quantized_acco_keeps_full_overlap(aot_quantized):
+  """comm.quantize=int8: the int8 all-to-all (the reduce-scatter's replacement) is async and in
+  flight across loop A, the int8 all-gather of the weight updates across loop B."""
+  acco = aot_quantized["acco-int8"]
+  assert acco["verdict"] == "full", "\n".join(acco["excerpt"])
+  pairs = acco["flat_pairs"]
+  assert set(pairs) == {"all-to-all", "all-gather"}, acco["pairs"]
+  first, second = acco["whiles"]
+  a2a, ag = pairs["all-to-all"], pairs["all-gather"]
+  assert not a2a["is_sync"] and not ag["is_sync"]
+  assert a2a["start"] < first < a2a["done"] < second < ag["done"] and first < ag["start"]
+  assert acco["chain"]["all_gather_depends_on_reduce_scatter"]  # the all-to-all feeds the update
+
+
+@pytest.mark.cuda_plugin
+@needs_plugin
+def test_compile_only_quantized_zero1_control_cannot_overlap(aot_quantized):
+  zero1 = aot_quantized["zero1-int8"]
+  assert zero1["verdict"] == "none" and set(zero1["flat_pairs"]) == {"all-to-all", "all-gather"}
+  (loop,) = zero1["whiles"]
+  assert all(p["start"] > loop for p in zero1["flat_pairs"].values())
