@@ -116,7 +116,11 @@ def configure_platform(*, cpu_devices: int = 0, gpu_overlap: bool = True) -> Non
     gpu_overlap: add :data:`GPU_OVERLAP_FLAGS` (read by XLA:GPU only; harmless elsewhere).
   """
   if cpu_devices > 0:
-    _add_xla_flags([f"--xla_force_host_platform_device_count={cpu_devices}"])
+    # Simulated devices share the host's cores: on a loaded 2-core machine one device can reach a
+    # collective a minute after the others (DeMo's first all-gather did), and XLA:CPU aborts the
+    # process after 40 s by default. Wait up to 15 minutes instead.
+    _add_xla_flags([f"--xla_force_host_platform_device_count={cpu_devices}",
+                    "--xla_cpu_collective_call_terminate_timeout_seconds=900"])  # fmt: skip
   if gpu_overlap:
     _add_xla_flags(GPU_OVERLAP_FLAGS)
 
