@@ -166,13 +166,15 @@ def figure(results: dict) -> None:
     if not r:
       continue
     runs = dict(r["runs"])
-    if "ddp" not in runs and "loco-m4" in results["settings"]:
-      runs["ddp"] = results["settings"]["loco-m4"]["runs"]["ddp"]
+    if "ddp" not in runs and "loco-m4" in results["settings"]:  # loco-m8 shares loco-m4's DDP
+      runs = {"ddp": results["settings"]["loco-m4"]["runs"]["ddp"], **runs}
+    labels = convergence.SETTINGS["loco-m4"]["methods"]  # one colour per label in both panels
     for label, seeds in runs.items():
+      color = f"C{labels.index(label)}" if label in labels else None
       curves = [v["eval"] for v in seeds.values()]
       n = min(len(c["loss"]) for c in curves)
       mean = [sum(c["loss"][i] for c in curves) / len(curves) for i in range(n)]
-      ax.plot(curves[0]["tokens"][:n], mean, label=label, marker=".")
+      ax.plot(curves[0]["tokens"][:n], mean, label=label, marker=".", color=color)
     ax.set_title(f"{setting}: M = {convergence.SETTINGS[setting]['workers']}")
     ax.set_xlabel("tokens")
     ax.grid(alpha=0.3)
