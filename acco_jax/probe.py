@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.step import _all_gather_invariant
+from acco_jax.quantized_comm import all_gather_invariant
 
 
 def probe(train, state, batch, repeats: int = 2) -> tuple[float, float]:
@@ -47,7 +47,7 @@ def probe(train, state, batch, repeats: int = 2) -> tuple[float, float]:
     def comm(buf_1xP):
       flat = buf_1xP[0]
       if train.plan.sharded:
-        return _all_gather_invariant(lax.psum_scatter(flat, axis, tiled=True), axis)
+        return all_gather_invariant(lax.psum_scatter(flat, axis, tiled=True), axis)
       return lax.psum(flat, axis)
 
     d = P(axis)
