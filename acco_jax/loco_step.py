@@ -384,8 +384,10 @@ class LocoStep:
     return jax.jit(fn, out_shardings=NamedSharding(self.mesh, P()))(state)
 
   def replicated(self, x):
-    """A copy of ``x`` on every device (readable on every process), e.g. per-worker values."""
-    return jax.jit(jnp.copy, out_shardings=NamedSharding(self.mesh, P()))(x)
+    """A copy of every array of ``x`` on every device (readable on every process), e.g.
+    per-worker values."""
+    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=NamedSharding(self.mesh, P()))
+    return copy(x)
 
   def worker_params(self, state: LocoState) -> PyTree:
     """Every worker's ``θ_m``, a tree of ``[M, ...]`` float32 arrays of the original shapes."""

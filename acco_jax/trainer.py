@@ -194,11 +194,16 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   feed = data.Prefetcher(stream, lambda b: parallel.global_batch(b, mesh, run.batch_axis), depth=2)
   pending = None  # a logged stage's device metrics, read after the next stage is dispatched
 
+  def readable(tree):
+    """``tree``, or under LoCo across processes (per-worker values) a copy on every device."""
+    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+      return tree
+    return train.replicated(tree)
+
   def check_finite(flag, at_stage):
     if config.train.on_nonfinite != "stop":
       return
-    if not flag.is_fully_addressable:  # per-worker flags across processes: one copy everywhere
-      flag = train.replicated(flag)
+    flag = readable(flag)  # per-worker flags across processes: one copy everywhere
     if bool(np.any(np.asarray(flag))):
       raise FloatingPointError(
         f"non-finite loss before stage {at_stage}; the last good checkpoint is kept. Lower "
@@ -293,11 +298,12 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       if logged or stage == run.total_stages:
         opt_state = state.inner.opt_state if run.loco else state.opt_state
         lr = methods.hyperparams(opt_state).get("learning_rate", float("nan"))
+        m, outer = readable(m), [(at, readable(o)) for at, o in outer_rows]
         pending = {
           "stage": stage, "update": done, "metrics": m, "nonfinite": nonfinite,
           "lr": train.replicated(lr) if isinstance(lr, jax.Array) else lr,  # donated next
           "tokens_seen": tokens_seen, "budgets": None if budgets is None else budgets.tolist(),
-          "wire_bytes": wire_bytes, "outer": list(outer_rows),
+          "wire_bytes": wire_bytes, "outer": outer,
         }  # fmt: skip
         outer_rows.clear()
       if at_update and crossed(config.train.eval_every):
@@ -327,7 +333,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
     # -- the end ----------------------------------------------------------------------------------
     flush()
     if run.loco:
-      for at, outer in jax.device_get(outer_rows):
+      for at, outer in jax.device_get([(at, readable(o)) for at, o in outer_rows]):
         writer.write(at, train.outer_row(outer))
       summary.update(
         wire_bytes_per_worker=wire_bytes, peak_sync_bytes=train.peak_sync_bytes(),
