@@ -531,8 +531,9 @@ class TrainStep:
     return jax.jit(fn, out_shardings=self._sharding(P()))(state)
 
   def replicated(self, x):
-    """A copy of ``x`` on every device (readable on every process)."""
-    return jax.jit(jnp.copy, out_shardings=self._sharding(P()))(x)
+    """A copy of every array of ``x`` on every device (readable on every process)."""
+    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self._sharding(P()))
+    return copy(x)
 
   def compute_params(self, state: TrainState) -> PyTree:
     """The weights the next stage computes at (θ̃ after an ACCO estimate), in ``comm_dtype``."""

@@ -196,7 +196,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
 
   def readable(tree):
     """``tree``, or under LoCo across processes (per-worker values) a copy on every device."""
-    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+    if all(x.is_fully_addressable or x.is_fully_replicated for x in jax.tree.leaves(tree)):
       return tree
     return train.replicated(tree)
 
