@@ -278,11 +278,14 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
         state, m = train.step(state, batch, budgets)
       consumed = consumed_next
       flush()  # the previous logged stage, now that this one is queued behind it
-      if watchdog is not None:  # keep one stage in flight; a hang shows within the timeout
-        if in_flight is not None:
-          jax.block_until_ready(in_flight)
+      # One stage in flight, never more: the device stays busy while the host waits for the stage
+      # before, a hang shows within the watchdog's timeout, and XLA:CPU's dispatch queue stays
+      # short (with the host many programs ahead, simulated devices deadlocked in a collective).
+      if in_flight is not None:
+        jax.block_until_ready(in_flight)
+        if watchdog is not None:
           watchdog.progress(stage)
-        in_flight = m["loss"]
+      in_flight = m["loss"]
       stages_run = len(batches)
       used = n * train.num_microbatches if budgets is None else int(budgets.sum())
       tokens_seen += used * rows_per_microbatch * config.data.seq_len * stages_run

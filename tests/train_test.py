@@ -4,10 +4,12 @@ import json
 import math
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
 from acco_jax import metrics, quantize, trainer
+from acco_jax.step import TrainStep
 from configs import gpt2_acco, gpt2_dpu, gpt2_zero1
 
 
@@ -49,12 +51,34 @@ def test_acco_tiny_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("module,extra", [(gpt2_zero1, {}), (gpt2_dpu, {"dpu_warmup_updates": 2})])
-def test_baselines_run_through_the_trainer(tmp_path, module, extra):
+def test_baselines_run_through_the_trainer(tmp_path, module, extra, monkeypatch):
+  # The host keeps at most one stage in flight: stage i's loss is waited for before stage i + 2 is
+  # dispatched (running further ahead deadlocked XLA:CPU's simulated devices in a collective).
+  events = []
+  step, wait = TrainStep.step, jax.block_until_ready
+
+  def spy_step(self, *args, **kwargs):
+    state, m = step(self, *args, **kwargs)
+    events.append(("step", m["loss"]))
+    return state, m
+
+  def spy_wait(x):
+    events.append(("wait", x))
+    return wait(x)
+
+  monkeypatch.setattr(TrainStep, "step", spy_step)
+  monkeypatch.setattr(jax, "block_until_ready", spy_wait)
   config = tiny(module, **extra)
   summary = trainer.train_and_evaluate(config, str(tmp_path))
   expected_stages = config.train.num_updates + (1 if extra else 0)  # dpu: one fill stage
   assert summary["stages"] == expected_stages and summary["updates"] == config.train.num_updates
   assert np.isfinite(summary["eval_loss"])
+  steps = [i for i, (kind, _) in enumerate(events) if kind == "step"]
+  assert len(steps) == expected_stages
+  for i, at in enumerate(steps[:-2]):
+    loss = events[at][1]
+    waited = [x for kind, x in events[at : steps[i + 2]] if kind == "wait"]
+    assert any(x is loss for x in waited), f"stage {i} was not waited for before stage {i + 2}"
 
 
 def test_resume_continues_the_identical_trajectory(tmp_path):
