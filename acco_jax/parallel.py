@@ -26,6 +26,11 @@ DATA = "data"
 # psum of the stage's metrics after that loop would overlap it); a limit of 2 lets both hide. Starting
 # collectives as early as possible stops the scheduler from starting the all-gather late once its
 # cost model deems the latency covered (it did so for an A100 target).
+# Simulated devices share the host's cores: on a loaded 2-core machine one device can reach a
+# collective a minute after the others (DeMo's first all-gather did), and XLA:CPU aborts the process
+# after 40 s by default. Wait up to 15 minutes instead (train.py, the tests' and benchmarks' children).
+PATIENT_CPU_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
+
 GPU_OVERLAP_FLAGS = (
   "--xla_gpu_enable_latency_hiding_scheduler=true",
   "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
@@ -116,11 +121,8 @@ def configure_platform(*, cpu_devices: int = 0, gpu_overlap: bool = True) -> Non
     gpu_overlap: add :data:`GPU_OVERLAP_FLAGS` (read by XLA:GPU only; harmless elsewhere).
   """
   if cpu_devices > 0:
-    # Simulated devices share the host's cores: on a loaded 2-core machine one device can reach a
-    # collective a minute after the others (DeMo's first all-gather did), and XLA:CPU aborts the
-    # process after 40 s by default. Wait up to 15 minutes instead.
     _add_xla_flags([f"--xla_force_host_platform_device_count={cpu_devices}",
-                    "--xla_cpu_collective_call_terminate_timeout_seconds=900"])  # fmt: skip
+                    PATIENT_CPU_COLLECTIVES])  # fmt: skip
   if gpu_overlap:
     _add_xla_flags(GPU_OVERLAP_FLAGS)
 

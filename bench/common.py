@@ -29,8 +29,13 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 def cpu_env(num_devices: int) -> dict[str, str]:
   """The environment for a child process with ``num_devices`` simulated CPU devices."""
+  from acco_jax.parallel import PATIENT_CPU_COLLECTIVES
+
   env = dict(os.environ)
   flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_COUNT_FLAG)]
+  patience = PATIENT_CPU_COLLECTIVES.split("=")[0]
+  if not any(f.startswith(patience) for f in flags):  # the user's own setting wins
+    flags.append(PATIENT_CPU_COLLECTIVES)
   env["XLA_FLAGS"] = " ".join([*flags, f"{_COUNT_FLAG}={num_devices}"])
   env["JAX_PLATFORMS"] = "cpu"
   return env
