@@ -290,3 +290,39 @@ def check_vocab(extra: dict, cfg: model.GPTConfig) -> None:
     f"{now['padded']} (model.vocab_multiple={now['multiple']}): set "
     f"--config.model.vocab_multiple={saved['multiple']} to resume, or start in a new workdir"
   )
+
+
+def comm_meta(config, train) -> dict:
+  """What a checkpoint records of the communication format (read back by :func:`check_comm`)."""
+  return {
+    "quantize": config.comm.quantize,
+    "error_feedback": bool(config.comm.error_feedback),
+    "residual": bool(getattr(train, "keeps_residual", False)),
+  }
+
+
+def check_comm(extra: dict, config, train) -> None:
+  """Refuses a checkpoint whose ZeRO-1 residual of quantized sends the config would drop or lack.
+
+  Another ``comm.quantize`` is otherwise fine to resume with: ACCO's residual rides in its
+  gradient buffer, and the compute weights are resent whole (bf16) or as updates against the
+  weights every device holds (int8, int4). Checkpoints without the record restore as long as
+  their leaves match.
+  """
+  saved, now = extra.get("comm"), comm_meta(config, train)
+  if saved is None or saved["residual"] == now["residual"]:
+    return
+  was = f"comm.quantize={saved['quantize']}, comm.error_feedback={saved['error_feedback']}"
+  if saved["residual"]:
+    raise errors.UserValueError(
+      f"the checkpoint holds the undelivered residual of ZeRO-1's quantized sends ({was}), "
+      f"which comm.quantize={now['quantize']}, comm.error_feedback={now['error_feedback']} would "
+      f"drop: resume with --config.comm.quantize={saved['quantize']} "
+      "--config.comm.error_feedback=True, or start in a new workdir"
+    )
+  raise errors.UserValueError(
+    f"the checkpoint was written without a residual of quantized sends ({was}), this config "
+    f"keeps one (comm.quantize={now['quantize']} with error feedback): resume with "
+    f"--config.comm.quantize={saved['quantize']} or --config.comm.error_feedback=False, or "
+    "start in a new workdir"
+  )

@@ -28,7 +28,8 @@ from acco_jax import metrics as metrics_lib
 from acco_jax import reshard as reshard_lib
 from acco_jax.build import Run as Run
 from acco_jax.build import build as build
-from acco_jax.build import check_vocab, stage_plan, updates_done, vocab_meta  # noqa: F401
+from acco_jax.build import check_comm, check_vocab, comm_meta, updates_done, vocab_meta
+from acco_jax.build import stage_plan as stage_plan
 
 
 def _stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None):
@@ -110,9 +111,13 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       saved_n.append(reshard_lib.saved_num_devices(saved))
       return train.reshard(saved)
 
+    def check(extra):  # before any array is read: the clearest message for a config change
+      check_vocab(extra, run.model_cfg)
+      if not run.loco:
+        check_comm(extra, config, train)
+
     target = train.abstract_state(run.params_shapes)
     try:
-      check = lambda extra: check_vocab(extra, run.model_cfg)
       state, extra = ckpt.restore(None, target, reshard=reshard, check_extra=check)
       start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
       position = extra["data"]
@@ -247,6 +252,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
     check_finite(nonfinite, stage)
     ckpt.save(stage, state, extra={"stage": stage, "data": consumed, "tokens_seen": tokens_seen,
                                    "vocab": vocab_meta(run.model_cfg), "wire_bytes": wire_bytes,
+                                   "comm": comm_meta(config, train),
                                    "config": config.to_json_best_effort()})  # fmt: skip
 
   wire_bytes = float(extra.get("wire_bytes", 0.0))  # LoCo: bytes sent per worker so far

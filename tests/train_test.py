@@ -3,12 +3,13 @@
 import json
 import math
 import pathlib
+from types import SimpleNamespace
 
 import jax
 import numpy as np
 import pytest
 
-from acco_jax import metrics, quantize, trainer
+from acco_jax import build, errors, metrics, quantize, trainer
 from acco_jax.step import TrainStep
 from configs import gpt2_acco, gpt2_dpu, gpt2_zero1
 
@@ -112,6 +113,30 @@ def test_quantized_acco_resumes_the_identical_trajectory(tmp_path, capsys):
   n, shard = bf16.num_devices, bf16.layout.shard_size
   assert sent == 2 * (n - 1) * quantize.wire_bytes(shard, "int8", 256)  # all-to-all + all-gather
   assert sent / plain < 0.56  # int8 + a float32 scale per 256 values + padding 944 -> 1024
+
+
+def test_resume_with_another_quantization_keeps_or_refuses_the_residual(tmp_path):
+  """ZeRO-1 keeps the undelivered part of its int8 sends as state: a resume that would drop it
+  (comm.quantize=none) or lack it is a one-line error before any array is read, and the
+  checkpoint is left as it was; a resume whose state has the same leaves (int4) runs on."""
+  small = {"model.D": 16, "model.N": 1, "model.H": 1, "data.seq_len": 8, "train.eval_batches": 1,
+           "train.sample_tokens": 0, "comm.node_size": 1}  # fmt: skip
+  int8 = tiny(gpt2_zero1, **{"comm.quantize": "int8"}, **small)
+  trainer.train_and_evaluate(int8, str(tmp_path / "q"), max_stages=2)
+  ckpt = tmp_path / "q" / "checkpoints"
+  before = sorted(p.name for p in ckpt.iterdir())
+  with pytest.raises(errors.UserValueError, match=r"--config.comm.quantize=int8") as e:
+    trainer.train_and_evaluate(tiny(gpt2_zero1, **small), str(tmp_path / "q"))
+  assert "\n" not in str(e.value) and "would drop" in str(e.value)
+  assert sorted(p.name for p in ckpt.iterdir()) == before
+  int4 = tiny(gpt2_zero1, **{"comm.quantize": "int4"}, **small)
+  assert trainer.train_and_evaluate(int4, str(tmp_path / "q"), max_stages=3)["stopped"] == 3
+  # the other direction, and ACCO (its residual rides in the gradient buffer), without training
+  plain = {"comm": build.comm_meta(tiny(gpt2_zero1), SimpleNamespace(keeps_residual=False))}
+  with pytest.raises(errors.UserValueError, match=r"written without a residual.*quantize=none"):
+    build.check_comm(plain, int8, SimpleNamespace(keeps_residual=True))
+  acco_int8 = tiny(gpt2_acco, **{"comm.quantize": "int8"})
+  build.check_comm(plain, acco_int8, trainer.build(acco_int8).train)
 
 
 def test_odd_microbatches_for_acco_is_a_clear_error(tmp_path):
