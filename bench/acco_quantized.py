@@ -43,7 +43,7 @@ LABELS = ("zero1", "zero1-int8", "zero1-int4", "acco", "acco-int8", "acco-int4")
 # apart; n4 (two nodes of 4): only the node sums of the gradients are quantized, as on a cluster.
 DIAGNOSTIC = ("acco-int8-n8", "acco-int8-n4", "acco-int4-n4")
 SETTINGS = ("d8", "d32")
-EXTRA_SETTINGS = ("d8-lr5e-4",)  # diagnostic: d8 at the paper's TinyStories learning rate
+EXTRA_SETTINGS = ("d8-lr5e-4", "d32-lr5e-4")  # the paper's TinyStories learning rate
 OUT = common.RESULTS / "quantized"  # runs/<setting>/<label>/seed<k>/ (not in git)
 TARGETS = {"int8": (0.5, 0.55), "int4": (1.0, 0.30)}  # (max |gap| %, max bytes ratio) for acco
 
@@ -69,18 +69,34 @@ def bytes_per_update(run_dir: Path, label: str) -> float:
   return float("nan")
 
 
-def collect(out: Path, seeds: list[int], settings=SETTINGS) -> dict:
+def recorded_runs(results: dict | None, setting: str) -> dict:
+  """``{label: {seed: (run, bytes per update)}}`` of a setting in an earlier JSON of this script."""
+  r = (results or {}).get("settings", {}).get(setting)
+  if r is None:
+    return {}
+  return {
+    label: {int(k): (run, r["summary"][label]["bytes_per_update"]) for k, run in by_seed.items()}
+    for label, by_seed in r["runs"].items()
+  }
+
+
+def collect(out: Path, seeds: list[int], settings=SETTINGS, recorded: dict | None = None) -> dict:
+  """The runs of ``settings`` x ``seeds`` read from their directories, or, where a directory is
+  gone, taken from ``recorded`` (an earlier JSON of this script)."""
   results = {"machine": common.machine(), "settings": {}}
   for setting in settings:
     s = conv.SETTINGS[setting]
     runs: dict[str, dict[int, dict]] = {}
     sent: dict[str, float] = {}
+    earlier = recorded_runs(recorded, setting)
     for label in LABELS + DIAGNOSTIC:
       for seed in seeds:
         d = conv.run_dir(out, setting, label, seed)
         if (d / "result.json").exists():
           runs.setdefault(label, {})[seed] = conv.read_run(d, s)
           sent[label] = bytes_per_update(d, label)
+        elif seed in earlier.get(label, {}):
+          runs.setdefault(label, {})[seed], sent[label] = earlier[label][seed]
     if not runs:
       continue
     points = {f"{int(f * 100)}%": round(f * s["num_updates"]) for f in conv.FRACTIONS}
@@ -374,6 +390,7 @@ def main(argv=None) -> int:
   ap.add_argument("--cost", action="store_true", help="compute cost of quantizing")
   ap.add_argument("--reps", type=int, default=20, help="--cost: timed stages per mode")
   ap.add_argument("--out", default=str(common.RESULTS))
+  ap.add_argument("--json", default="acco_quantized.json", help="results file in --out")
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
@@ -384,13 +401,17 @@ def main(argv=None) -> int:
     return bytes_report(args)
   if args.cost:
     return cost_report(args)
+  path = Path(args.out) / args.json
+  recorded = json.loads(path.read_text()) if path.exists() else None  # kept where runs are gone
+  done = lambda s, label, k: k in recorded_runs(recorded, s).get(label, {})  # noqa: E731
   plan = [(s, label, k) for s in args.settings for k in args.seeds for label in args.labels]
+  plan = [p for p in plan if not done(*p)]
   t0 = time.time()
   failed = [] if args.collect else conv.run_all(OUT, plan, args.jobs, args.timeout)
-  results = collect(OUT, args.seeds, args.settings)
+  results = collect(OUT, args.seeds, args.settings, recorded)
   if not args.collect:
     results["wall_s"] = time.time() - t0
-  path = common.write_json(Path(args.out) / "acco_quantized.json", results)
+  common.write_json(path, results)
   print_tables(results)
   if results["settings"]:
     extra = [s for s in args.settings if s not in SETTINGS]  # diagnostics get their own figure

@@ -70,6 +70,12 @@ SETTINGS = {
     microbatches=4, num_updates=160, eval_every=8, eval_batches=12, lr=5e-4,
     methods=("zero1", "acco", "dpu"),
   ),
+  # Diagnostic: d32 at the same learning rate (bench/acco_quantized.py's quantized ACCO at 32 devices).
+  "d32-lr5e-4": dict(
+    devices=32, D=64, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
+    microbatches=2, num_updates=160, eval_every=8, eval_batches=4, lr=5e-4,
+    methods=("zero1", "acco", "dpu"),
+  ),
   # Low-communication methods (bench/loco.py): M workers of 8/M devices, the d8 model and batch
   # per device, longer (H = 50 needs several syncs). Labels: ddp, diloco-h<H> (the paper's outer
   # Nesterov 0.7 / 0.9), diloco-h<H>-avg (outer lr 1, no momentum: parameter averaging, the best of
