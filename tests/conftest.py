@@ -1,7 +1,10 @@
 """Test setup: 8 simulated CPU devices, set before the JAX backend starts; shared fixtures."""
 
+import atexit
 import os
+import shutil
 import socket
+import tempfile
 
 import pytest
 
@@ -9,6 +12,15 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One XLA compilation cache for the session and the processes it starts: a resume test compiles
+# the same programs for each of its runs, and compiling is most of their time on a CPU. Removed at
+# the end, so every session starts cold.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = tempfile.mkdtemp(prefix="acco_jax_xla_cache_")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 @pytest.fixture
