@@ -386,8 +386,9 @@ def collect(
   for label, by_seed in runs.items():
     finals = [r["final_eval_loss"] for r in by_seed.values()]
     summary[label] = {"final_eval_loss": convergence._mean_std(finals)}
-  # the target: the loss every method reaches (the worst final eval loss), unless given
-  finals = [v["final_eval_loss"]["mean"] for v in summary.values()]
+  # the target: the loss every run reaches (the worst final eval loss of any run), unless given
+  finals = [r["final_eval_loss"] for by_seed in runs.values() for r in by_seed.values()]
+  finals = [f for f in finals if math.isfinite(f)]
   target = target if target is not None else (max(finals) if finals else math.nan)
   for label, row in summary.items():
     prog = (programs or {}).get(label)
@@ -494,7 +495,9 @@ def main(argv=None) -> int:
   p.add_argument("--smoke", action="store_true")
   p.add_argument("--json", default="loco_compare.json")
   p.add_argument(
-    "--target", type=float, help="eval loss of the time to target (default: the worst final)"
+    "--target",
+    type=float,
+    help="eval loss of the time to target (default: the worst final of any run)",
   )
   p.add_argument("--train-worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--worker", dest="programs_worker", help=argparse.SUPPRESS)
