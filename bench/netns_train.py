@@ -7,9 +7,10 @@ recipe of ``environment.md`` §9, set up by ``bench/netns.py``'s helpers), each 
 model and batch are the d8 convergence setting's (667k parameters, 4 microbatches of 4 x 64 tokens
 per device per update). DDP and ACCO run their data axis across the two hosts; DiLoCo and Streaming
 DiLoCo run 2 workers of 1 device (one per host), H = 10 (Streaming: 2 fragments, FP4, tau = 1,
-alpha = 0.5). Each run does ``--steps`` updates at equal tokens; the time per update is the median
-wall time of the updates after the first ``--skip`` (compilation) divided by their number (a median would hide the outer syncs). Methods run side by side
-at each rate, in one invocation: the machine is shared and noisy, so compare ratios.
+alpha = 0.5). Each run does ``--steps`` updates at equal tokens; the time per update is the wall
+time from the first logged update after ``--skip`` (compilation) to the last, over the updates
+between them (a mean: a median would hide the outer syncs). Methods run side by side at each rate,
+in one invocation: the machine is shared and noisy, so compare ratios.
 
 Usage (root)::
 
