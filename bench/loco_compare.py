@@ -328,6 +328,7 @@ def project(label: str, prog: dict, steps: float, gbit: float) -> dict:
   """
   from acco_jax import perfmodel as pm
 
+  label = label.partition("@")[0]  # a sweep's run (demo@<lr>) costs what its method costs
   a = PROJECTION
   scale = a["params"] / prog["params"]  # bytes scale with the parameter count
   compute = a["tokens_per_gpu_step"] / a["gpu_tokens_per_s"]
