@@ -19,6 +19,11 @@ from acco_jax import errors, optional
 
 DATA = "data"
 
+# Simulated devices share the host's cores: on a loaded 2-core machine one device can reach a
+# collective a minute after the others (DeMo's first all-gather did), and XLA:CPU aborts the process
+# after 40 s by default. Wait up to 15 minutes instead (train.py, the tests' and benchmarks' children).
+PATIENT_CPU_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
+
 # XLA:GPU flags for overlapping communication with compute (docs/benchmarks.md, "GPU schedule", has
 # the compiled schedules with and without each). The latency-hiding scheduler is off by default in
 # XLA:GPU and is what lets an async reduce-scatter / all-gather stay in flight across a microbatch
@@ -26,11 +31,6 @@ DATA = "data"
 # psum of the stage's metrics after that loop would overlap it); a limit of 2 lets both hide. Starting
 # collectives as early as possible stops the scheduler from starting the all-gather late once its
 # cost model deems the latency covered (it did so for an A100 target).
-# Simulated devices share the host's cores: on a loaded 2-core machine one device can reach a
-# collective a minute after the others (DeMo's first all-gather did), and XLA:CPU aborts the process
-# after 40 s by default. Wait up to 15 minutes instead (train.py, the tests' and benchmarks' children).
-PATIENT_CPU_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
-
 GPU_OVERLAP_FLAGS = (
   "--xla_gpu_enable_latency_hiding_scheduler=true",
   "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
