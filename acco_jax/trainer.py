@@ -113,8 +113,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
 
     def check(extra):  # before any array is read: the clearest message for a config change
       check_vocab(extra, run.model_cfg)
-      if not run.loco:
-        check_comm(extra, config, train)
+      check_comm(extra, config, train)  # LoCo steps keep no residual: always the same
 
     target = train.abstract_state(run.params_shapes)
     try:
