@@ -134,7 +134,9 @@ def get_config(name: str, **overrides) -> GPTConfig:
   return GPTConfig(**{**SIZES[name], **overrides})
 
 
-def _attention_impl(cfg: GPTConfig) -> str:
+def attention_impl(cfg: GPTConfig) -> str:
+  """The attention kernel ``cfg`` runs: cuDNN's fused one on a GPU for bf16/f16 and head widths
+  it takes (multiples of 8, at most 128), else XLA's (``'auto'``); or the one ``cfg`` names."""
   if cfg.attention != "auto":
     return cfg.attention
   head_dim = cfg.D // cfg.H
@@ -159,7 +161,7 @@ class Block(nnx.Module):
     self.mlp_proj = dense(cfg.mlp_dim, cfg.D, kernel_init=out_init)
     self.dropout = nnx.Dropout(cfg.dropout)
     self.num_heads = cfg.H
-    self.attention_impl = _attention_impl(cfg)
+    self.attention_impl = attention_impl(cfg)
 
   def __call__(self, x_BxLxD, key, deterministic: bool):
     B, L, D = x_BxLxD.shape

@@ -130,9 +130,12 @@ def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 
 def write_json(path: Path, data: dict) -> Path:
+  """Writes ``data`` to ``path`` whole or not at all (a temporary file, then a rename)."""
   path = Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+  tmp = path.with_name(f".{path.name}.tmp")
+  tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+  os.replace(tmp, path)
   return path
 
 

@@ -12,6 +12,9 @@ Rows (``--only`` picks some by name):
   weights, with the vocabulary unpadded (50257), padded (``vocab_multiple=128``: 50304), and padded
   with ``attention='xla'``.
 * ``adamw``: the ``optax.adamw`` update of the 124M float32 parameters alone (ms).
+* ``hlo:<method>``: the GEMMs of the method's compiled stage by operand dtypes (the "no float32 x
+  float32 GEMM" target) and XLA's memory estimate; compiled for an abstract H100 through the CUDA
+  PJRT plugin where no GPU is visible.
 * ``torch:V<n>``: ``bench/torch_gpt.py`` (torch.compile, SDPA, fused AdamW, bf16 autocast, clip
   1.0, the same microbatches per update) where ``torch`` imports; skipped otherwise.
 
@@ -23,12 +26,14 @@ Usage::
 
   python bench/gpu_throughput.py                    # the full table (one GPU; ~10 min)
   python bench/gpu_throughput.py --only step:zero1,torch:V50304
+  python bench/gpu_throughput.py --only adamw --append   # add rows to the JSON of an earlier run
   python bench/gpu_throughput.py --smoke            # tiny shapes on CPU, seconds (CI)
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -40,9 +45,10 @@ from pathlib import Path
 import common
 
 ROWS = ("trainer:zero1", "trainer:ddp", "trainer:acco", "step:zero1", "step:acco",
-        "fwdbwd:V50257", "fwdbwd:V50304", "fwdbwd:xla", "adamw", "torch:V50257", "torch:V50304")  # fmt: skip
+        "fwdbwd:V50257", "fwdbwd:V50304", "fwdbwd:xla", "adamw", "torch:V50257", "torch:V50304",
+        "hlo:zero1", "hlo:acco")  # fmt: skip
 SMOKE_ROWS = ("trainer:zero1", "trainer:acco", "step:zero1", "step:acco", "fwdbwd:V1000",
-              "fwdbwd:V1024", "fwdbwd:xla", "adamw", "torch:V1000")  # fmt: skip
+              "fwdbwd:V1024", "fwdbwd:xla", "adamw", "torch:V1000", "hlo:zero1")  # fmt: skip
 
 
 def _shapes(args) -> dict:
@@ -200,6 +206,56 @@ def run_torch(variant: str, s: dict, args) -> dict:
           "peak_bytes": out["peak_bytes"], "torch": out["torch"], "rows": rows}  # fmt: skip
 
 
+def run_hlo(method: str, s: dict, args) -> dict:
+  """The GEMMs of the method's compiled stage, by operand dtypes, and XLA's memory estimate.
+
+  On a GPU: the step as it runs (cuDNN attention). Elsewhere: compiled for an abstract H100 by the
+  CUDA PJRT plugin, with ``attention='xla'`` (cuDNN attention cannot compile without a GPU); that
+  fallback's score GEMMs are float32 by design and counted apart.
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import acco_jax
+  from acco_jax import hlo, model, parallel
+
+  on_gpu = jax.default_backend() == "gpu"
+  if not on_gpu and not parallel.has_cuda_plugin():
+    return {"skipped": "no GPU and no CUDA PJRT plugin to compile for one"}
+  devices = jax.devices()[:1] if on_gpu else parallel.gpu_aot_devices(1, "h100")
+  cfg = _model_cfg(s, attention="auto" if on_gpu else "xla")
+  k = s["k"] // 2 if method == "acco" else s["k"]
+  shapes = jax.eval_shape(lambda: model.init_params(cfg, 0))
+  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+  loss = lambda p, b: model.loss_fn(p, cfg, b)
+  tx = getattr(acco_jax, method)(_inner_optimizer())
+  train = acco_jax.make_train_step(loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True)
+  state = train.abstract_state(shapes)
+  data = NamedSharding(mesh, P("data"))
+  batch = {n: jax.ShapeDtypeStruct((k * s["B"], s["L"]), jnp.int32, sharding=data)
+           for n in ("inputs", "targets")}  # fmt: skip
+  counts = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=data)
+  kind = "delayed" if train.plan.delayed else "sync"
+  compiled = train._jit(kind, state).lower(state, batch, counts).compile()
+  gemms = hlo.gemms(compiled.as_text())
+  f32 = [g for g in gemms if set(g.dtypes) == {"f32"}]
+  scores = [g for g in f32 if "BTNH,BSNH->BNTS" in g.op_name]  # attention='xla' only
+  mem = compiled.memory_analysis()
+  return {
+    "compiled_for": devices[0].device_kind + ("" if on_gpu else " (abstract)"),
+    "attention": model.attention_impl(cfg),
+    "gemms": dict(collections.Counter("x".join(g.dtypes) for g in gemms)),
+    "f32_gemms": len(f32),
+    "f32_gemms_outside_attention_scores": len(f32) - len(scores),
+    "argument_bytes": getattr(mem, "argument_size_in_bytes", None),
+    "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
+    "tokens_per_update": None,
+  }
+
+
 def run_row(name: str, args) -> dict:
   """One row, measured in this process."""
   import jax
@@ -219,6 +275,8 @@ def run_row(name: str, args) -> dict:
     out = run_adamw(s, args)
   elif kind == "torch":
     out = run_torch(variant, s, args)
+  elif kind == "hlo":
+    out = run_hlo(variant, s, args)
   else:
     raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
   out.update(name=name, wall_s=round(time.perf_counter() - start, 1))
@@ -234,13 +292,14 @@ def run_row(name: str, args) -> dict:
   return out
 
 
-def _child(name: str, args) -> dict:
+def _child(name: str, args, env: dict | None = None) -> dict:
   """One row in a fresh process (on a GPU: its own peak memory, no compile cache shared)."""
   with tempfile.TemporaryDirectory() as tmp:
     out = Path(tmp) / "row.json"
     cmd = [sys.executable, __file__, "--row", name, "--worker", str(out),
-           "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--steps", str(args.steps), "--warmup", str(args.warmup)] + ["--smoke"] * args.smoke  # fmt: skip
+    env = {**os.environ, **(env or {})}
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     if proc.returncode != 0 or not out.exists():
       return {"name": name, "error": proc.stdout[-2000:]}
     return json.loads(out.read_text())
@@ -251,13 +310,32 @@ def summarise(rows: dict) -> dict:
   rate = lambda n: rows.get(n, {}).get("tokens_per_s")
   ratio = lambda a, b: rate(a) / rate(b) if rate(a) and rate(b) else None
   torch_row = next((n for n in rows if n.startswith("torch:") and n != "torch:V50257"), None)
+  hlo_rows = [r for n, r in rows.items() if n.startswith("hlo:") and "gemms" in r]
   return {
     "trainer/step zero1 (>= 0.97)": ratio("trainer:zero1", "step:zero1"),
     "trainer/step acco (>= 0.97)": ratio("trainer:acco", "step:acco"),
     "trainer acco/zero1 (>= 0.93)": ratio("trainer:acco", "trainer:zero1"),
     "trainer zero1/torch padded (>= 1.1)": ratio("trainer:zero1", torch_row) if torch_row else None,
     "trainer zero1 MFU (>= 0.40)": rows.get("trainer:zero1", {}).get("mfu"),
+    "f32 x f32 GEMMs in the steps, xla attention's scores apart (== 0)": (
+      sum(r["f32_gemms_outside_attention_scores"] for r in hlo_rows) if hlo_rows else None
+    ),
   }
+
+
+def _f32_gemms(r: dict) -> str:
+  if "gemms" not in r:
+    return ""
+  scores = r["f32_gemms"] - r["f32_gemms_outside_attention_scores"]
+  return f"{r['f32_gemms_outside_attention_scores']}" + (f" (+{scores} scores)" if scores else "")
+
+
+def _peak_gib(r: dict) -> str:
+  if r.get("peak_bytes"):
+    return f"{r['peak_bytes'] / 2**30:.1f}"
+  if r.get("temp_bytes") is not None:  # XLA's estimate: arguments + temporaries
+    return f"~{(r['argument_bytes'] + r['temp_bytes']) / 2**30:.1f}"
+  return ""
 
 
 def table(rows: list[dict]) -> str:
@@ -270,9 +348,12 @@ def table(rows: list[dict]) -> str:
       "tok/s": f"{tps / 1e3:,.1f}k" if tps else r.get("skipped", r.get("error", "")[:40]) or "",
       "MFU": f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "",
       "ms/update": f"{1e3 * r['seconds_per_update']:.1f}" if "seconds_per_update" in r else "",
-      "peak GiB": f"{r['peak_bytes'] / 2**30:.1f}" if r.get("peak_bytes") else "",
+      "peak GiB": _peak_gib(r),
+      "f32xf32 GEMMs": _f32_gemms(r),
     })  # fmt: skip
-  cols = [(c, c) for c in ("name", "rows", "tok/s", "MFU", "ms/update", "peak GiB")]
+  cols = [
+    (c, c) for c in ("name", "rows", "tok/s", "MFU", "ms/update", "peak GiB", "f32xf32 GEMMs")
+  ]
   return common.format_table(fmt, cols)
 
 
@@ -283,6 +364,9 @@ def main() -> None:
   p.add_argument("--steps", type=int, default=None, help="timed updates (default 20; smoke 2)")
   p.add_argument("--warmup", type=int, default=None, help="untimed updates (default 3; smoke 1)")
   p.add_argument("--out", default=str(common.RESULTS / "gpu_throughput.json"))
+  p.add_argument("--append", action="store_true",
+                 help="keep the rows already in --out (same shapes, device and versions); "
+                      "re-measured rows replace theirs")  # fmt: skip
   p.add_argument("--row", help=argparse.SUPPRESS)
   p.add_argument("--worker", help=argparse.SUPPRESS)
   args = p.parse_args()
@@ -300,12 +384,60 @@ def main() -> None:
   import jax
 
   names = [n for n in args.only.split(",") if n] or list(SMOKE_ROWS if args.smoke else ROWS)
-  isolate = jax.default_backend() == "gpu" and not args.smoke
-  rows = []
+  on_gpu = jax.default_backend() == "gpu"
+  out = Path(args.out)
+  rows = _earlier_rows(out, args) if args.append else {}
   for name in names:
-    row = _child(name, args) if isolate else run_row(name, args)
+    if name.startswith("hlo:") and not on_gpu:  # the host compiles for an abstract GPU
+      row = _child(name, args, {"JAX_PLATFORMS": "cpu"})
+    elif on_gpu and not args.smoke:
+      row = _child(name, args)
+    else:
+      row = run_row(name, args)
+    row["command"] = _command()  # with --append, rows of one file can come from several runs
     common.log(f"{name}: {json.dumps({k: v for k, v in row.items() if k != 'error'})}")
-    rows.append(row)
+    rows[name] = row
+    result = _result(list(rows.values()), args)
+    common.write_json(out, result)  # after every row: a run cut short keeps what it measured
+  print(result["table"])
+  print(json.dumps(result["targets"], indent=1))
+  failed = [n for n in names if "error" in rows[n]]
+  if failed:
+    raise SystemExit("some rows failed: " + ", ".join(failed))
+
+
+def _earlier_rows(out: Path, args) -> dict:
+  """The rows of an earlier run in ``out`` (``--append``), by name; they must share its setup."""
+  if not out.exists():
+    return {}
+  earlier = json.loads(out.read_text())
+  mine = _setup(args)
+  for key in ("shapes", "steps", "warmup", "device", "versions"):
+    if earlier.get(key) != mine[key]:
+      raise SystemExit(
+        f"--append: {out} was measured with another {key} ({earlier.get(key)} vs {mine[key]}); "
+        "write to a new --out or drop --append"
+      )
+  return {r["name"]: r for r in earlier["rows"]}
+
+
+def _result(rows: list[dict], args) -> dict:
+  return {
+    **_setup(args),
+    "rows": rows,
+    "targets": summarise({r["name"]: r for r in rows}),
+    "table": table(rows),
+  }
+
+
+def _command() -> str:
+  return " ".join(["python", "bench/gpu_throughput.py", *sys.argv[1:]])
+
+
+def _setup(args) -> dict:
+  """What a row's numbers depend on besides its own code: the command, device, versions, shapes."""
+  import jax
+
   versions = {"jax": jax.__version__}
   for mod in ("jaxlib", "flax", "optax", "torch"):
     try:
@@ -313,9 +445,9 @@ def main() -> None:
     except ImportError:
       pass
   dev = jax.devices()[0]
-  result = {
+  return {
     "benchmark": "gpu_throughput",
-    "command": " ".join(["python", "bench/gpu_throughput.py", *sys.argv[1:]]),
+    "command": _command(),
     "device": getattr(dev, "device_kind", dev.platform),
     "backend": jax.default_backend(),
     "versions": versions,
@@ -323,15 +455,7 @@ def main() -> None:
     "shapes": _shapes(args),
     "steps": args.steps,
     "warmup": args.warmup,
-    "rows": rows,
-    "targets": summarise({r["name"]: r for r in rows}),
-    "table": table(rows),
   }
-  common.write_json(Path(args.out), result)
-  print(result["table"])
-  print(json.dumps(result["targets"], indent=1))
-  if any("error" in r for r in rows):
-    raise SystemExit("some rows failed: " + ", ".join(r["name"] for r in rows if "error" in r))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,24 @@ def test_smoke_measures_each_kind_of_row(tmp_path):
     assert name in data["table"] and name in proc.stdout
   assert data["targets"]["trainer/step acco (>= 0.97)"] is None  # step:acco was not run
 
+  # --append: a second run adds its rows to the file and replaces the ones it measures again
+  again = subprocess.run(cmd[:-1] + ["step:acco,adamw", "--append"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+  assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+  merged = json.loads(out.read_text())
+  assert [r["name"] for r in merged["rows"]] == [*JAX_ROWS, "step:acco"]
+  assert merged["rows"][0] == data["rows"][0]  # kept as measured, with the command that did
+  assert merged["rows"][-1]["command"].endswith("step:acco,adamw --append")
+  assert merged["targets"]["trainer/step acco (>= 0.97)"] == pytest.approx(
+    rows["trainer:acco"]["tokens_per_s"] / merged["rows"][-1]["tokens_per_s"]
+  )
+  # ... but only onto a run of the same setup, and it leaves the file as it was
+  before = out.read_text()
+  other = subprocess.run(cmd[:-1] + ["adamw", "--append", "--steps", "3"], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+  assert other.returncode != 0 and "another steps" in other.stderr, other.stderr[-2000:]
+  assert out.read_text() == before
+
 
 def test_targets_are_the_ratios_of_the_rows():
   sys.path.insert(0, str(REPO / "bench"))
@@ -58,3 +76,9 @@ def test_targets_are_the_ratios_of_the_rows():
   assert t["trainer acco/zero1 (>= 0.93)"] == pytest.approx(450 / 480)
   assert t["trainer zero1/torch padded (>= 1.1)"] == pytest.approx(480 / 424)
   assert t["trainer zero1 MFU (>= 0.40)"] == 0.41
+  key = "f32 x f32 GEMMs in the steps, xla attention's scores apart (== 0)"
+  assert t[key] is None  # no hlo row
+  hlo = lambda total, scores: {"gemms": {}, "f32_gemms": total,
+                               "f32_gemms_outside_attention_scores": total - scores}  # fmt: skip
+  rows.update({"hlo:zero1": hlo(4, 4), "hlo:acco": hlo(9, 8)})
+  assert gpu_throughput.summarise(rows)[key] == 1

@@ -118,3 +118,29 @@ def test_loop_writes_no_float32_logits(compiled_text):
   assert not big_f32, "float32 arrays of the logits' size in the microbatch loop:\n" + "\n".join(
     big_f32
   )
+
+
+def test_benchmark_counts_the_gemms_of_each_method():
+  """``bench/gpu_throughput.py``'s ``hlo:<method>`` rows (the "no f32 x f32 GEMM" target) on the
+  smoke shapes: ACCO's delayed stage, with its two microbatch loops and the update between them,
+  holds no float32 x float32 GEMM either, and the count sets XLA attention's scores apart."""
+  import sys
+  from pathlib import Path
+  from types import SimpleNamespace
+
+  sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+  import gpu_throughput
+
+  shapes = gpu_throughput._shapes(SimpleNamespace(smoke=True))
+  rows = {m: gpu_throughput.run_hlo(m, shapes, None) for m in ("zero1", "acco")}
+  for m, r in rows.items():
+    assert r["compiled_for"].startswith("NVIDIA H100") and r["attention"] == "xla", m
+    assert r["f32_gemms_outside_attention_scores"] == 0, (m, r["gemms"])
+    assert r["f32_gemms"] > 0 and r["gemms"]["bf16xbf16"] > 0, (m, r["gemms"])
+    assert sum(r["gemms"].values()) == r["gemms"]["bf16xbf16"] + r["f32_gemms"], (m, r["gemms"])
+    assert r["temp_bytes"] > 0 and r["argument_bytes"] > 0, m
+  # ACCO's stage differentiates twice per stage (loops A and B), ZeRO-1's once
+  assert rows["acco"]["f32_gemms"] == 2 * rows["zero1"]["f32_gemms"]
+  named = {f"hlo:{m}": r for m, r in rows.items()}
+  key = "f32 x f32 GEMMs in the steps, xla attention's scores apart (== 0)"
+  assert gpu_throughput.summarise(named)[key] == 0
