@@ -227,7 +227,7 @@ class LocoStep:
     return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
   def _stage(self, inner: TrainState, batch, counts, token=None):
-    return self.inner._stage_fn("sync")(inner, self._per_worker_batch(batch), counts, token)
+    return self.inner.program.stage_fn("sync")(inner, self._per_worker_batch(batch), counts, token)
 
   def _send(self, state: LocoState, p: int):
     """Fragment ``p``'s pseudo-gradient, compressed, and its mean over workers (all-reduce).
@@ -260,7 +260,7 @@ class LocoStep:
     idx = self.parts[p]
     local = base.merge(base.select(state.inner.params, idx), new_g, self.method.alpha)
     params = base.replace(state.inner.params, local)
-    inner = state.inner._replace(params=params, w=self.inner._gather(params))
+    inner = state.inner._replace(params=params, w=self.inner.program.gather(params))
     step = base.pseudo_gradient(base.select(state.outer.params, idx), new_g)
     norm = jax.vmap(optax.tree.norm)  # per worker: no metric moves data between workers
     metrics = {

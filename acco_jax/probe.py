@@ -35,7 +35,7 @@ def probe(train, state, batch, repeats: int = 2) -> tuple[float, float]:
   batch = train._put_batch(batch, per_device=k)
   first = "probe" not in train._compiled
   if first:
-    loop = train._loop(k)
+    loop = train.program.loop(k)
 
     def compute(w_P, batch_local):
       params_var, mbs = loop.prepare(w_P, batch_local)

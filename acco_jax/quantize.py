@@ -1,6 +1,6 @@
 r"""Blockwise symmetric integer quantization of what a device sends (pure ``jax.numpy``).
 
-No collectives here: :mod:`acco_jax.step` quantizes a payload with :func:`encode`, moves the bytes
+No collectives here: :mod:`acco_jax.stage` quantizes a payload with :func:`encode`, moves the bytes
 with an all-to-all or an all-gather, and reads them with :func:`decode`. Every function works along
 the last axis, one payload row per destination, so a block never straddles two destinations.
 

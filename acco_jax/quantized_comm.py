@@ -2,7 +2,7 @@
 
 :mod:`acco_jax.quantize` holds the pure number formats; this module moves them: the gradients'
 quantized reduce-scatter (an all-to-all of encoded rows, summed in float32 by the receiver) and the
-all-gather of the encoded updates of the compute weights. :class:`acco_jax.step.TrainStep` decides
+all-gather of the encoded updates of the compute weights. :class:`acco_jax.stage.StageProgram` decides
 where they run (ACCO: in flight across loop A and loop B, exactly where the bf16 collectives run).
 """
 

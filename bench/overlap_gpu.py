@@ -24,7 +24,7 @@ Where it compiles (``--mode``, default ``auto`` = the first that applies):
 One structural fact bounds the answer: the all-gather's input is the optimizer update of the
 reduce-scatter's output, so the reduce-scatter must be *done* before the all-gather *starts*; with a
 single loop, at most one of the two pairs could bracket it. The step therefore runs a stage's
-microbatches as two loops with the update ordered between them (``acco_jax/step.py``; needs
+microbatches as two loops with the update ordered between them (``acco_jax/stage.py``; needs
 ``--k`` >= 2). ``--ablation`` also compiles with each overlap flag removed, with XLA's defaults, and
 ZeRO-1 (a control: its collectives cannot overlap). Usage::
 
