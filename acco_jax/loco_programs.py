@@ -1,11 +1,36 @@
-"""The syncs that do not all-reduce: NoLoCo's pair exchange, SparseLoCo's and DeMo's sparse gather.
+"""The jitted programs of a :class:`acco_jax.loco_step.LocoStep`, and the syncs without all-reduce.
 
-:class:`acco_jax.loco_step.LocoStep` calls :func:`exchange` inside its jitted sync program for a
-method whose aggregator is ``pairs`` or ``sparse``; it returns what the outer update of every
-worker takes (its own pseudo-gradient or the workers' mean), and the outer update and the merge
-then run as for DiLoCo. The math is in the pure method files (:mod:`acco_jax.loco.noloco`,
-:mod:`~acco_jax.loco.sparseloco`, :mod:`~acco_jax.loco.demo`) and :mod:`acco_jax.loco.compress`;
-the data movement in :mod:`acco_jax.replica`:
+A step module with no collective of its own: those between workers are :mod:`acco_jax.replica`'s,
+those of the inner step over the data axis :mod:`acco_jax.stage`'s. Programs, each one jitted XLA
+program (``s`` = inner steps done, see :meth:`acco_jax.loco_step.LocoStep.plan`), built by
+:func:`build`:
+
+.. code-block:: none
+
+  stage      one inner step on every worker (k microbatches, the inner update)
+  sync p     Δ = θ_g − θ_m on fragment p; compress; all-reduce mean over workers;     (τ = 0)
+             θ_g[p] ← outer(Δ̄); θ_m[p] ← α θ_m[p] + (1 − α) θ_g[p]
+  window p   Δ snapshot of fragment p; compress; all-reduce mean  } no data dependence:   (τ > 0)
+             τ inner steps on every worker                         } in flight together
+             the mean goes to the state (in flight)
+  apply p    θ_g[p] ← outer(in-flight mean); α-merge into the θ_m of now (τ steps later)
+
+How a sync moves data between workers is the method's aggregator (:mod:`acco_jax.replica`): an
+all-reduce mean, or, through :func:`exchange`, a collective-permute with one peer or an all-gather
+of packed sparse bytes. No program but a sync or a window moves data between workers; their metrics
+stay per worker (``[M]``, sharded over ``replica``).
+
+A window's reduction and its ``τ`` inner steps are one program, with an ``optimization_barrier``
+that makes the loop wait for the payload (not for the reduction): on a GPU the all-reduce can stay
+in flight across the loop (``bench/overlap_gpu.py --loco``). The apply runs at the start of the
+next call, so a checkpoint taken between the two holds a fragment in flight.
+
+The syncs that do not all-reduce, NoLoCo's pair exchange and SparseLoCo's and DeMo's sparse gather:
+:func:`exchange` returns what the outer update of every worker takes (its own pseudo-gradient or the
+workers' mean), and the outer update and the merge then run as for DiLoCo. The math is in the pure
+method files (:mod:`acco_jax.loco.noloco`, :mod:`~acco_jax.loco.sparseloco`,
+:mod:`~acco_jax.loco.demo`) and :mod:`acco_jax.loco.compress`; the data movement in
+:mod:`acco_jax.replica`:
 
 .. code-block:: none
 
@@ -17,16 +42,22 @@ the data movement in :mod:`acco_jax.replica`:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from acco_jax.loco import base
 from acco_jax.loco.compress import sparse as sparse_lib
 from acco_jax.loco.demo import kept_gradient
 from acco_jax.loco.noloco import consensus_gradient, matchings, pairing_index
+from acco_jax.replica import REPLICA
 
 PyTree = Any
 
@@ -54,6 +85,132 @@ def finite_per_worker(tree: PyTree) -> jax.Array:
   """``[M]`` bool: whether each worker's leaves are all finite (no data crosses workers)."""
   flags = [jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(tree)]
   return jnp.all(jnp.stack(flags), axis=0)
+
+
+# -- the programs ----------------------------------------------------------------------------------
+
+
+def _per_worker_batch(step, batch):
+  m = step.num_workers
+  return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+
+
+def inner_step(step, inner, batch, counts, token=None):
+  """One inner step of every worker (:meth:`acco_jax.stage.StageProgram.stage_fn`, 'sync')."""
+  return step.inner.program.stage_fn("sync")(inner, _per_worker_batch(step, batch), counts, token)
+
+
+def send(step, state, p: int):
+  """Fragment ``p``'s pseudo-gradient, compressed, and its mean over workers (all-reduce).
+
+  Returns the payload, the mean as one ``[M, D, n_p]`` buffer (the fragment's shards end to end:
+  one all-reduce, and one value for the window's barrier to hold) and whether all was finite.
+  """
+  idx = step.parts[p]
+  delta = base.pseudo_gradient(
+    base.select(state.outer.params, idx), base.select(state.inner.params, idx)
+  )
+  payload = {k: step.method.compressor.roundtrip(v)[0] for k, v in delta.items()}
+  finite = finite_per_worker(payload)
+  flat = jnp.concatenate([payload[f"{i:04d}"] for i in idx], axis=-1)
+  return payload, step.comm.mean(flat), finite
+
+
+def split(step, p: int, flat) -> dict:
+  """A fragment's ``[M, D, n_p]`` buffer back into its view (:func:`acco_jax.loco.base.select`)."""
+  out, start = {}, 0
+  for i in step.parts[p]:
+    size = step.layout.specs[i].chunk
+    out[f"{i:04d}"] = flat[..., start : start + size]
+    start += size
+  return out
+
+
+def apply_outer(step, state, p: int, mean: dict):
+  """Outer update of fragment ``p`` on every worker, α-merge into ``θ_m``, new compute weights.
+
+  Returns ``(state, metrics)``.
+  """
+  update = functools.partial(base.outer_update, step.method, fragment=p, parts=step.parts)
+  outer, new_g = jax.vmap(update, spmd_axis_name=REPLICA)(state.outer, mean)
+  idx = step.parts[p]
+  local = base.merge(base.select(state.inner.params, idx), new_g, step.method.alpha)
+  params = base.replace(state.inner.params, local)
+  inner = state.inner._replace(params=params, w=step.inner.program.gather(params))
+  outer_step = base.pseudo_gradient(base.select(state.outer.params, idx), new_g)
+  norm = jax.vmap(optax.tree.norm)  # per worker: no metric moves data between workers
+  metrics = {
+    "outer_delta_norm": norm(mean),
+    "outer_step_norm": norm(outer_step),
+    "outer_fragment": jnp.int32(p),
+  }
+  return state._replace(inner=inner, outer=outer), metrics
+
+
+def build(step, kind: str, p: int | None, sharding):
+  """The jitted program ``kind`` ('stage', 'window', 'sync' or 'apply') of fragment ``p``.
+
+  ``sharding``: the :class:`acco_jax.loco_step.LocoState` shardings (the state is donated).
+  """
+  tau = step.method.overlap_steps
+
+  def sync(state):
+    if step.method.aggregate == "mean":
+      _, mean, finite = send(step, state, p)
+      state, mean, extra = state, split(step, p, mean), {"outer_finite": finite}
+    else:
+      state, mean, extra = exchange(step, state, p)
+    state, metrics = apply_outer(step, state, p, mean)
+    return state, {**metrics, **extra}
+
+  def apply(state):
+    mean = base.select(state.inflight, step.parts[p])
+    state, metrics = apply_outer(step, state, p, mean)
+    cleared = jax.tree.map(jnp.zeros_like, state.inflight)
+    return state._replace(inflight=cleared, inflight_fragment=jnp.int32(-1)), metrics
+
+  def stage(state, batch, counts):
+    inner, metrics = inner_step(step, state.inner, batch, counts)
+    return state._replace(inner=inner, step=state.step + 1), metrics
+
+  def window(state, batches, counts):
+    payload, mean, finite = send(step, state, p)
+    # Two barriers place the all-reduce of the mean around the first inner step's microbatch
+    # loop: the loop starts after the payload is computed (not after it is reduced), and the
+    # step's own collectives start after the reduction (the mean joins the loop's result), so
+    # the reduction is the one collective in flight while the microbatches run. The join is
+    # the one that decides the schedule (without it XLA:GPU finishes the all-reduce before the
+    # loop; tests/loco_overlap_gpu_test.py goes red); the first barrier only fixes an order
+    # the latency-hiding scheduler already picks today.
+    payload, inner = lax.optimization_barrier((payload, state.inner))
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
+
+    def body(i, carry):
+      inner, _ = carry
+      batch = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stacked)
+      return inner_step(step, inner, batch, counts)
+
+    *first, mean = inner_step(step, inner, jax.tree.map(lambda x: x[0], stacked), counts, mean)
+    inner, metrics = lax.fori_loop(1, tau, body, tuple(first)) if tau > 1 else first
+    zeros = jax.tree.map(jnp.zeros_like, state.inflight)
+    inflight = base.replace(zeros, split(step, p, mean))
+    state = state._replace(
+      inner=inner, inflight=inflight, inflight_fragment=jnp.int32(p), step=state.step + tau
+    )
+    return state, {**metrics, "outer_finite": finite}
+
+  metric_sharding = None  # as computed: per-worker metrics stay on their workers
+  if kind in ("sync", "apply"):
+    fn = {"sync": sync, "apply": apply}[kind]
+    return jax.jit(fn, in_shardings=(sharding,), out_shardings=(sharding, metric_sharding),
+                   donate_argnums=(0,))  # fmt: skip
+  fn = {"stage": stage, "window": window}[kind]
+  counts = NamedSharding(step.mesh, P(REPLICA, step.inner.plan.axis_name))
+  return jax.jit(fn, in_shardings=(sharding, step._batch_sharding(), counts),
+                 out_shardings=(sharding, metric_sharding), donate_argnums=(0,))  # fmt: skip
+
+
+# -- the syncs that do not all-reduce --------------------------------------------------------------
 
 
 def payload(step, state, idx) -> dict:

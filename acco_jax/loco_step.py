@@ -14,40 +14,21 @@ one outer optimizer state per fragment; identical on every worker except for NoL
 and ``δ_i`` they are), the mean pseudo-gradient of a fragment in flight, and each worker's
 error-feedback buffer (SparseLoCo) or momentum (DeMo).
 
-Programs, each one jitted XLA program (``s`` = inner steps done, see :meth:`LocoStep.plan`):
-
-.. code-block:: none
-
-  stage      one inner step on every worker (k microbatches, the inner update)
-  sync p     Δ = θ_g − θ_m on fragment p; compress; all-reduce mean over workers;     (τ = 0)
-             θ_g[p] ← outer(Δ̄); θ_m[p] ← α θ_m[p] + (1 − α) θ_g[p]
-  window p   Δ snapshot of fragment p; compress; all-reduce mean  } no data dependence:   (τ > 0)
-             τ inner steps on every worker                         } in flight together
-             the mean goes to the state (in flight)
-  apply p    θ_g[p] ← outer(in-flight mean); α-merge into the θ_m of now (τ steps later)
-
-How a sync moves data between workers is the method's aggregator (:mod:`acco_jax.replica`): an
-all-reduce mean here, a collective-permute with one peer or an all-gather of packed sparse bytes in
-:mod:`acco_jax.loco_programs`. No program but a sync or a window moves data between workers; their
-metrics stay per worker (``[M]``, sharded over ``replica``).
-
-A window's reduction and its ``τ`` inner steps are one program, with an ``optimization_barrier``
-that makes the loop wait for the payload (not for the reduction): on a GPU the all-reduce can stay
-in flight across the loop (``bench/overlap_gpu.py --loco``). The apply runs at the start of the
-next call, so a checkpoint taken between the two holds a fragment in flight.
+Here: the state, its shardings and initial value, the schedule (:meth:`LocoStep.plan`, the
+programs one :meth:`LocoStep.run` calls after ``s`` inner steps), the cache of the programs and the
+public API. The programs themselves (stage, sync, window and apply: what each computes, and which
+moves data between workers) are in :mod:`acco_jax.loco_programs`; what a sync costs, and the log
+fields of an outer step, in :mod:`acco_jax.loco_accounting`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -55,6 +36,7 @@ from acco_jax import errors
 from acco_jax import loco_programs as programs
 from acco_jax.loco import base
 from acco_jax.loco.base import LocoMethod, OuterState
+from acco_jax.loco_accounting import SyncAccounting
 from acco_jax.replica import REPLICA, ReplicaCollectives
 from acco_jax.step import TrainState, TrainStep
 
@@ -102,8 +84,12 @@ class Call(NamedTuple):
   land: bool = False
 
 
-class LocoStep:
-  """The programs of a low-communication method. Build it with :func:`make_loco_step`."""
+class LocoStep(SyncAccounting):
+  """The programs of a low-communication method. Build it with :func:`make_loco_step`.
+
+  What a sync costs and the log fields of an outer step: the methods of
+  :class:`acco_jax.loco_accounting.SyncAccounting`.
+  """
 
   def __init__(
     self, loss_fn, inner_tx, method: LocoMethod, mesh, num_microbatches, params_like,
@@ -137,12 +123,7 @@ class LocoStep:
     """Devices per worker (the data axis)."""
     return self.inner.num_devices
 
-  # -- layout ------------------------------------------------------------------------------------
-
-  def fragment_sizes(self) -> list[int]:
-    """Values per fragment (the padded shard layout, all ``D`` shards of one worker)."""
-    specs = self.layout.specs
-    return [sum(specs[i].chunk * self.layout.num_shards for i in idx) for idx in self.parts]
+  # -- shardings ---------------------------------------------------------------------------------
 
   def _sharding(self, state_shape: LocoState) -> LocoState:
     inner = self.inner._state_sharding(state_shape.inner)
@@ -222,118 +203,13 @@ class LocoStep:
     counts = np.full((self.num_workers, n), k, np.int32)
     return jax.device_put(counts, NamedSharding(self.mesh, P(REPLICA, self.inner.plan.axis_name)))
 
-  def _per_worker_batch(self, batch):
-    m = self.num_workers
-    return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
-
-  def _stage(self, inner: TrainState, batch, counts, token=None):
-    return self.inner.program.stage_fn("sync")(inner, self._per_worker_batch(batch), counts, token)
-
-  def _send(self, state: LocoState, p: int):
-    """Fragment ``p``'s pseudo-gradient, compressed, and its mean over workers (all-reduce).
-
-    Returns the payload, the mean as one ``[M, D, n_p]`` buffer (the fragment's shards end to end:
-    one all-reduce, and one value for the window's barrier to hold) and whether all was finite.
-    """
-    idx = self.parts[p]
-    delta = base.pseudo_gradient(
-      base.select(state.outer.params, idx), base.select(state.inner.params, idx)
-    )
-    payload = {k: self.method.compressor.roundtrip(v)[0] for k, v in delta.items()}
-    finite = programs.finite_per_worker(payload)
-    flat = jnp.concatenate([payload[f"{i:04d}"] for i in idx], axis=-1)
-    return payload, self.comm.mean(flat), finite
-
-  def _split(self, p: int, flat) -> dict:
-    """A fragment's ``[M, D, n_p]`` buffer back into its view (:func:`acco_jax.loco.base.select`)."""
-    out, start = {}, 0
-    for i in self.parts[p]:
-      size = self.layout.specs[i].chunk
-      out[f"{i:04d}"] = flat[..., start : start + size]
-      start += size
-    return out
-
-  def _apply(self, state: LocoState, p: int, mean: dict) -> tuple[LocoState, dict]:
-    """Outer update of fragment ``p`` on every worker, α-merge into ``θ_m``, new compute weights."""
-    update = functools.partial(base.outer_update, self.method, fragment=p, parts=self.parts)
-    outer, new_g = jax.vmap(update, spmd_axis_name=REPLICA)(state.outer, mean)
-    idx = self.parts[p]
-    local = base.merge(base.select(state.inner.params, idx), new_g, self.method.alpha)
-    params = base.replace(state.inner.params, local)
-    inner = state.inner._replace(params=params, w=self.inner.program.gather(params))
-    step = base.pseudo_gradient(base.select(state.outer.params, idx), new_g)
-    norm = jax.vmap(optax.tree.norm)  # per worker: no metric moves data between workers
-    metrics = {
-      "outer_delta_norm": norm(mean),
-      "outer_step_norm": norm(step),
-      "outer_fragment": jnp.int32(p),
-    }
-    return state._replace(inner=inner, outer=outer), metrics
-
   def _program(self, kind: str, p: int | None, state_like):
+    """The jitted program ``kind`` of fragment ``p`` (:func:`acco_jax.loco_programs.build`), built
+    on the first call; ``state_like``: a state or its ``ShapeDtypeStruct`` tree."""
     key = (kind, p)
-    if key in self._programs:
-      return self._programs[key]
-    sharding = self._sharding(state_like)
-    tau = self.method.overlap_steps
-
-    def sync(state):
-      if self.method.aggregate == "mean":
-        _, mean, finite = self._send(state, p)
-        state, mean, extra = state, self._split(p, mean), {"outer_finite": finite}
-      else:
-        state, mean, extra = programs.exchange(self, state, p)
-      state, metrics = self._apply(state, p, mean)
-      return state, {**metrics, **extra}
-
-    def apply(state):
-      mean = base.select(state.inflight, self.parts[p])
-      state, metrics = self._apply(state, p, mean)
-      cleared = jax.tree.map(jnp.zeros_like, state.inflight)
-      return state._replace(inflight=cleared, inflight_fragment=jnp.int32(-1)), metrics
-
-    def stage(state, batch, counts):
-      inner, metrics = self._stage(state.inner, batch, counts)
-      return state._replace(inner=inner, step=state.step + 1), metrics
-
-    def window(state, batches, counts):
-      payload, mean, finite = self._send(state, p)
-      # Two barriers place the all-reduce of the mean around the first inner step's microbatch
-      # loop: the loop starts after the payload is computed (not after it is reduced), and the
-      # step's own collectives start after the reduction (the mean joins the loop's result), so
-      # the reduction is the one collective in flight while the microbatches run. The join is
-      # the one that decides the schedule (without it XLA:GPU finishes the all-reduce before the
-      # loop; tests/loco_overlap_gpu_test.py goes red); the first barrier only fixes an order
-      # the latency-hiding scheduler already picks today.
-      payload, inner = lax.optimization_barrier((payload, state.inner))
-      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
-
-      def body(i, carry):
-        inner, _ = carry
-        batch = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stacked)
-        return self._stage(inner, batch, counts)
-
-      *first, mean = self._stage(inner, jax.tree.map(lambda x: x[0], stacked), counts, mean)
-      inner, metrics = lax.fori_loop(1, tau, body, tuple(first)) if tau > 1 else first
-      zeros = jax.tree.map(jnp.zeros_like, state.inflight)
-      inflight = base.replace(zeros, self._split(p, mean))
-      state = state._replace(
-        inner=inner, inflight=inflight, inflight_fragment=jnp.int32(p), step=state.step + tau
-      )
-      return state, {**metrics, "outer_finite": finite}
-
-    metric_sharding = None  # as computed: per-worker metrics stay on their workers
-    if kind in ("sync", "apply"):
-      fn = {"sync": sync, "apply": apply}[kind]
-      jitted = jax.jit(fn, in_shardings=(sharding,), out_shardings=(sharding, metric_sharding),
-                       donate_argnums=(0,))  # fmt: skip
-    else:
-      fn = {"stage": stage, "window": window}[kind]
-      counts = NamedSharding(self.mesh, P(REPLICA, self.inner.plan.axis_name))
-      jitted = jax.jit(fn, in_shardings=(sharding, self._batch_sharding(), counts),
-                       out_shardings=(sharding, metric_sharding), donate_argnums=(0,))  # fmt: skip
-    self._programs[key] = jitted
-    return jitted
+    if key not in self._programs:
+      self._programs[key] = programs.build(self, kind, p, self._sharding(state_like))
+    return self._programs[key]
 
   # -- public API --------------------------------------------------------------------------------
 
@@ -393,69 +269,6 @@ class LocoStep:
     """Every worker's ``θ_m``, a tree of ``[M, ...]`` float32 arrays of the original shapes."""
     fn = lambda s: jax.vmap(self.layout.from_shards)(s.inner.params)
     return jax.jit(fn, out_shardings=NamedSharding(self.mesh, P()))(state)
-
-  def payload_bytes(self, fragment: int) -> float:
-    """Bytes of one worker's payload for a sync of ``fragment``, summed over its devices: values
-    as quantised with their scales (all-reduce), the packed indices, values, shifts and tables
-    (sparse), ``Δ`` and ``φ`` in float32 (pairs)."""
-    size = self.fragment_sizes()[fragment]
-    if self.method.aggregate == "sparse":
-      return float(self.codec.row_bytes * self.layout.num_shards)
-    if self.method.aggregate == "pairs":
-      return 2 * 4.0 * size
-    return float(self.method.compressor.payload_bytes(size))
-
-  def wire_bytes(self, fragment: int) -> float:
-    """Bytes one worker sends to sync ``fragment``, summed over its devices: a ring all-reduce
-    sends ``2 (M−1)/M`` payloads, a ring all-gather ``M − 1``, a pair exchange one."""
-    m = self.num_workers
-    if m == 1:
-      return 0.0
-    fan = {"mean": 2 * (m - 1) / m, "sparse": m - 1, "pairs": 1}[self.method.aggregate]
-    return fan * self.payload_bytes(fragment)
-
-  def density(self) -> float:
-    """Share of the payload's values a sync sends (1 for dense methods)."""
-    return self.codec.density if self.codec is not None else 1.0
-
-  def peak_sync_bytes(self) -> float:
-    """The largest :meth:`wire_bytes` of one sync (the fragment with the embeddings and head)."""
-    return max(self.wire_bytes(p) for p in range(len(self.parts)))
-
-  def describe(self) -> str:
-    """One line: workers, the schedule and what a sync costs."""
-    m = self.method
-    per_step = sum(self.wire_bytes(p) for p in range(len(self.parts))) / m.sync_every
-    if m.sparse is not None:
-      s = m.sparse
-      slots = (
-        f"k={s.topk} per {s.chunk}x{s.chunk} ({s.transform}), bits={s.bits}, decay={s.decay}, "
-        f"{s.aggregate}, density={self.density():.4f}"
-      )
-    elif m.pairing is not None:
-      slots = f"pairs from {m.pairing.count} matchings (seed {m.pairing.seed})"
-    else:
-      slots = (
-        f"fragments={m.fragments} ({m.layout}), overlap={m.overlap_steps}, alpha={m.alpha}, "
-        f"quantize={m.compressor.name}"
-      )
-    return (
-      f"{m.name}: workers={self.num_workers} x {self.num_devices} devices, inner="
-      f"{self.inner.plan.name}, H={m.sync_every}, {slots}; bytes/worker: peak sync "
-      f"{self.peak_sync_bytes():,.0f}, per inner step {per_step:,.0f}"
-    )
-
-  def outer_row(self, metrics: dict) -> dict:
-    """The outer-step fields of a call's (host) metrics, for a log line: per-worker values as their
-    mean over workers, the bytes the sync sent per worker and the share of values it sent."""
-    keys = ("outer_fragment", "outer_delta_norm", "outer_step_norm", "outer_pairing")
-    row = {k: np.mean(np.asarray(metrics[k])).item() for k in keys if k in metrics}
-    if "outer_fragment" in row:
-      row["outer_fragment"] = p = int(row["outer_fragment"])
-      row.update(sync_bytes_per_worker=self.wire_bytes(p), sent_density=self.density())
-    if "outer_pairing" in row:
-      row["outer_pairing"] = int(row["outer_pairing"])
-    return row
 
 
 def mesh_mismatch(saved: LocoState, mesh) -> str:

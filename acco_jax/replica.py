@@ -1,11 +1,12 @@
 """Collectives over the worker (``replica``) axis: the one module that moves data between workers.
 
 The low-communication methods (:mod:`acco_jax.loco`) are pure; :mod:`acco_jax.loco_step` runs them
-and calls the aggregators here, each a ``shard_map`` over the ``('replica', 'data')`` mesh. Inputs
-are per-worker trees whose leaves carry a leading worker dimension ``M`` sharded over ``replica``;
-the second dimension is the data axis's ``D`` shards (sharded over ``data`` for a ZeRO-1 inner step,
-replicated for DDP). Each device exchanges only its own block with the devices of the same data rank
-in the other workers, so a ZeRO-1 worker's traffic is spread over its ``D`` devices.
+and its programs (:mod:`acco_jax.loco_programs`) call the aggregators here, each a ``shard_map``
+over the ``('replica', 'data')`` mesh. Inputs are per-worker trees whose leaves carry a leading
+worker dimension ``M`` sharded over ``replica``; the second dimension is the data axis's ``D``
+shards (sharded over ``data`` for a ZeRO-1 inner step, replicated for DDP). Each device exchanges
+only its own block with the devices of the same data rank in the other workers, so a ZeRO-1
+worker's traffic is spread over its ``D`` devices.
 
 ============  ==========================================  ====================================
 aggregator    collective over ``replica``                 methods

@@ -1,15 +1,15 @@
 """Does XLA:GPU keep Streaming DiLoCo's outer all-reduce in flight across the inner steps?
 
-Compiles the *window* program of Streaming DiLoCo (:mod:`acco_jax.loco_step`: the pseudo-gradient
-of a fragment, its all-reduce over the workers, and the ``τ`` inner steps, one XLA program) for
-``--workers`` x ``--per-worker`` abstract GPUs (``acco_jax.parallel.gpu_aot_devices``: the CUDA PJRT
-plugin, no GPU), with :data:`acco_jax.parallel.GPU_OVERLAP_FLAGS`, and reads the scheduled entry
-computation (:func:`acco_jax.hlo.async_overlap_report`): for every asynchronous all-reduce whose
-replica groups join devices of different workers, whether its start and done bracket an inner-step
-``while`` (the microbatch loop of the first inner step, and the loop over the remaining ones), and
-whether XLA marked it synchronous. Verdict ``full`` if every such pair brackets a loop, ``partial``
-if some do, ``none`` otherwise. The control is the same fragment's ``τ = 0`` sync program, whose
-all-reduce has no inner step to hide behind (``none`` expected).
+Compiles the *window* program of Streaming DiLoCo (:mod:`acco_jax.loco_programs`: the
+pseudo-gradient of a fragment, its all-reduce over the workers, and the ``τ`` inner steps, one XLA
+program) for ``--workers`` x ``--per-worker`` abstract GPUs (``acco_jax.parallel.gpu_aot_devices``:
+the CUDA PJRT plugin, no GPU), with :data:`acco_jax.parallel.GPU_OVERLAP_FLAGS`, and reads the
+scheduled entry computation (:func:`acco_jax.hlo.async_overlap_report`): for every asynchronous
+all-reduce whose replica groups join devices of different workers, whether its start and done
+bracket an inner-step ``while`` (the microbatch loop of the first inner step, and the loop over the
+remaining ones), and whether XLA marked it synchronous. Verdict ``full`` if every such pair brackets
+a loop, ``partial`` if some do, ``none`` otherwise. The control is the same fragment's ``τ = 0``
+sync program, whose all-reduce has no inner step to hide behind (``none`` expected).
 
 Usage::
 
