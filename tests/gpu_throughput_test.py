@@ -37,6 +37,7 @@ def test_smoke_measures_each_kind_of_row(tmp_path):
   # an update is 2 microbatches of 2 x 32 tokens (ACCO: two stages of one)
   for name in ("trainer:acco", "step:zero1"):
     assert rows[name]["tokens_per_update"] == 2 * 2 * 32, name
+  assert rows["adamw"]["seconds_in_program"] > 0  # the device's time per update, no dispatch
   assert rows["fwdbwd:V1000"]["rows"] == 1000 and rows["fwdbwd:V1024"]["rows"] == 1024
   assert rows["trainer:acco"]["rows"] == 384  # the byte tokenizer's 257 ids, padded to 3 x 128
   for name in rows:
