@@ -14,8 +14,9 @@ target's as host numpy arrays and hands them to a ``reshard`` callable, normally
   microbatch counts: the step only ever uses their sums over devices.
   :meth:`acco_jax.stage.StageProgram.reduce` reduce-scatters (or psums) the rows and psums the
   counts; the microbatch loops add a device's new gradients and count to its own row when ACCO
-  keeps the accumulator, which keeps the sums; counts are never used one device at a time (a stage counts as empty only when the *total* is zero). So old row ``i`` moves,
-  converted leaf by leaf, into new row ``i * N_new // N_old``: when growing, each old row lands in
+  keeps the accumulator, which keeps the sums; counts are never used one device at a time (a
+  stage counts as empty only when the *total* is zero). So old row ``i`` moves, converted leaf by
+  leaf, into new row ``i * N_new // N_old``: when growing, each old row lands in
   a row of its own, bit for bit, and the other rows and counts are zero; when shrinking, groups of
   consecutive rows are summed in float32 and stored in the buffer's dtype. The reduced mean
   gradient is the same up to float summation order, plus, when shrinking a bfloat16 buffer, one

@@ -96,9 +96,6 @@ class TrainStep:
     )
     self.num_devices = self.mesh.shape[axis]
     self.num_microbatches = int(num_microbatches)
-    self.loss_fn = loss_fn
-    self.has_aux = has_aux
-    self.skip_nonfinite = skip_nonfinite
     self.layout = FlatLayout(params_like, self.num_devices)
     self.comm_dtype = jnp.dtype(self.plan.comm_dtype)
     methods.check_elementwise(self.tx, self.plan, params_like, self.layout)
