@@ -141,3 +141,30 @@ def write_json(path: Path, data: dict) -> Path:
 
 def log(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
+
+
+def abstract_stage(cfg, tx, devices, k: int, rows: int):
+  """(jitted stage, abstract args, train step): the stage of method transform ``tx`` for the GPT of
+  ``cfg`` over ``devices`` (real or abstract), ``k`` microbatches of ``rows`` x ``cfg.L`` tokens per
+  device, for :meth:`jax.stages.Wrapped.lower` without any array (parameters and state as shapes)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import acco_jax
+  from acco_jax import model
+
+  shapes = jax.eval_shape(lambda: model.init_params(cfg, 0))
+  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+  loss = lambda p, b: model.loss_fn(p, cfg, b)
+  train = acco_jax.make_train_step(loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True)
+  state = train.abstract_state(shapes)
+  fn = train._jit("delayed" if train.plan.delayed else "sync", state)
+  data = NamedSharding(train.mesh, P("data"))
+  n = len(devices)
+  batch = {key: jax.ShapeDtypeStruct((n * k * rows, cfg.L), jnp.int32, sharding=data)
+           for key in ("inputs", "targets")}  # fmt: skip
+  counts = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=data)
+  return fn, (state, batch, counts), train

@@ -230,10 +230,6 @@ def run_hlo(method: str, s: dict, args) -> dict:
   fallback's score GEMMs are float32 by design and counted apart.
   """
   import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
 
   import acco_jax
   from acco_jax import hlo, model, parallel
@@ -244,18 +240,9 @@ def run_hlo(method: str, s: dict, args) -> dict:
   devices = jax.devices()[:1] if on_gpu else parallel.gpu_aot_devices(1, "h100")
   cfg = _model_cfg(s, attention="auto" if on_gpu else "xla")
   k = s["k"] // 2 if method == "acco" else s["k"]
-  shapes = jax.eval_shape(lambda: model.init_params(cfg, 0))
-  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-  loss = lambda p, b: model.loss_fn(p, cfg, b)
   tx = getattr(acco_jax, method)(_inner_optimizer())
-  train = acco_jax.make_train_step(loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True)
-  state = train.abstract_state(shapes)
-  data = NamedSharding(mesh, P("data"))
-  batch = {n: jax.ShapeDtypeStruct((k * s["B"], s["L"]), jnp.int32, sharding=data)
-           for n in ("inputs", "targets")}  # fmt: skip
-  counts = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=data)
-  kind = "delayed" if train.plan.delayed else "sync"
-  compiled = train._jit(kind, state).lower(state, batch, counts).compile()
+  fn, fargs, _ = common.abstract_stage(cfg, tx, devices, k, s["B"])
+  compiled = fn.lower(*fargs).compile()
   gemms = hlo.gemms(compiled.as_text())
   f32 = [g for g in gemms if set(g.dtypes) == {"f32"}]
   scores = [g for g in f32 if "BTNH,BSNH->BNTS" in g.op_name]  # attention='xla' only

@@ -74,35 +74,18 @@ def parse_method(label: str) -> tuple[str, str, int]:
 def build_stage(model_name: str, devices, k: int, rows: int, seq: int, method: str = "acco"):
   """(jitted stage, abstract args, train step) of ``method`` over ``devices``: acco or zero1, or
   with quantized communication (``acco-int8``, ``acco-int4-n4``: blocks of 256, nodes of 4)."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
   import optax
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
 
   import acco_jax
   from acco_jax import model
 
-  cfg = model.get_config(model_name, L=seq)
-  shapes = jax.eval_shape(lambda: model.init_params(cfg, 0))
-  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
   inner = optax.adamw(6e-4, b1=0.9, b2=0.95, weight_decay=0.1)
   method, quantize, node_size = parse_method(method)
   quant = {} if quantize == "none" else {"quantize": quantize, "node_size": node_size}
   tx = {"acco": acco_jax.acco, "zero1": acco_jax.zero1}[method](
     inner, comm_dtype="bfloat16", **quant
   )
-  loss = lambda p, b: model.loss_fn(p, cfg, b)
-  train = acco_jax.make_train_step(loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True)
-  state = train.abstract_state(shapes)
-  fn = train._jit("delayed" if method == "acco" else "sync", state)
-  data = NamedSharding(train.mesh, P("data"))
-  n = len(devices)
-  batch = {key: jax.ShapeDtypeStruct((n * k * rows, seq), jnp.int32, sharding=data)
-           for key in ("inputs", "targets")}  # fmt: skip
-  counts = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=data)
-  return fn, (state, batch, counts), train
+  return common.abstract_stage(model.get_config(model_name, L=seq), tx, devices, k, rows)
 
 
 def chain_facts(text: str) -> dict:
