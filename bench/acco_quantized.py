@@ -403,7 +403,7 @@ def main(argv=None) -> int:
     return cost_report(args)
   path = Path(args.out) / args.json
   recorded = json.loads(path.read_text()) if path.exists() else None  # kept where runs are gone
-  done = lambda s, label, k: k in recorded_runs(recorded, s).get(label, {})  # noqa: E731
+  done = lambda s, label, k: k in recorded_runs(recorded, s).get(label, {})
   plan = [(s, label, k) for s in args.settings for k in args.seeds for label in args.labels]
   plan = [p for p in plan if not done(*p)]
   t0 = time.time()

@@ -522,13 +522,12 @@ def main(argv=None) -> int:
   extra = ["--methods", *args.methods] + (["--smoke"] if args.smoke else [])
   programs = common.run_worker(__file__, setting(args.smoke)["devices"], extra, timeout=3600)
   name = "loco_compare_smoke" if args.smoke else Path(args.json).stem
-  earlier = (
-    args.out / f"{name}.json"
-  )  # runs recorded there are kept when their directories are gone
-  recorded = json.loads(earlier.read_text())["runs"] if earlier.exists() else None
+  path = args.out / f"{name}.json"
+  # the runs an earlier JSON recorded are kept where their directories are gone
+  recorded = json.loads(path.read_text())["runs"] if path.exists() else None
   results = collect(args.out, args.seeds, args.methods, programs, args.smoke, args.target, recorded)
   results.update(machine=common.machine(), wall_s=wall)
-  path = common.write_json(args.out / f"{name}.json", results)
+  common.write_json(path, results)
   text = table(results)
   (args.out / f"{name}.md").write_text(text + "\n")
   common.log(f"wrote {path} and {name}.md:\n{text}")
