@@ -127,7 +127,7 @@ def make_config(label: str, seed: int, smoke: bool = False):
     group, field = key.split(".")
     c[group][field] = value
   if smoke and base in LOCO and base != "demo":
-    c.loco.sync_every = 2
+    c.loco.sync_every = 2 * c.loco.fragments  # a fragment every 2 steps: tau = 1 fits in H/P
   return c
 
 

@@ -1,0 +1,30 @@
+"""bench/loco_compare.py's configs: every method's run, in the full setting and in ``--smoke``, is a
+config the trainer accepts (the smoke's H once made Streaming DiLoCo's tau = 1 invalid)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from acco_jax import build
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import loco_compare  # noqa: E402
+
+LABELS = [*loco_compare.METHODS, "demo@2e-3"]
+
+
+@pytest.mark.parametrize("smoke", [False, True], ids=["full", "smoke"])
+@pytest.mark.parametrize("label", LABELS)
+def test_every_run_is_a_valid_config(label, smoke):
+  config = loco_compare.make_config(label, 0, smoke)
+  s = loco_compare.setting(smoke)
+  assert config.model.D == s["D"] and config.train.num_updates == s["num_updates"]
+  base = label.partition("@")[0]
+  if base in loco_compare.LOCO:
+    method = build.loco_method(config)  # raises the trainer's one-line error on a bad loco group
+    assert config.loco.workers == s["workers"]
+    if base != "demo":  # a sync within the run
+      assert config.loco.sync_every <= config.train.num_updates, method
+  if label == "demo@2e-3":
+    assert config.opt.lr == 2e-3
