@@ -1,17 +1,14 @@
-"""Reading a jitted step: collectives, dataflow and (on GPU) the async schedule.
+"""Reading a compiled step: its collectives, its async schedule (on GPU) and its GEMMs.
 
-Three checks back the claim that a stage's communication can hide behind its microbatch loop:
-
-* :func:`dataflow_report` walks the step's jaxpr (through ``jit`` and ``shard_map``) and tells whether
-  any reduce-scatter, all-to-all or all-gather depends on a loop's output or feeds a loop's input,
-  whether a collective sits inside a loop, and lists all-reduces (``psum``) of large values, i.e. the
-  implicit gradient all-reduce that makes a step DDP.
 * :func:`hlo_collectives` lists the collectives of compiled HLO text with their bytes and whether they
   run inside a ``while`` body.
 * :func:`async_overlap_report` reads a *scheduled* GPU module: for each async collective it finds the
   start and done instructions and whether a ``while`` (the microbatch loop) lies between them, and
   whether XLA marked the pair synchronous. CPU HLO has no async collectives (XLA:CPU runs them
   synchronously), so that check only means something on GPU.
+* :func:`gemms` lists the GEMMs with their operand dtypes.
+
+The same claims read off the program before compilation: :mod:`acco_jax.dataflow`.
 """
 
 from __future__ import annotations
@@ -22,22 +19,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-COLLECTIVES = (
-  "psum",
-  "psum_invariant",
-  "reduce_scatter",
-  "all_gather",
-  "all_gather_invariant",
-  "ppermute",
-  "all_to_all",
-  "pmax",
-  "pmin",
-)
-DATA_MOVERS = ("reduce_scatter", "all_gather", "all_gather_invariant", "all_to_all")
-LOOPS = ("while", "scan")
-
 
 class Collective(NamedTuple):
+  """One collective of a jaxpr (:mod:`acco_jax.dataflow`) or of compiled HLO text."""
+
   kind: str  # jaxpr primitive or HLO opcode
   shape: tuple  # operand shape (jaxpr) / result shapes as (dtype, dims) (HLO)
   bytes: int  # bytes of the full buffer: operand (jaxpr, HLO reduce-scatter), result (HLO others)
@@ -47,144 +32,6 @@ class Collective(NamedTuple):
   groups: tuple = ()
   group: int = 0  # devices per replica group (HLO; 0 in jaxpr reports)
 
-
-class DataflowReport(NamedTuple):
-  """Facts about a step's jaxpr.
-
-  Attributes:
-    loops: number of loops (``while``/``scan``) outside other loops.
-    (``optimization_barrier`` is treated as what it is, an identity on each operand.)
-    collectives: every collective, with ``in_loop`` set for those inside a loop body.
-    loop_feeds_comm: some reduce-scatter/all-gather/large psum depends on a loop output (no overlap).
-    comm_feeds_loop: some loop input depends on a reduce-scatter/all-gather/large psum output.
-    large_psums: psum collectives over more than ``psum_limit`` elements (gradient all-reduces).
-  """
-
-  loops: int
-  collectives: tuple[Collective, ...]
-  loop_feeds_comm: bool
-  comm_feeds_loop: bool
-  large_psums: tuple[Collective, ...]
-
-  @property
-  def collectives_in_loop(self) -> tuple[Collective, ...]:
-    return tuple(c for c in self.collectives if c.in_loop)
-
-  @property
-  def overlappable(self) -> bool:
-    """The communication is independent of the loop, in both directions, and the loop is clean."""
-    return (
-      self.loops > 0
-      and not self.loop_feeds_comm
-      and not self.comm_feeds_loop
-      and not self.collectives_in_loop
-    )
-
-
-def _is_var(v) -> bool:
-  return not hasattr(v, "val")  # Literals carry .val
-
-
-def _sub_jaxprs(eqn) -> list:
-  out = []
-  for value in eqn.params.values():
-    items = value if isinstance(value, tuple | list) else (value,)
-    for item in items:
-      inner = getattr(item, "jaxpr", None)
-      if hasattr(item, "eqns"):
-        out.append(item)
-      elif inner is not None and hasattr(inner, "eqns"):
-        out.append(inner)
-  return out
-
-
-def _nbytes(aval) -> int:
-  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-
-
-def _collect(jaxpr, in_loop: bool, found: list):
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name in COLLECTIVES:
-      for v in eqn.invars:
-        found.append(Collective(name, tuple(v.aval.shape), _nbytes(v.aval), in_loop))
-    for sub in _sub_jaxprs(eqn):
-      _collect(sub, in_loop or name in LOOPS, found)
-
-
-def dataflow_report(closed_jaxpr, *, psum_limit: int = 64) -> DataflowReport:
-  """Analyses ``jax.make_jaxpr(step)(...)`` (see :class:`DataflowReport`).
-
-  ``jit``/``shard_map``/call sub-jaxprs are inlined (their variables are aliased to the outer ones),
-  loops are single nodes, and every variable carries the set of loops and data-moving collectives it
-  depends on.
-  """
-  deps: dict = {}  # var -> frozenset of node tags it depends on
-  state = {"loops": 0, "loop_feeds": False, "comm_feeds": False}
-  collectives: list[Collective] = []
-
-  def dep(v):
-    return deps.get(v, frozenset()) if _is_var(v) else frozenset()
-
-  def walk(jaxpr, alias_in):
-    for var, tags in alias_in:
-      deps[var] = tags
-    for i, eqn in enumerate(jaxpr.eqns):
-      name = eqn.primitive.name
-      ins = frozenset().union(*(dep(v) for v in eqn.invars)) if eqn.invars else frozenset()
-      subs = _sub_jaxprs(eqn)
-      if name == "optimization_barrier":  # identity per operand: orders, moves no data
-        for iv, ov in zip(eqn.invars, eqn.outvars, strict=True):
-          deps[ov] = dep(iv)
-        continue
-      if name in LOOPS:
-        state["loops"] += 1
-        tag = ("loop", id(eqn), i)
-        if any(t[0] == "comm" for t in ins):
-          state["comm_feeds"] = True
-        for sub in subs:
-          _collect(sub, True, collectives)
-        out = ins | {tag}
-      elif name in COLLECTIVES:
-        for v in eqn.invars:
-          collectives.append(Collective(name, tuple(v.aval.shape), _nbytes(v.aval), False))
-        big = name.startswith("psum") and any(
-          int(np.prod(v.aval.shape)) > psum_limit for v in eqn.invars
-        )
-        if name in DATA_MOVERS or big:
-          if any(t[0] == "loop" for t in ins):
-            state["loop_feeds"] = True
-          out = ins | {("comm", id(eqn), i)}
-        else:
-          out = ins
-      elif (
-        len(subs) == 1
-        and len(subs[0].invars) == len(eqn.invars)
-        and len(subs[0].outvars) == len(eqn.outvars)
-      ):
-        sub = subs[0]
-        walk(sub, [(iv, dep(ov)) for iv, ov in zip(sub.invars, eqn.invars, strict=True)])
-        for ov, iv in zip(eqn.outvars, sub.outvars, strict=True):
-          deps[ov] = dep(iv)
-        continue
-      else:  # cond, custom rules, ...: opaque node
-        for sub in subs:
-          _collect(sub, False, collectives)
-        out = ins
-      for v in eqn.outvars:
-        deps[v] = out
-
-  jaxpr = closed_jaxpr.jaxpr if hasattr(closed_jaxpr, "jaxpr") else closed_jaxpr
-  walk(jaxpr, [])
-  large = tuple(
-    c for c in collectives if c.kind.startswith("psum") and int(np.prod(c.shape)) > psum_limit
-  )
-  return DataflowReport(
-    state["loops"], tuple(collectives), state["loop_feeds"], state["comm_feeds"], large
-  )
-
-
-# -- compiled HLO text ----------------------------------------------------------------------------
 
 _DTYPE_BYTES = {
   "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,

@@ -18,7 +18,7 @@ Two readings, because XLA:CPU computes bf16 collectives in f32:
 * **HLO** (``fn.lower(...).compile().as_text()``, :func:`acco_jax.hlo.hlo_collectives`) of the fp32
   program: what the compiler really emits, including the small collectives GSPMD adds (count psum,
   metrics, the global gradient norm). The bf16 program's HLO is shown too: it moves f32.
-* **jaxpr** (:func:`acco_jax.hlo.dataflow_report`) of the bf16 program: the dtype the program asks
+* **jaxpr** (:func:`acco_jax.dataflow.dataflow_report`) of the bf16 program: the dtype the program asks
   for (explicit ``shard_map`` collectives only).
 
 Usage::
@@ -59,7 +59,7 @@ def worker(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   import acco_jax
-  from acco_jax import hlo, metrics, model
+  from acco_jax import dataflow, hlo, metrics, model
 
   n = jax.device_count()
   cfg = model.get_config(args.model)
@@ -91,7 +91,7 @@ def worker(args) -> dict:
       found = hlo.hlo_collectives(fn.lower(state, batch, counts).compile().as_text())
       big = [c for c in found if c.bytes >= flat]
       small = [c for c in found if c.bytes < flat]
-      report = hlo.dataflow_report(jax.make_jaxpr(fn)(state, batch, counts))
+      report = dataflow.dataflow_report(jax.make_jaxpr(fn)(state, batch, counts))
       movers = [c for c in report.collectives if jaxpr_full_bytes(c, n) >= padded * item]
       row = {
         "method": method, "N": n, "comm_dtype": dtype, "params": train.layout.num_params,

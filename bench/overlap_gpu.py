@@ -138,11 +138,11 @@ def cpu_checks(args) -> dict:
   """What a CPU can check: dataflow precondition (GPT-2), the RS -> AG chain (small model)."""
   import jax
 
-  from acco_jax import hlo
+  from acco_jax import dataflow
 
   devices = jax.devices()[: args.devices]
   fn, fargs, train = build_stage(args.model, devices, args.k, args.rows, args.seq)
-  report = hlo.dataflow_report(jax.make_jaxpr(fn)(*fargs))
+  report = dataflow.dataflow_report(jax.make_jaxpr(fn)(*fargs))
   small_fn, small_args, _ = build_stage("tiny", devices, args.k, args.rows, 64)
   facts = chain_facts(small_fn.lower(*small_args).compile().as_text())
   return {

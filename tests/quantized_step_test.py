@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import acco_jax
-from acco_jax import checkpoint, hlo, metrics
+from acco_jax import checkpoint, dataflow, hlo, metrics
 from acco_jax import quantize as Q
 from tests import methods_test as methods_ref
 from tests.methods_test import (
@@ -277,7 +277,7 @@ def test_compiled_collectives_move_integers(name, mode, node_size):
   updates, outside the loops, with no gradient all-reduce; the bytes are the trainer's."""
   train, state = build(name, mode, node_size)
   fn, args = stage_program(train, state)
-  report = hlo.dataflow_report(jax.make_jaxpr(fn)(*args), psum_limit=16)
+  report = dataflow.dataflow_report(jax.make_jaxpr(fn)(*args), psum_limit=16)
   assert report.loops == (2 if name == "acco" else 1) and not report.large_psums
   assert not report.collectives_in_loop and report.loop_feeds_comm == (name == "zero1")
   # with nodes, the node's reduce-scatter precedes loop A (the node sums are quantized and sent

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import acco_jax
-from acco_jax import hlo
+from acco_jax import dataflow, hlo
 from tests.methods_test import B, K, N, as_f32, first_microbatch, init_params, loss_fn, make_batches
 
 METHOD_NAMES = ("acco", "zero1", "ddp", "dpu", "wp")
@@ -35,7 +35,7 @@ def stage_program(train, state):
 def test_jaxpr_dataflow(name):
   train, state = build(name)
   fn, args = stage_program(train, state)
-  report = hlo.dataflow_report(jax.make_jaxpr(fn)(*args), psum_limit=16)
+  report = dataflow.dataflow_report(jax.make_jaxpr(fn)(*args), psum_limit=16)
   # delayed methods split the microbatches into two loops, one for each collective to hide behind
   assert report.loops == (2 if train.plan.delayed else 1)
   assert report.collectives_in_loop == ()
@@ -62,7 +62,7 @@ def test_dataflow_check_catches_gradient_psum():
     )
 
   fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data")))
-  report = hlo.dataflow_report(
+  report = dataflow.dataflow_report(
     jax.make_jaxpr(fn)(jnp.ones(64), jnp.ones((N * 2, 64))), psum_limit=16
   )
   assert report.collectives_in_loop, "implicit psum inside the loop should be detected"
@@ -89,8 +89,8 @@ def test_compiled_collectives(name):
 def test_bf16_comm_halves_bytes():
   train, state = build("acco", comm_dtype=jnp.bfloat16)
   fn, args = stage_program(train, state)
-  report = hlo.dataflow_report(jax.make_jaxpr(fn)(*args))
-  movers = sorted((c.kind, c.bytes) for c in report.collectives if c.kind in hlo.DATA_MOVERS)
+  report = dataflow.dataflow_report(jax.make_jaxpr(fn)(*args))
+  movers = sorted((c.kind, c.bytes) for c in report.collectives if c.kind in dataflow.DATA_MOVERS)
   S = train.layout.shard_size
   assert movers == [("all_gather_invariant", 2 * S), ("reduce_scatter", 2 * N * S)]
   # The compiled CPU module moves f32 for both (XLA:CPU normalizes bf16 collectives to f32);
