@@ -15,14 +15,15 @@ together with a JSON-able ``extra`` dict (data-iterator position, RNG, config, m
       meta/metadata               JSON: {"version", "leaves": [{path, key, shape, dtype, fingerprint}],
                                   "extra"}
 
-Each leaf's ``fingerprint`` is a position-sensitive 32-bit hash of its bits, computed on device (a
-global reduction, so every process agrees) at save time and recomputed after a restore: a checkpoint
-whose files are missing, truncated or garbled fails either in orbax/TensorStore or at this check, since
-a flipped byte in a compressed chunk can decode without error into wrong numbers. ``restore(None, ...)``
-then falls back to the newest checkpoint that passes. Steps appear in :meth:`latest_step` only once
-finalized (renamed), so a save killed half-way leaves an ignored ``*.orbax-checkpoint-tmp`` directory
-(replaced if that step is saved again; not swept at start-up, so that a reader such as an evaluator
-can never delete a writer's save in progress).
+Each leaf's ``fingerprint`` (:mod:`acco_jax.fingerprint`) is a position-sensitive 32-bit hash of
+its bits, computed on device (a global reduction, so every process agrees) at save time and
+recomputed after a restore: a checkpoint whose files are missing, truncated or garbled fails either
+in orbax/TensorStore or at this check, since a flipped byte in a compressed chunk can decode without
+error into wrong numbers. ``restore(None, ...)`` then falls back to the newest checkpoint that
+passes. Steps appear in :meth:`latest_step` only once finalized (renamed), so a save killed half-way
+leaves an ignored ``*.orbax-checkpoint-tmp`` directory (replaced if that step is saved again; not
+swept at start-up, so that a reader such as an evaluator can never delete a writer's save in
+progress).
 
 A checkpoint written on another device count (leaf shapes that differ only by ``N``) is restored by
 ``restore(..., reshard=fn)``: the arrays are read into host memory with their saved shapes, checked
@@ -49,7 +50,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint.path import step as step_lib
 
-from acco_jax import errors
+from acco_jax import errors, fingerprint
 
 PyTree = Any
 _VERSION = 1
@@ -58,65 +59,6 @@ _log = logging.getLogger(__name__)
 
 class _Corrupt(Exception):
   """A checkpoint step that cannot be read back intact."""
-
-
-def _hash_leaf(x: jax.Array) -> jax.Array:
-  """Position-sensitive uint32 hash of the bits of ``x`` (wrapping sum of mixed words)."""
-  if x.dtype == jnp.bool_:
-    words = x.astype(jnp.uint32)
-  else:
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-  words = words.reshape(-1)
-  position = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1)
-  h = (words ^ position) * jnp.uint32(0x85EBCA77)
-  return jnp.sum(h ^ (h >> 13), dtype=jnp.uint32)
-
-
-def _hash_host(x: np.ndarray) -> int | None:
-  """:func:`_hash_leaf` of a host array, computed with numpy in blocks (``None`` if not hashable)."""
-  x = np.ascontiguousarray(x).reshape(-1)
-  if not _hashable(x.dtype):
-    return None
-  if x.dtype == np.bool_:
-    words = x.astype(np.uint32)
-  else:
-    words = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[x.dtype.itemsize])
-  total, block = 0, 1 << 22
-  for start in range(0, words.size, block):
-    w = words[start : start + block].astype(np.uint32)
-    position = np.arange(start, start + w.size, dtype=np.uint64).astype(np.uint32)
-    h = (w ^ (position * np.uint32(0x9E3779B1))) * np.uint32(0x85EBCA77)
-    total += int(np.sum(h ^ (h >> np.uint32(13)), dtype=np.uint32))
-  return total % (1 << 32)
-
-
-def _hashable(dtype) -> bool:
-  """Whether the bits of ``dtype`` fill whole bytes (not int4, complex, ...): bool, ints, floats."""
-  dtype = jnp.dtype(dtype)
-  for info in (jnp.finfo, jnp.iinfo):
-    try:
-      return info(dtype).bits == 8 * dtype.itemsize and dtype.kind != "c"
-    except ValueError:
-      pass
-  return dtype == jnp.bool_
-
-
-@jax.jit
-def _hash_leaves(leaves):
-  return [_hash_leaf(x) if _hashable(x.dtype) else None for x in leaves]
-
-
-def _fingerprints(leaves: list[jax.Array]) -> list[int | None]:
-  """Per-leaf hashes as Python ints (``None`` for dtypes without a plain bit pattern, e.g. int4)."""
-  groups: dict[frozenset, list[int]] = {}  # one jitted call per set of devices
-  for i, x in enumerate(leaves):
-    groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
-  out: list[int | None] = [None] * len(leaves)
-  for idx in groups.values():
-    for i, v in zip(idx, jax.device_get(_hash_leaves([leaves[i] for i in idx])), strict=True):
-      out[i] = None if v is None else int(v)
-  return out
 
 
 def _spec(shape, dtype) -> str:
@@ -216,7 +158,7 @@ class Checkpointer:
       "version": _VERSION,
       "leaves": [
         {"path": p, "key": k, "shape": list(x.shape), "dtype": x.dtype.name, "fingerprint": f}
-        for p, k, x, f in zip(paths, keys, leaves, _fingerprints(leaves), strict=True)
+        for p, k, x, f in zip(paths, keys, leaves, fingerprint.fingerprints(leaves), strict=True)
       ],
       "extra": extra,
     }
@@ -347,7 +289,7 @@ class Checkpointer:
       args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
       arrays = self._manager.restore(step, args=args).state
       restored = [arrays[e["key"]] for e in entries]
-      got = _fingerprints(restored)
+      got = fingerprint.fingerprints(restored)
       bad = [e["path"] for e, f in zip(entries, got, strict=True) if f != e["fingerprint"]]
       if bad:
         raise ValueError(f"{bad[0]} does not match its fingerprint ({len(bad)} leaves differ)")
@@ -365,7 +307,7 @@ class Checkpointer:
       step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
     ).state
     restored = [np.asarray(arrays[e["key"]]) for e in entries]
-    got = [_hash_host(x) for x in restored]
+    got = [fingerprint.hash_host(x) for x in restored]
     bad = [e["path"] for e, f in zip(entries, got, strict=True) if f != e["fingerprint"]]
     if bad:
       raise ValueError(f"{bad[0]} does not match its fingerprint ({len(bad)} leaves differ)")

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import acco_jax
-from acco_jax import checkpoint, data, reshard
+from acco_jax import data, fingerprint, reshard
 from acco_jax.checkpoint import Checkpointer
 from tests.methods_test import B, K, N, as_f32, first_microbatch, init_params, loss_fn, make_batches
 
@@ -208,8 +208,8 @@ def test_host_fingerprint_matches_the_device_one():
     r.integers(0, 255, size=(13,)).astype(np.uint8),
     r.normal(size=(4,)) > 0,
   ]
-  device = checkpoint._fingerprints([jnp.asarray(a) for a in arrays])
-  assert [checkpoint._hash_host(a) for a in arrays] == device
+  device = fingerprint.fingerprints([jnp.asarray(a) for a in arrays])
+  assert [fingerprint.hash_host(a) for a in arrays] == device
 
 
 def test_data_position_carries_over_by_rows():
