@@ -97,15 +97,46 @@ def tokens_per_update(s: dict) -> int:
 # -- one run (child process) ------------------------------------------------------------------------
 
 
+def parse_label(label: str) -> tuple[str, dict]:
+  """``method[@sweep]`` -> (method, config overrides). A sweep is a learning rate (``demo@2e-3``)
+  or ``group.field=value`` pairs joined by ``,`` (``sparseloco@loco.sync_every=15,loco.topk=128``);
+  values are read as int, then float, else kept as text."""
+  base, _, sweep = label.partition("@")
+  if base not in METHODS:
+    raise SystemExit(
+      f"loco_compare: unknown method {base!r} in {label!r}; use one of {list(METHODS)}"
+    )
+  if not sweep:
+    return base, {}
+  if "=" not in sweep:
+    try:
+      return base, {"opt.lr": float(sweep)}
+    except ValueError:
+      raise SystemExit(
+        f"loco_compare: bad sweep {sweep!r} in {label!r}; write a learning rate or group.field=value"
+      ) from None
+  overrides = {}
+  for item in sweep.split(","):
+    key, eq, text = item.partition("=")
+    if not eq or key.count(".") != 1:
+      raise SystemExit(f"loco_compare: bad sweep {item!r} in {label!r}; write group.field=value")
+    for kind in (int, float, str):
+      try:
+        overrides[key] = kind(text)
+        break
+      except ValueError:
+        pass
+  return base, overrides
+
+
 def make_config(label: str, seed: int, smoke: bool = False):
   """The trainer config: the method's config file, shrunk to the setting (convergence.py's d8)."""
   sys.path.insert(0, str(common.REPO))
   import importlib
 
-  base, _, lr = label.partition("@")  # "demo@2e-3": DeMo at another sign-step size (the sweep)
+  base, sweep = parse_label(label)
   name, overrides = METHODS[base]
-  if lr:
-    overrides = {**overrides, "opt.lr": float(lr)}
+  overrides = {**overrides, **sweep}
   s = setting(smoke)
   c = importlib.import_module(f"configs.{name}").get_config("cpu")
   c.model.D, c.model.N, c.model.H = s["D"], s["N"], s["H"]
@@ -125,6 +156,8 @@ def make_config(label: str, seed: int, smoke: bool = False):
     c.opt.weight_decay = 0.0  # the reference's DeMo (decoupled, on the sign step)
   for key, value in overrides.items():
     group, field = key.split(".")
+    if group not in c or field not in c[group]:
+      raise SystemExit(f"loco_compare: {label!r} sets {key}, which the config does not have")
     c[group][field] = value
   if smoke and base in LOCO and base != "demo":
     c.loco.sync_every = 2 * c.loco.fragments  # a fragment every 2 steps: tau = 1 fits in H/P
@@ -328,7 +361,7 @@ def project(label: str, prog: dict, steps: float, gbit: float) -> dict:
   """
   from acco_jax import perfmodel as pm
 
-  label = label.partition("@")[0]  # a sweep's run (demo@<lr>) costs what its method costs
+  label = label.partition("@")[0]  # a sweep's run costs what its method costs at its H
   a = PROJECTION
   scale = a["params"] / prog["params"]  # bytes scale with the parameter count
   compute = a["tokens_per_gpu_step"] / a["gpu_tokens_per_s"]
@@ -464,14 +497,14 @@ def figure(results: dict, path: Path) -> Path | None:
     curves = [r["eval"] for r in by_seed.values()]
     n = min(len(c["tokens"]) for c in curves)
     mean = [statistics.fmean(c["loss"][i] for c in curves) for i in range(n)]
-    ax.plot(curves[0]["tokens"][:n], mean, label=label)
+    ax.plot([t / 1e3 for t in curves[0]["tokens"][:n]], mean, label=label)
     row = results["summary"][label]
     if "hlo_bytes_per_worker_per_token" in row:
       x = row["hlo_bytes_per_worker_per_token"]
       bx.scatter([x], [row["final_eval_loss"]["mean"]])
       bx.annotate(label, (x, row["final_eval_loss"]["mean"]), fontsize=8)
   ax.axhline(results["target"], color="grey", lw=0.8, ls="--")
-  ax.set(xlabel="tokens", ylabel="eval loss", title="eval loss (mean over seeds)")
+  ax.set(xlabel="tokens (thousands)", ylabel="eval loss", title="eval loss (mean over seeds)")
   ax.legend(fontsize=8)
   bx.set_xscale("log")
   bx.set(xlabel="bytes sent per worker per token (compiled HLO)", ylabel="final eval loss",
@@ -488,7 +521,10 @@ def main(argv=None) -> int:
   p.add_argument("--out", type=Path, default=common.RESULTS)
   p.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
   p.add_argument(
-    "--methods", nargs="+", default=list(METHODS), help="labels; demo@<lr> for a sweep"
+    "--methods",
+    nargs="+",
+    default=list(METHODS),
+    help="labels; method@<lr> or method@group.field=value,... for a sweep",
   )
   p.add_argument("--jobs", type=int, default=1)
   p.add_argument("--timeout", type=float, default=3600)
@@ -514,8 +550,9 @@ def main(argv=None) -> int:
     return 0
   if args.smoke:
     args.seeds, args.jobs = [0], max(args.jobs, 1)
-  # seed-major; a sweep label (demo@<lr>) runs on the first seed only
-  plan = [(m, k) for k in args.seeds for m in args.methods if "@" not in m or k == args.seeds[0]]
+  for label in args.methods:
+    parse_label(label)  # a typo stops here, before any run starts
+  plan = [(m, k) for k in args.seeds for m in args.methods]  # seed-major
   t0 = time.time()
   failed = [] if args.collect else run_all(args.out, plan, args.jobs, args.timeout, args.smoke)
   wall = None if args.collect else time.time() - t0

@@ -11,7 +11,7 @@ from acco_jax import build
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import loco_compare  # noqa: E402
 
-LABELS = [*loco_compare.METHODS, "demo@2e-3"]
+LABELS = [*loco_compare.METHODS, "demo@2e-3", "sparseloco@loco.sync_every=15,loco.bits=32"]
 
 
 @pytest.mark.parametrize("smoke", [False, True], ids=["full", "smoke"])
@@ -28,3 +28,18 @@ def test_every_run_is_a_valid_config(label, smoke):
       assert config.loco.sync_every <= config.train.num_updates, method
   if label == "demo@2e-3":
     assert config.opt.lr == 2e-3
+  if label.startswith("sparseloco@") and not smoke:
+    assert (config.loco.sync_every, config.loco.bits, config.loco.topk) == (15, 32, 64)
+
+
+@pytest.mark.parametrize(
+  "label", ["sparsloco", "diloco@loco.sync_every", "diloco@sync_every=15", "diloco@2e-3x"]
+)
+def test_a_bad_label_is_one_line_naming_it(label):
+  with pytest.raises(SystemExit, match="loco_compare: .*" + label.split("@")[-1][:6]):
+    loco_compare.parse_label(label)
+
+
+def test_a_sweep_of_a_field_the_config_lacks_is_refused():
+  with pytest.raises(SystemExit, match="loco.sync_evry"):
+    loco_compare.make_config("diloco@loco.sync_evry=15", 0)
