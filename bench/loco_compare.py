@@ -100,7 +100,7 @@ def tokens_per_update(s: dict) -> int:
 def parse_label(label: str) -> tuple[str, dict]:
   """``method[@sweep]`` -> (method, config overrides). A sweep is a learning rate (``demo@2e-3``)
   or ``group.field=value`` pairs joined by ``,`` (``sparseloco@loco.sync_every=15,loco.topk=128``);
-  values are read as int, then float, else kept as text."""
+  each value is read as the type the config gives its field."""
   base, _, sweep = label.partition("@")
   if base not in METHODS:
     raise SystemExit(
@@ -120,12 +120,7 @@ def parse_label(label: str) -> tuple[str, dict]:
     key, eq, text = item.partition("=")
     if not eq or key.count(".") != 1:
       raise SystemExit(f"loco_compare: bad sweep {item!r} in {label!r}; write group.field=value")
-    for kind in (int, float, str):
-      try:
-        overrides[key] = kind(text)
-        break
-      except ValueError:
-        pass
+    overrides[key] = text  # read as the field's type by make_config
   return base, overrides
 
 
@@ -158,6 +153,12 @@ def make_config(label: str, seed: int, smoke: bool = False):
     group, field = key.split(".")
     if group not in c or field not in c[group]:
       raise SystemExit(f"loco_compare: {label!r} sets {key}, which the config does not have")
+    kind = type(c[group][field])
+    if isinstance(value, str) and kind is not str:
+      try:
+        value = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+      except ValueError:
+        raise SystemExit(f"loco_compare: {label!r}: {key} takes {kind.__name__} values") from None
     c[group][field] = value
   if smoke and base in LOCO and base != "demo":
     c.loco.sync_every = 2 * c.loco.fragments  # a fragment every 2 steps: tau = 1 fits in H/P

@@ -40,6 +40,19 @@ def test_a_bad_label_is_one_line_naming_it(label):
     loco_compare.parse_label(label)
 
 
-def test_a_sweep_of_a_field_the_config_lacks_is_refused():
-  with pytest.raises(SystemExit, match="loco.sync_evry"):
-    loco_compare.make_config("diloco@loco.sync_evry=15", 0)
+@pytest.mark.parametrize(
+  "label,message",
+  [
+    ("diloco@loco.sync_evry=15", "sets loco.sync_evry, which"),
+    ("diloco@loco.sync_every=1.5", "takes int"),
+  ],
+)
+def test_a_sweep_the_config_cannot_take_is_refused(label, message):
+  with pytest.raises(SystemExit, match=message):
+    loco_compare.make_config(label, 0)
+
+
+def test_a_sweep_value_is_read_as_its_fields_type():
+  c = loco_compare.make_config("diloco@loco.outer_lr=1,loco.quantize=fp4,loco.sync_every=15", 0)
+  assert (c.loco.outer_lr, c.loco.quantize, c.loco.sync_every) == (1.0, "fp4", 15)
+  assert isinstance(c.loco.outer_lr, float) and isinstance(c.loco.sync_every, int)
