@@ -97,6 +97,9 @@ def tokens_per_update(s: dict) -> int:
 # -- one run (child process) ------------------------------------------------------------------------
 
 
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}
+
+
 def parse_label(label: str) -> tuple[str, dict]:
   """``method[@sweep]`` -> (method, config overrides). A sweep is a learning rate (``demo@2e-3``)
   or ``group.field=value`` pairs joined by ``,`` (``sparseloco@loco.sync_every=15,loco.topk=128``);
@@ -156,8 +159,8 @@ def make_config(label: str, seed: int, smoke: bool = False):
     kind = type(c[group][field])
     if isinstance(value, str) and kind is not str:
       try:
-        value = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
-      except ValueError:
+        value = _BOOLS[value.lower()] if kind is bool else kind(value)
+      except (KeyError, ValueError):
         raise SystemExit(f"loco_compare: {label!r}: {key} takes {kind.__name__} values") from None
     c[group][field] = value
   if smoke and base in LOCO and base != "demo":
@@ -552,7 +555,7 @@ def main(argv=None) -> int:
   if args.smoke:
     args.seeds, args.jobs = [0], max(args.jobs, 1)
   for label in args.methods:
-    parse_label(label)  # a typo stops here, before any run starts
+    make_config(label, 0, args.smoke)  # a typo stops here, before any run starts
   plan = [(m, k) for k in args.seeds for m in args.methods]  # seed-major
   t0 = time.time()
   failed = [] if args.collect else run_all(args.out, plan, args.jobs, args.timeout, args.smoke)

@@ -45,6 +45,7 @@ def test_a_bad_label_is_one_line_naming_it(label):
   [
     ("diloco@loco.sync_evry=15", "sets loco.sync_evry, which"),
     ("diloco@loco.sync_every=1.5", "takes int"),
+    ("diloco@ckpt.async_save=maybe", "takes bool"),
   ],
 )
 def test_a_sweep_the_config_cannot_take_is_refused(label, message):
@@ -56,3 +57,10 @@ def test_a_sweep_value_is_read_as_its_fields_type():
   c = loco_compare.make_config("diloco@loco.outer_lr=1,loco.quantize=fp4,loco.sync_every=15", 0)
   assert (c.loco.outer_lr, c.loco.quantize, c.loco.sync_every) == (1.0, "fp4", 15)
   assert isinstance(c.loco.outer_lr, float) and isinstance(c.loco.sync_every, int)
+  assert loco_compare.make_config("diloco@ckpt.async_save=true", 0).ckpt.async_save is True
+
+
+def test_main_refuses_a_bad_label_before_any_run(tmp_path):
+  with pytest.raises(SystemExit, match="sync_evry"):
+    loco_compare.main(["--out", str(tmp_path), "--methods", "diloco@loco.sync_evry=15"])
+  assert not (tmp_path / "runs").exists()
