@@ -37,6 +37,7 @@ import common
 
 sys.path.insert(0, str(common.REPO))
 from acco_jax import perfmodel as pm  # noqa: E402
+from acco_jax import perfmodel_quantized as pmq  # noqa: E402
 
 ASSUMPTIONS = {
   "mfu_A": 0.30,
@@ -224,9 +225,9 @@ def quantized_point(label: str, work: pm.Workload, c: pm.Cluster, t_q: float) ->
     chain = pm.step_time("dpu", work, c).comm  # T_RS + T_opt + T_AG
     link = 2 * ring * work.comm_bytes
   else:
-    st = pm.quantized_step_time(method, work, c, mode, node_size=size, quant_time=t_q)
-    wire = pm.wire_bytes_per_value(mode)
-    _, t_a2a, _ = pm.quantized_reduce_time(c, work.params, wire, size or c.per_node)
+    st = pmq.quantized_step_time(method, work, c, mode, node_size=size, quant_time=t_q)
+    wire = pmq.wire_bytes_per_value(mode)
+    _, t_a2a, _ = pmq.quantized_reduce_time(c, work.params, wire, size or c.per_node)
     chain = t_a2a + work.opt_time + pm.collective_time("all_gather", c, work.params * wire)
     nodes = n // (size or per)
     a2a = (nodes - 1) / nodes if size != 1 else per * (n - per) / n

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from acco_jax import perfmodel as pm
+from acco_jax import perfmodel_quantized as pmq
 
 # 4 workers on one node, 1 GB/s links, 1 ms per hop; 1e6 values in bf16 = 2e6 bytes.
 ONE_NODE = pm.Cluster(nodes=1, per_node=4, intra=pm.Link(1e9, 1e-3))
@@ -181,23 +182,23 @@ FOUR_BY_EIGHT = pm.Cluster(4, 8, intra=pm.Link(1e12), inter=pm.Link(1e10))
 
 
 def test_wire_bytes_per_value():
-  assert pm.wire_bytes_per_value("int8", 256) == 1 + 4 / 256
-  assert pm.wire_bytes_per_value("int4", 2048) == 0.5 + 4 / 2048
+  assert pmq.wire_bytes_per_value("int8", 256) == 1 + 4 / 256
+  assert pmq.wire_bytes_per_value("int4", 2048) == 0.5 + 4 / 2048
   with pytest.raises(ValueError):
-    pm.wire_bytes_per_value("int2")
+    pmq.wire_bytes_per_value("int2")
 
 
 def test_quantized_reduce_two_level_and_flat_volumes():
   """Two levels: each node's link carries (A-1)/A P b_q of node sums; flat: every device sends its
   own chunks for the other nodes, 8 x 24/32 P b_q per node's link."""
   p, b = 1e8, 1.0
-  t_node, t_a2a, _ = pm.quantized_reduce_time(FOUR_BY_EIGHT, p, b, node_size=8)
+  t_node, t_a2a, _ = pmq.quantized_reduce_time(FOUR_BY_EIGHT, p, b, node_size=8)
   assert t_a2a == pytest.approx(3 / 4 * p * b / 1e10)
   assert t_node == pytest.approx(7 * (p * 2 / 8) / 1e12)  # bf16 ring over the node's 8 devices
-  _, flat, _ = pm.quantized_reduce_time(FOUR_BY_EIGHT, p, b, node_size=1)
+  _, flat, _ = pmq.quantized_reduce_time(FOUR_BY_EIGHT, p, b, node_size=1)
   assert flat == pytest.approx(8 * 24 / 32 * p * b / 1e10)
   with pytest.raises(ValueError, match="node_size must be 1 or the cluster's 8"):
-    pm.quantized_reduce_time(FOUR_BY_EIGHT, p, b, node_size=4)
+    pmq.quantized_reduce_time(FOUR_BY_EIGHT, p, b, node_size=4)
 
 
 def test_quantized_acco_moves_the_compute_bound_bandwidth():
@@ -206,15 +207,15 @@ def test_quantized_acco_moves_the_compute_bound_bandwidth():
   to a 2.22x lower bandwidth; in the compute-bound regime it costs 2 (T_node + t_q) more."""
   work = pm.Workload(params=1e8, microbatch_time=0.0125, microbatches=4, comm_bytes=2)
   bf16 = pm.step_time("dpu", work, FOUR_BY_EIGHT).comm
-  wire = pm.wire_bytes_per_value("int8", 256)
-  _, a2a, _ = pm.quantized_reduce_time(FOUR_BY_EIGHT, 1e8, wire, 8)
+  wire = pmq.wire_bytes_per_value("int8", 256)
+  _, a2a, _ = pmq.quantized_reduce_time(FOUR_BY_EIGHT, 1e8, wire, 8)
   chain = a2a + pm.collective_time("all_gather", FOUR_BY_EIGHT, 1e8 * wire)
   assert bf16 / chain == pytest.approx((2 * 31 / 32 * 2) / ((3 / 4 + 31 / 32) * wire))
   assert bf16 / chain > 2.2
-  t = pm.quantized_step_time("acco", work, FOUR_BY_EIGHT, "int8", quant_time=1e-3)
-  t_node = pm.quantized_reduce_time(FOUR_BY_EIGHT, 1e8, wire, 8)[0]
+  t = pmq.quantized_step_time("acco", work, FOUR_BY_EIGHT, "int8", quant_time=1e-3)
+  t_node = pmq.quantized_reduce_time(FOUR_BY_EIGHT, 1e8, wire, 8)[0]
   assert chain < 0.025 < bf16  # C/2 = 0.025 s: int8 hides its chain, bf16 does not
   assert t.time == pytest.approx(2 * (t_node + 1e-3 + 0.025))
   assert pm.step_time("acco", work, FOUR_BY_EIGHT).time == pytest.approx(2 * bf16)
   with pytest.raises(ValueError, match="zero1 and acco"):
-    pm.quantized_step_time("dpu", work, FOUR_BY_EIGHT)
+    pmq.quantized_step_time("dpu", work, FOUR_BY_EIGHT)
