@@ -100,10 +100,8 @@ def main(argv):
     _config_file_error(e)
   if not flags.FLAGS["verbosity"].present:  # keep the terminal to progress lines and results
     logging.set_verbosity(logging.WARNING)
-  from acco_jax import (
-    errors,
-    parallel,
-  )  # jax is imported; its backend starts at the first operation
+  from acco_jax import errors
+  from acco_jax.run import parallel  # jax is imported; its backend starts at the first operation
 
   known = {f.split("=")[0] for f in parallel.GPU_OVERLAP_FLAGS}
   _check_xla_flags(known | {"--xla_force_host_platform_device_count"})
@@ -125,7 +123,7 @@ def main(argv):
     _user_error(str(e))
   import jax
 
-  from acco_jax import monitor, trainer
+  from acco_jax.run import monitor, trainer
 
   try:
     trainer.train_and_evaluate(config, flags.FLAGS.workdir)

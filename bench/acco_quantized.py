@@ -10,8 +10,8 @@ Three measurements, each its own command:
   the gap of each quantized run to the bf16 run of the same method and seed, and the bytes per
   update the trainer logged.
 * ``--bytes``: the bytes one device sends per update read from the compiled stage programs
-  (``acco_jax.hlo.hlo_collectives``) of the two settings' models at N = 8 and 32, against
-  :func:`acco_jax.metrics.comm_bytes_per_stage` and the bf16 program. Compile only.
+  (``acco_jax.analysis.hlo.hlo_collectives``) of the two settings' models at N = 8 and 32, against
+  :func:`acco_jax.run.metrics.comm_bytes_per_stage` and the bf16 program. Compile only.
 * ``--cost``: what quantizing costs in compute: CPU time of one ACCO / ZeRO-1 stage of the ``d8``
   model (8 simulated devices) with each mode, interleaved repetitions, medians, as a ratio to bf16;
   and, with the CUDA plugin, the kernels (fusions) the quantization adds to the compiled XLA:GPU
@@ -194,7 +194,9 @@ def bytes_worker(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   import acco_jax
-  from acco_jax import hlo, metrics, model
+  from acco_jax import model
+  from acco_jax.analysis import hlo
+  from acco_jax.run import metrics
 
   n = jax.device_count()
   rows = []
@@ -328,7 +330,8 @@ def gpu_kernels() -> dict:
 import json, os, re, sys
 sys.path.insert(0, %r); sys.path.insert(0, %r)
 import overlap_gpu
-from acco_jax import hlo, parallel
+from acco_jax.analysis import hlo
+from acco_jax.run import parallel
 devices = parallel.gpu_aot_devices(8, "h100")
 out = {}
 for label in ("acco", "acco-int8", "acco-int4"):
@@ -341,7 +344,7 @@ for label in ("acco", "acco-int8", "acco-int4"):
 print("JSON" + json.dumps(out))
 """ % (str(common.REPO), str(Path(__file__).parent))  # noqa: UP031
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  from acco_jax import parallel
+  from acco_jax.run import parallel
 
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(parallel.GPU_OVERLAP_FLAGS))
   p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -365,7 +368,7 @@ def cost_report(args) -> int:
                     "ratio": f"{med / base:.3f}"})  # fmt: skip
   print(common.format_table(table, [("method", "method"), ("mode", "quantize"),
         ("median", "median ms/stage"), ("spread", "min-max ms"), ("ratio", "x bf16")]))  # fmt: skip
-  from acco_jax.parallel import has_cuda_plugin
+  from acco_jax.run.parallel import has_cuda_plugin
 
   kernels = gpu_kernels() if has_cuda_plugin() else {"skipped": "no CUDA PJRT plugin"}
   print(json.dumps(kernels, indent=1))

@@ -10,15 +10,15 @@ lists its collectives and converts each to the bytes one device sends with ring 
   \text{all-reduce: } 2\,\tfrac{N-1}{N} M,
 
 then multiplies by the stages per update (2 for ACCO: estimate + commit; 1 otherwise). Theory is
-``2 (N−1)/N · P · b`` per stage (:func:`acco_jax.metrics.comm_bytes_per_stage`, what the trainer
+``2 (N−1)/N · P · b`` per stage (:func:`acco_jax.run.metrics.comm_bytes_per_stage`, what the trainer
 logs as ``comm_bytes_per_device``), with ``P`` the padded flat length and ``b`` the bytes per value.
 
 Two readings, because XLA:CPU computes bf16 collectives in f32:
 
-* **HLO** (``fn.lower(...).compile().as_text()``, :func:`acco_jax.hlo.hlo_collectives`) of the fp32
+* **HLO** (``fn.lower(...).compile().as_text()``, :func:`acco_jax.analysis.hlo.hlo_collectives`) of the fp32
   program: what the compiler really emits, including the small collectives GSPMD adds (count psum,
   metrics, the global gradient norm). The bf16 program's HLO is shown too: it moves f32.
-* **jaxpr** (:func:`acco_jax.dataflow.dataflow_report`) of the bf16 program: the dtype the program asks
+* **jaxpr** (:func:`acco_jax.analysis.dataflow.dataflow_report`) of the bf16 program: the dtype the program asks
   for (explicit ``shard_map`` collectives only).
 
 Usage::
@@ -59,7 +59,9 @@ def worker(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   import acco_jax
-  from acco_jax import dataflow, hlo, metrics, model
+  from acco_jax import model
+  from acco_jax.analysis import dataflow, hlo
+  from acco_jax.run import metrics
 
   n = jax.device_count()
   cfg = model.get_config(args.model)

@@ -29,7 +29,7 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 def cpu_env(num_devices: int) -> dict[str, str]:
   """The environment for a child process with ``num_devices`` simulated CPU devices."""
-  from acco_jax.parallel import PATIENT_CPU_COLLECTIVES
+  from acco_jax.run.parallel import PATIENT_CPU_COLLECTIVES
 
   env = dict(os.environ)
   flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_COUNT_FLAG)]

@@ -3,7 +3,7 @@
 The paper's TinyStories ablation (Figs. 5, 6, 10) compares, for the same model, data, tokens and
 learning-rate schedule, DDP, DPU with 0 / 40 / 500 synchronous warm-up updates, weight prediction
 (WP) and ACCO, and finds ACCO on top of DDP while DPU and WP trail it. This benchmark repeats that
-comparison with the trainer (:func:`acco_jax.trainer.train_and_evaluate`) on the embedded corpus, in
+comparison with the trainer (:func:`acco_jax.run.trainer.train_and_evaluate`) on the embedded corpus, in
 two settings:
 
 * ``d8``: 8 simulated devices, the TinyStories recipe of ``configs/tinystories_acco.py:cpu`` (see
@@ -165,7 +165,7 @@ def loco_overrides(c, label: str, s: dict) -> None:
 def worker(args) -> None:
   import jax
 
-  from acco_jax import trainer
+  from acco_jax.run import trainer
 
   config = make_config(args.setting, args.method, args.seed)
   assert jax.device_count() >= SETTINGS[args.setting]["devices"], jax.devices()

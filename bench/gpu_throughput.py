@@ -2,7 +2,7 @@
 
 Rows (``--only`` picks some by name):
 
-* ``trainer:<method>`` (zero1, ddp, acco): :func:`acco_jax.trainer.train_and_evaluate` on the
+* ``trainer:<method>`` (zero1, ddp, acco): :func:`acco_jax.run.trainer.train_and_evaluate` on the
   ``gpt2`` preset of that method, one device, the embedded corpus with the GPT-2 tokenizer, no
   evaluation or sample until the end; tokens/s from its metrics between the first log line after
   ``--warmup`` updates and the last one (data prefetch, logging and all).
@@ -100,7 +100,8 @@ def run_step(method: str, s: dict, args) -> dict:
   import numpy as np
 
   import acco_jax
-  from acco_jax import model, parallel
+  from acco_jax import model
+  from acco_jax.run import parallel
 
   cfg = _model_cfg(s)
   k = s["k"] // 2 if method == "acco" else s["k"]  # ACCO: an update is two stages of k/2
@@ -125,7 +126,8 @@ def run_step(method: str, s: dict, args) -> dict:
 
 
 def run_trainer(method: str, s: dict, args) -> dict:
-  from acco_jax import data, model, trainer
+  from acco_jax import data, model
+  from acco_jax.run import trainer
   from configs import common
 
   config = common.get_base("gpt2", method)
@@ -232,7 +234,9 @@ def run_hlo(method: str, s: dict, args) -> dict:
   import jax
 
   import acco_jax
-  from acco_jax import hlo, model, parallel
+  from acco_jax import model
+  from acco_jax.analysis import hlo
+  from acco_jax.run import parallel
 
   on_gpu = jax.default_backend() == "gpu"
   if not on_gpu and not parallel.has_cuda_plugin():
@@ -263,7 +267,8 @@ def run_row(name: str, args) -> dict:
   """One row, measured in this process."""
   import jax
 
-  from acco_jax import metrics, model
+  from acco_jax import model
+  from acco_jax.run import metrics
 
   s = _shapes(args)
   kind, _, variant = name.partition(":")
@@ -378,7 +383,7 @@ def main() -> None:
   args.steps = args.steps or (2 if args.smoke else 20)
   args.warmup = args.warmup or (1 if args.smoke else 3)
   sys.path.insert(0, str(common.REPO))  # configs/
-  from acco_jax import parallel
+  from acco_jax.run import parallel
 
   parallel.configure_platform()  # train.py's XLA:GPU flags, for every row (before JAX starts)
   if args.worker:

@@ -167,8 +167,8 @@ def plot(runs: dict, target: float, path: Path) -> bool:
 
 def model_part(args) -> list[dict]:
   """Step-time model: zero1 waits for the slowest; ACCO balances budgets (same total)."""
-  from acco_jax import hetero
-  from acco_jax import perfmodel as pm
+  from acco_jax.analysis import perfmodel as pm
+  from acco_jax.dp import hetero
 
   psi, k, t = 124e6, 8, 0.1  # GPT-2 124M, 8 microbatches per update, 100 ms per microbatch
   rows = []

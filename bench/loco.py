@@ -46,7 +46,7 @@ def sweep_worker(args) -> None:
   """One sweep point in a child with 8 CPU devices: loco-m4, 150 steps, seed 0."""
   import tempfile
 
-  from acco_jax import trainer
+  from acco_jax.run import trainer
 
   label, lr, momentum = args.sweep_point.split(",")
   c = convergence.make_config("loco-m4", label, 0)
@@ -82,7 +82,8 @@ def comm_worker(args) -> None:
   """In a child with 8 CPU devices: compile each method's programs and count cross-worker bytes."""
   import jax
 
-  from acco_jax import build, hlo
+  from acco_jax.analysis import hlo
+  from acco_jax.run import build
 
   out = {}
   for setting in SETTINGS:

@@ -7,14 +7,14 @@ step, 8 devices. The data-parallel methods (ddp, zero1, acco) run on all 8 devic
 low-communication methods run ``M = 8`` workers of one device each, which see the same 2048 tokens
 per inner step (256 each). ``H = 50`` for DiLoCo, Streaming DiLoCo (2 fragments, ``τ = 1``,
 ``α = 0.5``, FP4), NoLoCo and SparseLoCo (1.56%, 2-bit); DeMo updates every step. Each run is a
-``train.py``-equivalent process (:func:`acco_jax.trainer.train_and_evaluate`) writing
+``train.py``-equivalent process (:func:`acco_jax.run.trainer.train_and_evaluate`) writing
 ``<out>/runs/loco_compare/<method>/seed<k>/`` (resumable: a run with a ``result.json`` is skipped).
 
 Reported, per method (mean ± std over seeds):
 
 * the final eval loss, and the eval curves (``docs/figures/loco_compare.png``);
 * bytes sent per worker per token and per sync, **read from the compiled programs** (each program
-  compiled on the CPU-scale model, its collectives listed with :func:`acco_jax.hlo.hlo_collectives`,
+  compiled on the CPU-scale model, its collectives listed with :func:`acco_jax.analysis.hlo.hlo_collectives`,
   those that cross workers converted to bytes a worker sends with ring algorithms: all-reduce
   ``2 (M−1)/M`` of the buffer, all-gather ``(M−1)/M`` of its result, collective-permute its
   operand), beside the packed bytes of the accounting. XLA:CPU computes bf16 collectives in f32 and
@@ -22,7 +22,7 @@ Reported, per method (mean ± std over seeds):
   bytes as sent; SparseLoCo's and DeMo's all-gathers move the packed bytes themselves;
 * the optimizer and communication state per device (the programs' state shardings);
 * the modelled time to reach a target eval loss with 8 x H100 per worker and 1, 10 or 100 Gbit/s
-  between workers (:func:`acco_jax.perfmodel.time_to_target`; the assumptions are in
+  between workers (:func:`acco_jax.analysis.perfmodel.time_to_target`; the assumptions are in
   :data:`PROJECTION`).
 
 Usage::
@@ -169,7 +169,7 @@ def make_config(label: str, seed: int, smoke: bool = False):
 
 
 def train_worker(args) -> None:
-  from acco_jax import trainer
+  from acco_jax.run import trainer
 
   config = make_config(args.method, args.seed, args.smoke)
   start = time.perf_counter()
@@ -212,7 +212,8 @@ def programs_worker(args) -> dict:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from acco_jax import hlo, metrics, trainer
+  from acco_jax.analysis import hlo
+  from acco_jax.run import metrics, trainer
 
   s = setting(args.smoke)
   out = {}
@@ -358,12 +359,12 @@ HOPS = {
 def project(label: str, prog: dict, steps: float, gbit: float) -> dict:
   """Modelled seconds to ``steps`` inner steps at ``gbit`` Gbit/s between workers.
 
-  Data-parallel methods: :func:`acco_jax.perfmodel.step_time` on 8 nodes of 8 GPUs. LoCo methods:
+  Data-parallel methods: :func:`acco_jax.analysis.perfmodel.step_time` on 8 nodes of 8 GPUs. LoCo methods:
   an inner step is ZeRO-1 on one node of 8 GPUs; each sync of fragment ``p`` (every ``H`` steps)
   takes ``hops x latency + wire_p / bandwidth`` (``wire_p``: the accounting's bytes a worker sends,
   scaled from the CPU model to GPT-2's parameter count) and is hidden behind ``τ`` inner steps.
   """
-  from acco_jax import perfmodel as pm
+  from acco_jax.analysis import perfmodel as pm
 
   label = label.partition("@")[0]  # a sweep's run costs what its method costs at its H
   a = PROJECTION
@@ -394,7 +395,7 @@ def project(label: str, prog: dict, steps: float, gbit: float) -> dict:
 
 
 def _work(a: dict, compute: float, k: int):
-  from acco_jax import perfmodel as pm
+  from acco_jax.analysis import perfmodel as pm
 
   return pm.Workload(params=a["params"], microbatch_time=compute / k, microbatches=k)
 

@@ -1,10 +1,10 @@
 """Does XLA:GPU keep Streaming DiLoCo's outer all-reduce in flight across the inner steps?
 
-Compiles the *window* program of Streaming DiLoCo (:mod:`acco_jax.loco_programs`: the
+Compiles the *window* program of Streaming DiLoCo (:mod:`acco_jax.loco.programs`: the
 pseudo-gradient of a fragment, its all-reduce over the workers, and the ``τ`` inner steps, one XLA
-program) for ``--workers`` x ``--per-worker`` abstract GPUs (``acco_jax.parallel.gpu_aot_devices``:
-the CUDA PJRT plugin, no GPU), with :data:`acco_jax.parallel.GPU_OVERLAP_FLAGS`, and reads the
-scheduled entry computation (:func:`acco_jax.hlo.async_overlap_report`): for every asynchronous
+program) for ``--workers`` x ``--per-worker`` abstract GPUs (``acco_jax.run.parallel.gpu_aot_devices``:
+the CUDA PJRT plugin, no GPU), with :data:`acco_jax.run.parallel.GPU_OVERLAP_FLAGS`, and reads the
+scheduled entry computation (:func:`acco_jax.analysis.hlo.async_overlap_report`): for every asynchronous
 all-reduce whose replica groups join devices of different workers, whether its start and done
 bracket an inner-step ``while`` (the microbatch loop of the first inner step, and the loop over the
 remaining ones), and whether XLA marked it synchronous. Verdict ``full`` if every such pair brackets
@@ -31,7 +31,7 @@ import common
 
 def worker_pairs(text: str, per_worker: int) -> list[dict]:
   """Async all-reduce pairs of the entry whose groups span workers (device id // per_worker)."""
-  from acco_jax import hlo
+  from acco_jax.analysis import hlo
 
   comps, entry = hlo.parse_hlo(text)
   instrs = comps[entry]
@@ -56,7 +56,9 @@ def compile_program(args, overlap: int) -> dict:
   import optax
 
   import acco_jax
-  from acco_jax import loco, loco_step, model, parallel
+  from acco_jax import loco, model
+  from acco_jax.loco import step as loco_step
+  from acco_jax.run import parallel
 
   n = args.workers * args.per_worker
   devices = parallel.gpu_aot_devices(n, args.target, hosts=args.workers)
@@ -90,7 +92,7 @@ def compile_program(args, overlap: int) -> dict:
     text = fn.lower(state, [batch] * overlap, counts).compile().as_text()
   else:
     text = train._program("sync", 0, state).lower(state).compile().as_text()
-  from acco_jax import hlo
+  from acco_jax.analysis import hlo
 
   comps, entry = hlo.parse_hlo(text)
   whiles = [i for i, x in enumerate(comps[entry]) if x.opcode == "while"]
@@ -131,7 +133,7 @@ def main() -> int:
   ap.add_argument("--out", default=str(common.RESULTS / "loco_overlap_gpu.json"))
   args = ap.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax starts: the GPUs are abstract
-  from acco_jax import parallel
+  from acco_jax.run import parallel
 
   if not parallel.has_cuda_plugin():
     print("skipped: needs the CUDA PJRT plugin (pip install jax-cuda12-pjrt==<jaxlib version>)")

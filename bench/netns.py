@@ -6,7 +6,7 @@ two hosts share one veth pair; more hosts hang off a bridge in a switch namespac
 shaped at both of its ends, like one NIC per host). The processes form a ``jax.distributed`` job
 (gloo, coordinator on host 0's veth address), and time ``psum_scatter`` / ``all_gather``
 (``shard_map``, fp32) of a flat buffer of several sizes at several link rates. Then, per rate, a
-least-squares fit (on relative errors, :math:`\alpha \ge 0`) of :mod:`acco_jax.perfmodel`'s ring
+least-squares fit (on relative errors, :math:`\alpha \ge 0`) of :mod:`acco_jax.analysis.perfmodel`'s ring
 model
 
 .. math::

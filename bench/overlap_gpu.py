@@ -1,9 +1,9 @@
 """Does XLA:GPU schedule ACCO's reduce-scatter and all-gather around the microbatch loops?
 
 Compiles the ACCO stage program of GPT-2 124M (``acco_jax.model.get_config('gpt2')``) for an
-8-device data mesh, with :data:`acco_jax.parallel.GPU_OVERLAP_FLAGS`, from abstract shapes (nothing
+8-device data mesh, with :data:`acco_jax.run.parallel.GPU_OVERLAP_FLAGS`, from abstract shapes (nothing
 is allocated or run), and reads the scheduled entry computation with
-:func:`acco_jax.hlo.async_overlap_report`: for the flat-buffer reduce-scatter and all-gather,
+:func:`acco_jax.analysis.hlo.async_overlap_report`: for the flat-buffer reduce-scatter and all-gather,
 whether their async start/done pair brackets a microbatch ``while`` and whether XLA marked it
 synchronous. Verdicts: ``full`` (each pair brackets a loop), ``partial`` (one does), ``none``.
 
@@ -16,7 +16,7 @@ Where it compiles (``--mode``, default ``auto`` = the first that applies):
   ``--devices`` devices it reports ``skipped`` with the reasons, never an error.
 * ``aot``: no GPU needed, only the CUDA PJRT plugin (``pip install jax-cuda12-pjrt==<jaxlib
   version>``): XLA:GPU compiles for an abstract topology of ``--target`` GPUs
-  (:func:`acco_jax.parallel.gpu_aot_devices`). Same compiler passes and scheduler as on the GPU, with
+  (:func:`acco_jax.run.parallel.gpu_aot_devices`). Same compiler passes and scheduler as on the GPU, with
   the target's published figures in place of a queried device.
 * ``cpu``: checks what a CPU can (the jaxpr dataflow precondition on GPT-2, the reduce-scatter ->
   all-gather chain in the compiled CPU module of a small model); XLA:CPU has no async collectives.
@@ -24,7 +24,7 @@ Where it compiles (``--mode``, default ``auto`` = the first that applies):
 One structural fact bounds the answer: the all-gather's input is the optimizer update of the
 reduce-scatter's output, so the reduce-scatter must be *done* before the all-gather *starts*; with a
 single loop, at most one of the two pairs could bracket it. The step therefore runs a stage's
-microbatches as two loops with the update ordered between them (``acco_jax/stage.py``; needs
+microbatches as two loops with the update ordered between them (``acco_jax/dp/stage.py``; needs
 ``--k`` >= 2). ``--ablation`` also compiles with each overlap flag removed, with XLA's defaults, and
 ZeRO-1 (a control: its collectives cannot overlap). Usage::
 
@@ -90,7 +90,7 @@ def build_stage(model_name: str, devices, k: int, rows: int, seq: int, method: s
 
 def chain_facts(text: str) -> dict:
   """In a compiled module's entry: does the all-gather depend on the reduce-scatter, or the loop?"""
-  from acco_jax import hlo
+  from acco_jax.analysis import hlo
 
   comps, entry = hlo.parse_hlo(text)
   instrs = comps[entry]
@@ -138,7 +138,7 @@ def cpu_checks(args) -> dict:
   """What a CPU can check: dataflow precondition (GPT-2), the RS -> AG chain (small model)."""
   import jax
 
-  from acco_jax import dataflow
+  from acco_jax.analysis import dataflow
 
   devices = jax.devices()[: args.devices]
   fn, fargs, train = build_stage(args.model, devices, args.k, args.rows, args.seq)
@@ -163,7 +163,7 @@ def gpu_schedule(args) -> dict:
   """Compiles for the GPUs (real, mocked, or an abstract ``--target`` topology); reads the schedule."""
   import jax
 
-  from acco_jax import parallel
+  from acco_jax.run import parallel
 
   if args.mock:  # before the backend starts; compile-only (a mocked program does not run)
     name, _, value = args.mock.partition("=")
@@ -187,7 +187,7 @@ def schedule_report(text: str) -> dict:
   verdict and an excerpt. With nodes the quantized reduction is a reduce-scatter inside each node
   (its own fast links, before loop A by design) then the all-to-all across nodes: the verdict is
   about the all-to-all and the all-gather, the collectives that cross the network."""
-  from acco_jax import hlo
+  from acco_jax.analysis import hlo
 
   comps, entry = hlo.parse_hlo(text)
   instrs = comps[entry]
@@ -221,7 +221,7 @@ def schedule_report(text: str) -> dict:
 
 # Flag sets compiled by --ablation: (name, flags, method). "main" is what train.py uses.
 def variants(names: str) -> list[tuple[str, tuple[str, ...], str]]:
-  from acco_jax import parallel
+  from acco_jax.run import parallel
 
   full = parallel.GPU_OVERLAP_FLAGS
   drop = lambda *keys: tuple(f for f in full if not any(k in f for k in keys))
@@ -274,8 +274,8 @@ def run_worker(args, env: dict, out: Path, method: str = "acco", mode: str | Non
 
 
 def gpu_target_of(kind: str) -> str | None:
-  """The abstract target (``acco_jax.parallel`` names) of a GPU's device kind, or None."""
-  from acco_jax import parallel
+  """The abstract target (``acco_jax.run.parallel`` names) of a GPU's device kind, or None."""
+  from acco_jax.run import parallel
 
   kind = kind.lower()
   return next((t for t in parallel.GPU_TARGETS if t in kind), None)
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
   if args.worker:
     return worker(args)
 
-  from acco_jax.parallel import has_cuda_plugin
+  from acco_jax.run.parallel import has_cuda_plugin
 
   info = probe()
   if args.mode == "auto":

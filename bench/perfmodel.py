@@ -1,4 +1,4 @@
-"""The step-time model (``acco_jax.perfmodel``) vs the paper's Table 3, and ACCO's speed-up curves.
+"""The step-time model (``acco_jax.analysis.perfmodel``) vs the paper's Table 3, and ACCO's speed-up curves.
 
 For each Table 3 row (GPT-Neo 125M pre-training, GPT-Neo 2.7B fine-tuning, on A100/H100 nodes) it
 predicts the wall-clock reduction of ACCO against several baselines, beside the paper's:
@@ -36,8 +36,8 @@ from pathlib import Path
 import common
 
 sys.path.insert(0, str(common.REPO))
-from acco_jax import perfmodel as pm  # noqa: E402
-from acco_jax import perfmodel_quantized as pmq  # noqa: E402
+from acco_jax.analysis import perfmodel as pm  # noqa: E402
+from acco_jax.analysis import perfmodel_quantized as pmq  # noqa: E402
 
 ASSUMPTIONS = {
   "mfu_A": 0.30,

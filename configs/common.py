@@ -24,7 +24,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.comm_dtype = "bfloat16"  # dtype of the reduce-scatter / all-gather / all-reduce
   c.dpu_warmup_updates = 0  # dpu only: synchronous updates before the delay starts
 
-  # Quantized communication (acco and zero1; acco_jax.quantize): the gradients reach their shard
+  # Quantized communication (acco and zero1; acco_jax.dp.quantize): the gradients reach their shard
   # through an all-to-all of int8/int4 blocks, the compute weights get quantized updates.
   c.comm = ml_collections.ConfigDict()
   c.comm.quantize = "none"  # none | int8 | int4
@@ -65,7 +65,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
     4  # microbatches per device per optimizer update (ACCO: two stages of half)
   )
 
-  # Heterogeneous workers: per-device microbatch budgets per stage (acco_jax.hetero). The update
+  # Heterogeneous workers: per-device microbatch budgets per stage (acco_jax.dp.hetero). The update
   # is the mean over all microbatches of all devices, whatever each device's budget.
   c.hetero = ml_collections.ConfigDict()
   c.hetero.budgets = ""  # fixed budgets, one per device: "4,4,4,1" ('' = the same for all)
@@ -76,7 +76,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.hetero.slowdown = ""  # simulate stragglers: "device:seconds,..." of sleep per microbatch
 
   # Workers with local steps and an outer optimizer (method diloco | streaming_diloco | noloco |
-  # sparseloco | demo; acco_jax.loco, acco_jax.loco_step). An update is one inner step of every
+  # sparseloco | demo; acco_jax.loco, acco_jax.loco.step). An update is one inner step of every
   # worker.
   c.loco = ml_collections.ConfigDict()
   c.loco.workers = (
@@ -102,7 +102,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.loco.pairings = 16  # K random perfect matchings drawn once; one is picked per sync
   c.loco.pairing_seed = 0  # the shared seed of the matchings and of the pick per sync
 
-  # Health of multi-process runs (acco_jax.monitor).
+  # Health of multi-process runs (acco_jax.run.monitor).
   c.health = ml_collections.ConfigDict()
   c.health.hang_timeout_s = 600.0  # no progress this long: end the run, name the peer (0 = off)
   c.health.probe_every = 0  # stages between speed probes that name slow workers (0 = off)

@@ -1,4 +1,4 @@
-r"""GPT-2 trained with the `acco` method (see acco_jax.methods).
+r"""GPT-2 trained with the `acco` method (see acco_jax.dp.methods).
 
   python train.py --config configs/gpt2_acco.py --workdir runs/acco            # CPU quick start
   python train.py --config configs/gpt2_acco.py:gpt2 --workdir runs/acco-124m  # GPT-2 124M on GPUs

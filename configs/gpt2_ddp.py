@@ -1,4 +1,4 @@
-r"""GPT-2 trained with the `ddp` method (see acco_jax.methods).
+r"""GPT-2 trained with the `ddp` method (see acco_jax.dp.methods).
 
   python train.py --config configs/gpt2_ddp.py --workdir runs/ddp            # CPU quick start
   python train.py --config configs/gpt2_ddp.py:gpt2 --workdir runs/ddp-124m  # GPT-2 124M on GPUs

@@ -1,4 +1,4 @@
-r"""GPT-2 trained with the `dpu` method (see acco_jax.methods).
+r"""GPT-2 trained with the `dpu` method (see acco_jax.dp.methods).
 
   python train.py --config configs/gpt2_dpu.py --workdir runs/dpu            # CPU quick start
   python train.py --config configs/gpt2_dpu.py:gpt2 --workdir runs/dpu-124m  # GPT-2 124M on GPUs

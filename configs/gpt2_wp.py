@@ -1,4 +1,4 @@
-r"""GPT-2 trained with the `wp` method (see acco_jax.methods).
+r"""GPT-2 trained with the `wp` method (see acco_jax.dp.methods).
 
   python train.py --config configs/gpt2_wp.py --workdir runs/wp            # CPU quick start
   python train.py --config configs/gpt2_wp.py:gpt2 --workdir runs/wp-124m  # GPT-2 124M on GPUs

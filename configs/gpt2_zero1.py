@@ -1,4 +1,4 @@
-r"""GPT-2 trained with the `zero1` method (see acco_jax.methods).
+r"""GPT-2 trained with the `zero1` method (see acco_jax.dp.methods).
 
   python train.py --config configs/gpt2_zero1.py --workdir runs/zero1            # CPU quick start
   python train.py --config configs/gpt2_zero1.py:gpt2 --workdir runs/zero1-124m  # GPT-2 124M on GPUs

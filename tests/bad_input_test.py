@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from acco_jax import checkpoint, model, optional, parallel, trainer
+from acco_jax import model, optional
+from acco_jax.run import checkpoint, parallel, trainer
 from configs import gpt2_acco, gpt2_zero1
 
 # orbax leaves reader coroutines of a failed restore to the garbage collector, which reports them
@@ -322,7 +323,7 @@ def truncate_largest_array_file(step_dir: pathlib.Path):
 
 def test_corrupt_latest_checkpoint_falls_back_and_trains_on(workdir, caplog):
   truncate_largest_array_file(workdir / "checkpoints" / "4")
-  with caplog.at_level(logging.WARNING, logger="acco_jax.checkpoint"):
+  with caplog.at_level(logging.WARNING, logger="acco_jax.run.checkpoint"):
     summary = trainer.train_and_evaluate(tiny(), str(workdir))
   warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
   assert any(w.startswith("checkpoint step 4 in ") and "trying an older one" in w for w in warnings)

@@ -28,8 +28,8 @@ import jax
 import numpy as np
 import pytest
 
-from acco_jax import trainer
-from acco_jax.checkpoint import Checkpointer
+from acco_jax.run import trainer
+from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_acco, gpt2_zero1
 
 # orbax leaves reader coroutines to the garbage collector, which may report them

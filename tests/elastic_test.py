@@ -15,8 +15,10 @@ import optax
 import pytest
 
 import acco_jax
-from acco_jax import data, fingerprint, reshard
-from acco_jax.checkpoint import Checkpointer
+from acco_jax import data
+from acco_jax.dp import reshard
+from acco_jax.run import fingerprint
+from acco_jax.run.checkpoint import Checkpointer
 from tests.methods_test import B, K, N, as_f32, first_microbatch, init_params, loss_fn, make_batches
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -230,7 +232,7 @@ def test_data_position_carries_over_by_rows():
 
 @pytest.mark.slow  # two trainer runs: ~40 s of compilation on 2 cores
 def test_trainer_resumes_on_another_device_count(tmp_path, capsys):
-  from acco_jax import trainer
+  from acco_jax.run import trainer
   from configs import gpt2_acco
 
   config = gpt2_acco.get_config("tiny")

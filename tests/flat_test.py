@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from acco_jax.flat import FlatLayout
+from acco_jax.dp.flat import FlatLayout
 
 
 def tree():

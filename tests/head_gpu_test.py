@@ -1,8 +1,8 @@
 """The head and the loss in the XLA:GPU-compiled step: bf16 GEMMs, a padded vocabulary, no f32 logits.
 
 XLA:GPU compiles a small GPT's ZeRO-1 stage for one abstract H100
-(:func:`acco_jax.parallel.gpu_aot_devices`, the CUDA PJRT plugin, no GPU), with V = 1000 padded
-to 1024 (``vocab_multiple=128``). The optimized module is read with :func:`acco_jax.hlo.gemms`:
+(:func:`acco_jax.run.parallel.gpu_aot_devices`, the CUDA PJRT plugin, no GPU), with V = 1000 padded
+to 1024 (``vocab_multiple=128``). The optimized module is read with :func:`acco_jax.analysis.hlo.gemms`:
 
 * no GEMM of the head (forward, input gradient, weight gradient) has a float32 x float32 operand
   pair, and no GEMM outside attention has one either (the model's ``attention='xla'`` fallback takes
@@ -27,7 +27,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import acco_jax
-from acco_jax import hlo, model, parallel
+from acco_jax import model
+from acco_jax.analysis import hlo
+from acco_jax.run import parallel
 
 pytestmark = [
   pytest.mark.cuda_plugin,

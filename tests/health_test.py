@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from acco_jax import monitor
+from acco_jax.run import monitor
 from tests.multiprocess_test import free_port, worker_env
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from acco_jax import checkpoint, hetero, model, parallel, trainer
+from acco_jax import model
+from acco_jax.dp import hetero
+from acco_jax.run import checkpoint, parallel, trainer
 from configs import gpt2_acco
 
 # -- the planner ----------------------------------------------------------------------------------

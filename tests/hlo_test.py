@@ -2,7 +2,7 @@
 
 import pathlib
 
-from acco_jax import hlo
+from acco_jax.analysis import hlo
 
 TEXT = (pathlib.Path(__file__).parent / "data" / "gpu_schedule.hlo").read_text()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from acco_jax import parallel
+from acco_jax.run import parallel
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,8 +13,9 @@ import optax
 import pytest
 
 import acco_jax
-from acco_jax import loco, loco_step
+from acco_jax import loco
 from acco_jax.loco import base, compress
+from acco_jax.loco import step as loco_step
 
 K, B = 2, 2  # microbatches per device per step, rows per microbatch
 
@@ -427,7 +428,7 @@ def test_sync_moves_the_accounted_bytes_between_workers():
   each device its 1/D share): what :meth:`LocoStep.wire_bytes` accounts (a ring sends 2 (M-1)/M of
   it), with nothing else of that size crossing workers (a metric reading one worker's copy once
   doubled it)."""
-  from acco_jax import hlo
+  from acco_jax.analysis import hlo
 
   M, D = 4, 2
   mesh = loco_step.worker_mesh(M, jax.devices()[: M * D])

@@ -4,8 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from acco_jax import errors, trainer
-from acco_jax.checkpoint import Checkpointer
+from acco_jax import errors
+from acco_jax.run import trainer
+from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_demo, gpt2_diloco, gpt2_noloco, gpt2_sparseloco, gpt2_streaming_diloco
 from tests.train_test import rows
 from tests.train_test import tiny as _tiny

@@ -3,7 +3,8 @@ missing; they never raise, so a test module that probes at import time still col
 
 import sys
 
-from acco_jax import optional, parallel
+from acco_jax import optional
+from acco_jax.run import parallel
 
 
 def test_has_cuda_plugin_without_the_jax_plugins_namespace(monkeypatch):
@@ -20,5 +21,5 @@ def test_probes_of_missing_modules_and_parents():
 
 
 def test_probes_find_what_is_installed():
-  assert optional.installed("acco_jax.flat")
+  assert optional.installed("acco_jax.dp.flat")
   assert any(d.endswith("acco_jax") for d in optional.package_dirs("acco_jax"))

@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from acco_jax import parallel
+from acco_jax.run import parallel
 
 REPO = Path(__file__).resolve().parent.parent
 HAS_PLUGIN = parallel.has_cuda_plugin()

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from acco_jax import perfmodel as pm
-from acco_jax import perfmodel_quantized as pmq
+from acco_jax.analysis import perfmodel as pm
+from acco_jax.analysis import perfmodel_quantized as pmq
 
 # 4 workers on one node, 1 GB/s links, 1 ms per hop; 1e6 values in bf16 = 2e6 bytes.
 ONE_NODE = pm.Cluster(nodes=1, per_node=4, intra=pm.Link(1e9, 1e-3))

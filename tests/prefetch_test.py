@@ -7,8 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from acco_jax import data, errors, model, trainer
-from acco_jax.step import TrainStep
+from acco_jax import data, errors, model
+from acco_jax.dp.step import TrainStep
+from acco_jax.run import trainer
 from configs import gpt2_zero1
 from tests.train_test import tiny
 

@@ -5,13 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from acco_jax import quantize as Q
+from acco_jax.dp import quantize as Q
 
 QMAX = {"int8": 127, "int4": 7}
 
 
 def ref_quantize(x, mode, block):
-  """acco_jax/quantize.py's formula in NumPy float32: per block s = max|x| * fl(1/qmax),
+  """acco_jax/dp/quantize.py's formula in NumPy float32: per block s = max|x| * fl(1/qmax),
   q = rint(x / s) clipped to [-qmax, qmax]."""
   x = np.asarray(x, np.float32)
   n = x.shape[-1]

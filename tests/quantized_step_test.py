@@ -15,8 +15,9 @@ import optax
 import pytest
 
 import acco_jax
-from acco_jax import checkpoint, dataflow, hlo, metrics
-from acco_jax import quantize as Q
+from acco_jax.analysis import dataflow, hlo
+from acco_jax.dp import quantize as Q
+from acco_jax.run import checkpoint, metrics
 from tests import methods_test as methods_ref
 from tests.methods_test import (
   FULL,

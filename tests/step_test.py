@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import acco_jax
-from acco_jax import dataflow, hlo
+from acco_jax.analysis import dataflow, hlo
 from tests.methods_test import B, K, N, as_f32, first_microbatch, init_params, loss_fn, make_batches
 
 METHOD_NAMES = ("acco", "zero1", "ddp", "dpu", "wp")

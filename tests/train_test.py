@@ -9,8 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from acco_jax import build, errors, metrics, quantize, trainer
-from acco_jax.step import TrainStep
+from acco_jax import errors
+from acco_jax.dp import quantize
+from acco_jax.dp.step import TrainStep
+from acco_jax.run import build, metrics, trainer
 from configs import gpt2_acco, gpt2_dpu, gpt2_zero1
 
 
@@ -149,7 +151,7 @@ def test_odd_microbatches_for_acco_is_a_clear_error(tmp_path):
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   import jax
 
-  from acco_jax.checkpoint import Checkpointer
+  from acco_jax.run.checkpoint import Checkpointer
 
   config = tiny(gpt2_acco)
   config.ckpt.every = 1
@@ -169,7 +171,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 def test_nonfinite_skip_drops_the_bad_microbatches_and_keeps_training(tmp_path):
   import jax
 
-  from acco_jax.checkpoint import Checkpointer
+  from acco_jax.run.checkpoint import Checkpointer
 
   config = tiny(gpt2_acco)
   config.ckpt.every = 1

@@ -1,6 +1,11 @@
-"""The low-communication family: methods as choices of the slots of one outer step (pure).
+"""The low-communication family: DiLoCo, Streaming DiLoCo, NoLoCo, SparseLoCo and DeMo.
 
-:mod:`acco_jax.loco_step` runs them over a ``('replica', 'data')`` mesh.
+A method is one pure file (``diloco``, ``streaming``, ``noloco``, ``sparseloco``, ``demo``) that
+fills the slots of one outer step (``base``), with ``compress/`` for its codecs; none of them holds a
+collective. The runtime runs them over a ``('replica', 'data')`` mesh: ``step`` (workers, state,
+schedule, API: :class:`acco_jax.loco.step.LocoStep`), ``programs`` (the outer-step programs),
+``accounting`` (the bytes of a sync) and ``replica``, which owns every collective between workers.
+Entry points: the method factories re-exported here (``acco_jax.loco.diloco`` and the rest).
 """
 
 from acco_jax.loco.base import LocoMethod as LocoMethod

@@ -31,8 +31,8 @@ merge         replace          α-mix              replace by φ_i   replace    
 The last three use the slots :class:`Sparsify`, :class:`Pairing` and ``payload``, set by
 :mod:`acco_jax.loco.sparseloco`, :mod:`~acco_jax.loco.noloco` and :mod:`~acco_jax.loco.demo`. This
 module holds the pure pieces: the method record, the fragment partition, the host-side schedule and
-the outer update of one fragment. :mod:`acco_jax.loco_step` runs them on the mesh;
-:mod:`acco_jax.replica` owns every collective over the worker (``replica``) axis.
+the outer update of one fragment. :mod:`acco_jax.loco.step` runs them on the mesh;
+:mod:`acco_jax.loco.replica` owns every collective over the worker (``replica``) axis.
 """
 
 from __future__ import annotations

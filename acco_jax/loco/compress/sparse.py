@@ -5,7 +5,7 @@ orthonormal DCT-II for DeMo). Every worker all-gathers everyone's entries and av
 position by position (``loco-family.md`` §4-§5, §7).
 
 **Chunks follow the shards.** Workers hold their parameters in the flat layout of
-:mod:`acco_jax.flat`: leaf ``l`` of shape ``(a, b)`` is raveled and cut into ``D`` shard rows of
+:mod:`acco_jax.dp.flat`: leaf ``l`` of shape ``(a, b)`` is raveled and cut into ``D`` shard rows of
 ``s = ceil(a b / D)`` values, one per device of the worker. Chunks are cut from a device's own row,
 never across two rows, so a device compresses and decodes only what it holds (the reference's FSDP
 flat shards fed partial tensors to its whole-tensor tiles, ``bloc97/DeMo`` issue 2):

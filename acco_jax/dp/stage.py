@@ -1,9 +1,9 @@
 """One data-parallel stage as traced code: the per-device blocks and their composition.
 
 A step module: it owns the ``shard_map`` of every block and every collective over the data axis (its
-timing probes are in :mod:`acco_jax.probe`; the collectives between workers of the low-communication
-methods are in :mod:`acco_jax.replica`). :meth:`StageProgram.stage_fn` composes the blocks into the
-function of one stage, which :class:`acco_jax.step.TrainStep` jits into one XLA program per stage
+timing probes are in :mod:`acco_jax.dp.probe`; the collectives between workers of the low-communication
+methods are in :mod:`acco_jax.loco.replica`). :meth:`StageProgram.stage_fn` composes the blocks into the
+function of one stage, which :class:`acco_jax.dp.step.TrainStep` jits into one XLA program per stage
 kind. For a delayed method (ACCO, DPU, WP):
 
 .. code-block:: none
@@ -21,16 +21,16 @@ identity) place the update between the loops, so that each collective has a loop
 one joins loop A's result with ``g_rows`` (the update cannot move before loop A, so the
 reduce-scatter's done can sit after it) and one joins loop A's result with ``params'`` (loop B cannot
 move before the update, so the all-gather can run during it). The per-device loops themselves are in
-:mod:`acco_jax.microbatch`. Whether XLA:GPU's scheduler then keeps each collective in flight across
+:mod:`acco_jax.dp.microbatch`. Whether XLA:GPU's scheduler then keeps each collective in flight across
 its loop is checked on the compiled module (``bench/overlap_gpu.py``, ``docs/benchmarks.md``).
 
 For a synchronous method (ZeRO-1, DDP) the same pieces run in the other order: loop, reduce, update,
-gather. The optimizer step runs on the logical shards tree (see :mod:`acco_jax.flat`) under GSPMD, so
+gather. The optimizer step runs on the logical shards tree (see :mod:`acco_jax.dp.flat`) under GSPMD, so
 ``clip_by_global_norm`` and friends see global values; only the reduce-scatter, all-gather and the
 all-reduce of DDP are explicit collectives.
 
 The gradient of the loss is taken at weights cast to *varying* over the data axis
-(:meth:`acco_jax.microbatch.MicrobatchLoop.prepare`).
+(:meth:`acco_jax.dp.microbatch.MicrobatchLoop.prepare`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.flat import FlatLayout
-from acco_jax.microbatch import MicrobatchLoop
-from acco_jax.quantized_comm import QuantizedComm, all_gather_invariant
+from acco_jax.dp.flat import FlatLayout
+from acco_jax.dp.microbatch import MicrobatchLoop
+from acco_jax.dp.quantized_comm import QuantizedComm, all_gather_invariant
 
 
 def _loop_a_size(k: int) -> int:
@@ -58,9 +58,9 @@ class StageProgram:
 
   Args:
     loss_fn, has_aux, num_microbatches, skip_nonfinite: as :func:`acco_jax.make_train_step`.
-    tx: the method transform; plan: its :class:`acco_jax.methods.CommPlan`.
+    tx: the method transform; plan: its :class:`acco_jax.dp.methods.CommPlan`.
     mesh: the mesh (axis types ``Auto``); layout: the flat parameter layout over the data axis.
-    qcomm: the plan's :class:`acco_jax.quantized_comm.QuantizedComm`.
+    qcomm: the plan's :class:`acco_jax.dp.quantized_comm.QuantizedComm`.
     replica_axis: the worker axis of the low-communication methods, or ``None``.
 
   Attributes:
@@ -98,7 +98,7 @@ class StageProgram:
 
   def stage_fn(self, kind: str):
     """The function of one stage, ``(state, batch, counts) -> (state, metrics)`` on a
-    :class:`acco_jax.step.TrainState`.
+    :class:`acco_jax.dp.step.TrainState`.
 
     ``kind``: 'delayed' (overlapped), 'sync' (no delay) or 'fill' (accumulate only, no update).
     The 'sync' stage takes an optional ``token`` (see :meth:`accumulate`) and then returns it as

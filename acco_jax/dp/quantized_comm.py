@@ -1,8 +1,8 @@
 """The quantized collectives of a stage (``comm.quantize``), called per device inside a shard_map.
 
-:mod:`acco_jax.quantize` holds the pure number formats; this module moves them: the gradients'
+:mod:`acco_jax.dp.quantize` holds the pure number formats; this module moves them: the gradients'
 quantized reduce-scatter (an all-to-all of encoded rows, summed in float32 by the receiver) and the
-all-gather of the encoded updates of the compute weights. :class:`acco_jax.stage.StageProgram` decides
+all-gather of the encoded updates of the compute weights. :class:`acco_jax.dp.stage.StageProgram` decides
 where they run (ACCO: in flight across loop A and loop B, exactly where the bf16 collectives run).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from acco_jax import quantize as quantize_lib
+from acco_jax.dp import quantize as quantize_lib
 
 
 def all_gather_invariant(x, axis_name):

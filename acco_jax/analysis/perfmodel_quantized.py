@@ -1,7 +1,7 @@
 r"""Step-time model of ``zero1`` and ``acco`` with quantized communication (``comm.quantize``).
 
-The same alpha-beta model as :mod:`acco_jax.perfmodel`, for the communication of
-:mod:`acco_jax.quantized_comm`: int8 or int4 blocks with one float32 scale per block, reduced in
+The same alpha-beta model as :mod:`acco_jax.analysis.perfmodel`, for the communication of
+:mod:`acco_jax.dp.quantized_comm`: int8 or int4 blocks with one float32 scale per block, reduced in
 two levels (a reduce-scatter inside each node, then one all-to-all of the node sums between nodes)
 or in one (every device's chunks to every other device), and an all-gather of the encoded weight
 updates. Pure Python (no JAX).
@@ -9,7 +9,7 @@ updates. Pure Python (no JAX).
 
 from __future__ import annotations
 
-from acco_jax.perfmodel import Cluster, StepTime, Workload, collective_time, ring_bytes
+from acco_jax.analysis.perfmodel import Cluster, StepTime, Workload, collective_time, ring_bytes
 
 QUANTIZE_BITS = {"int8": 8, "int4": 4}
 

@@ -22,7 +22,7 @@ leading dimension is 1.
 
 The layout depends on ``N``. :func:`reshard_chunks` and :func:`reshard_flat` convert host (numpy) arrays
 between the layouts of two device counts (:meth:`FlatLayout.resized`) by dropping one padding and
-adding the other: the real elements are moved, never changed (elastic restore, :mod:`acco_jax.reshard`).
+adding the other: the real elements are moved, never changed (elastic restore, :mod:`acco_jax.dp.reshard`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Collectives over the worker (``replica``) axis: the one module that moves data between workers.
 
-The low-communication methods (:mod:`acco_jax.loco`) are pure; :mod:`acco_jax.loco_step` runs them
-and its programs (:mod:`acco_jax.loco_programs`) call the aggregators here, each a ``shard_map``
+The low-communication methods (:mod:`acco_jax.loco`) are pure; :mod:`acco_jax.loco.step` runs them
+and its programs (:mod:`acco_jax.loco.programs`) call the aggregators here, each a ``shard_map``
 over the ``('replica', 'data')`` mesh. Inputs are per-worker trees whose leaves carry a leading
 worker dimension ``M`` sharded over ``replica``; the second dimension is the data axis's ``D``
 shards (sharded over ``data`` for a ZeRO-1 inner step, replicated for DDP). Each device exchanges

@@ -1,7 +1,7 @@
 """The data-parallel training step: its state, the jitted stage programs and the public API.
 
 One call of :meth:`TrainStep.step` runs one *stage* of ``k`` microbatches per device as one XLA
-program: the jit of the function that :class:`acco_jax.stage.StageProgram` composes from its
+program: the jit of the function that :class:`acco_jax.dp.stage.StageProgram` composes from its
 per-device blocks (one program per stage kind and state structure, :meth:`TrainStep._jit`). That
 module holds the math of a stage and every ``shard_map`` and collective over the data axis; this one
 what runs around it on the host: the state (:class:`TrainState`) and its shardings, its initial
@@ -23,11 +23,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acco_jax import methods
-from acco_jax.flat import FlatLayout
-from acco_jax.quantized_comm import QuantizedComm
-from acco_jax.reshard import reshard_state
-from acco_jax.stage import StageProgram
+from acco_jax.dp import methods
+from acco_jax.dp.flat import FlatLayout
+from acco_jax.dp.quantized_comm import QuantizedComm
+from acco_jax.dp.reshard import reshard_state
+from acco_jax.dp.stage import StageProgram
 
 PyTree = Any
 
@@ -64,7 +64,7 @@ class TrainStep:
     plan: the method's :class:`acco_jax.acco.CommPlan`.
     mesh: the mesh the step runs on.
     num_microbatches: ``k``, microbatches per device per stage (the maximum when counts vary).
-    program: the :class:`acco_jax.stage.StageProgram` each stage runs.
+    program: the :class:`acco_jax.dp.stage.StageProgram` each stage runs.
   """
 
   def __init__(
@@ -262,9 +262,9 @@ class TrainStep:
   def reshard(self, saved: TrainState) -> TrainState:
     """A state saved on another device count (host numpy leaves) -> numpy leaves for this step.
 
-    Pass it as ``reshard=`` to :meth:`acco_jax.checkpoint.Checkpointer.restore`; weights and
+    Pass it as ``reshard=`` to :meth:`acco_jax.run.checkpoint.Checkpointer.restore`; weights and
     optimizer state move bit for bit, the gradient buffers keep their sums over devices (see
-    :mod:`acco_jax.reshard`).
+    :mod:`acco_jax.dp.reshard`).
     """
     return reshard_state(saved, self.layout, self.tx)
 
@@ -303,8 +303,8 @@ class TrainStep:
 
   def probe(self, state: TrainState, batch: PyTree, repeats: int = 2) -> tuple[float, float]:
     """Seconds per microbatch on this process's devices and of one stage's communication
-    (:func:`acco_jax.probe.probe`)."""
-    from acco_jax.probe import probe
+    (:func:`acco_jax.dp.probe.probe`)."""
+    from acco_jax.dp.probe import probe
 
     return probe(self, state, batch, repeats)
 

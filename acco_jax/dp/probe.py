@@ -1,8 +1,8 @@
 """Timing probes of a data-parallel step, taken apart from training (a step module: it owns the
 ``shard_map`` of its two programs and their collectives).
 
-The inputs of :class:`acco_jax.hetero.BudgetPolicy` and of the slow-worker warnings of
-:mod:`acco_jax.monitor`; :meth:`acco_jax.step.TrainStep.probe` calls :func:`probe`.
+The inputs of :class:`acco_jax.dp.hetero.BudgetPolicy` and of the slow-worker warnings of
+:mod:`acco_jax.run.monitor`; :meth:`acco_jax.dp.step.TrainStep.probe` calls :func:`probe`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.quantized_comm import all_gather_invariant
+from acco_jax.dp.quantized_comm import all_gather_invariant
 
 
 def probe(train, state, batch, repeats: int = 2) -> tuple[float, float]:
@@ -28,7 +28,7 @@ def probe(train, state, batch, repeats: int = 2) -> tuple[float, float]:
   size (reduce-scatter and all-gather, or the all-reduce of a replicated method), after a
   separate scalar all-reduce that lines the processes up. The first call runs each program once
   untimed (compilation, warm-up); later calls time one run. Not overlapped with anything: the inputs of
-  :class:`acco_jax.hetero.BudgetPolicy`.
+  :class:`acco_jax.dp.hetero.BudgetPolicy`.
   """
   axis, k = train.plan.axis_name, train.num_microbatches
   repeats = min(repeats, k)

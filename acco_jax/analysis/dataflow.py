@@ -4,7 +4,7 @@
 any reduce-scatter, all-to-all or all-gather depends on a loop's output or feeds a loop's input,
 whether a collective sits inside a loop, and lists all-reduces (``psum``) of large values, i.e. the
 implicit gradient all-reduce that makes a step DDP. It reads the program as written, before XLA
-schedules it; :mod:`acco_jax.hlo` reads the compiled program.
+schedules it; :mod:`acco_jax.analysis.hlo` reads the compiled program.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from acco_jax.hlo import Collective
+from acco_jax.analysis.hlo import Collective
 
 COLLECTIVES = (
   "psum",

@@ -1,6 +1,6 @@
 """Atomic, asynchronous, self-checking checkpoints of a sharded train state (orbax).
 
-:class:`Checkpointer` saves any pytree of ``jax.Array`` (normally a :class:`acco_jax.step.TrainState`)
+:class:`Checkpointer` saves any pytree of ``jax.Array`` (normally a :class:`acco_jax.dp.step.TrainState`)
 together with a JSON-able ``extra`` dict (data-iterator position, RNG, config, metrics). ``None`` fields
 (``buf``/``buf_count`` of synchronous methods) are empty subtrees: they are not stored and come back as
 ``None`` from the target's tree structure. On disk, one directory per step:
@@ -15,7 +15,7 @@ together with a JSON-able ``extra`` dict (data-iterator position, RNG, config, m
       meta/metadata               JSON: {"version", "leaves": [{path, key, shape, dtype, fingerprint}],
                                   "extra"}
 
-Each leaf's ``fingerprint`` (:mod:`acco_jax.fingerprint`) is a position-sensitive 32-bit hash of
+Each leaf's ``fingerprint`` (:mod:`acco_jax.run.fingerprint`) is a position-sensitive 32-bit hash of
 its bits, computed on device (a global reduction, so every process agrees) at save time and
 recomputed after a restore: a checkpoint whose files are missing, truncated or garbled fails either
 in orbax/TensorStore or at this check, since a flipped byte in a compressed chunk can decode without
@@ -27,8 +27,8 @@ progress).
 
 A checkpoint written on another device count (leaf shapes that differ only by ``N``) is restored by
 ``restore(..., reshard=fn)``: the arrays are read into host memory with their saved shapes, checked
-against their fingerprints, converted by ``fn`` (e.g. :meth:`acco_jax.step.TrainStep.reshard`, see
-:mod:`acco_jax.reshard`) and placed with the target's shardings.
+against their fingerprints, converted by ``fn`` (e.g. :meth:`acco_jax.dp.step.TrainStep.reshard`, see
+:mod:`acco_jax.dp.reshard`) and placed with the target's shardings.
 
 Orbax coordinates processes itself (the primary host writes metadata and renames); every process must
 call :meth:`Checkpointer.save` and :meth:`Checkpointer.restore` with its part of the global arrays.
@@ -50,7 +50,8 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint.path import step as step_lib
 
-from acco_jax import errors, fingerprint
+from acco_jax import errors
+from acco_jax.run import fingerprint
 
 PyTree = Any
 _VERSION = 1
@@ -200,7 +201,7 @@ class Checkpointer:
       reshard: used when the checkpoint has the target's leaves but other shapes (it was written on
         another device count): called with the saved arrays as host numpy arrays in the target's
         tree structure, it returns numpy arrays of the target's shapes, e.g.
-        :meth:`acco_jax.step.TrainStep.reshard`. Without it, other shapes are a ``ValueError``.
+        :meth:`acco_jax.dp.step.TrainStep.reshard`. Without it, other shapes are a ``ValueError``.
       check_extra: called with the checkpoint's ``extra`` before any array is read or compared;
         it raises to refuse the checkpoint (e.g. a model-config mismatch with a clearer message
         than the shapes would give).

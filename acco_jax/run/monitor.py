@@ -2,7 +2,7 @@
 
 In the spirit of C4 (collective timings expose slow or dead ranks), with what a JAX job has:
 
-* **Slow workers.** :meth:`acco_jax.step.TrainStep.probe` times each process's microbatch (no
+* **Slow workers.** :meth:`acco_jax.dp.step.TrainStep.probe` times each process's microbatch (no
   collective) and the stage's collectives; the trainer gathers them every ``health.probe_every``
   stages and :func:`slow_workers` names the processes much slower than the median.
 * **Hung collectives.** A collective whose peer died never returns (or returns an error much later,

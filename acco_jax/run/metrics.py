@@ -14,7 +14,7 @@ import time
 
 import jax
 
-from acco_jax import quantize as quantize_lib
+from acco_jax.dp import quantize as quantize_lib
 
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (vendor datasheets, no sparsity).
 PEAK_FLOPS = {
@@ -52,7 +52,7 @@ def comm_bytes_per_stage(plan, padded_size: int, num_devices: int) -> int:
 
 
 def quantized_bytes_per_stage(plan, padded_size: int, num_devices: int) -> int:
-  r"""Bytes one device sends per stage with quantized communication (:mod:`acco_jax.quantize`).
+  r"""Bytes one device sends per stage with quantized communication (:mod:`acco_jax.dp.quantize`).
 
   With ``W(m)`` the encoded bytes of ``m`` values (integers and a float32 scale per block), ``S =
   P/N`` the shard size, ``L`` the node size and ``A = N/L`` nodes: the node's reduce-scatter in

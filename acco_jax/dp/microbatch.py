@@ -1,7 +1,7 @@
 """Per-device microbatch gradient loops: the compute of a stage, with no collective in it.
 
 :class:`MicrobatchLoop` holds the pieces that run *inside* the stage's ``shard_map`` on one device
-(:mod:`acco_jax.stage` owns the ``shard_map`` and the collectives). A stage may run its microbatches
+(:mod:`acco_jax.dp.stage` owns the ``shard_map`` and the collectives). A stage may run its microbatches
 as one loop or split them in two around the optimizer update; the carry between the pieces is::
 
   carry = (acc, used, loss_sum, aux_sum)
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from acco_jax.flat import FlatLayout
+from acco_jax.dp.flat import FlatLayout
 
 
 def _varying_axes(x) -> frozenset:

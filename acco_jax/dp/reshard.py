@@ -1,18 +1,18 @@
 """Elastic restore: a train state saved on ``N_old`` devices, converted on the host for ``N_new``.
 
-:meth:`acco_jax.checkpoint.Checkpointer.restore` reads a checkpoint whose leaf shapes differ from the
+:meth:`acco_jax.run.checkpoint.Checkpointer.restore` reads a checkpoint whose leaf shapes differ from the
 target's as host numpy arrays and hands them to a ``reshard`` callable, normally
-:meth:`acco_jax.step.TrainStep.reshard`, which calls :func:`reshard_state` here. What depends on ``N``
-(:class:`acco_jax.step.TrainState`, :mod:`acco_jax.flat`):
+:meth:`acco_jax.dp.step.TrainStep.reshard`, which calls :func:`reshard_state` here. What depends on ``N``
+(:class:`acco_jax.dp.step.TrainState`, :mod:`acco_jax.dp.flat`):
 
-- ``w``, the flat ``[N*S]`` compute weights: :func:`acco_jax.flat.reshard_flat`, bit-identical.
+- ``w``, the flat ``[N*S]`` compute weights: :func:`acco_jax.dp.flat.reshard_flat`, bit-identical.
 - ``params`` and every optimizer-state leaf shaped like a parameter (Adam's moments, the committed
-  copy of ACCO and WP), ``[N, s_l]`` chunks: :func:`acco_jax.flat.reshard_chunks`, bit-identical.
+  copy of ACCO and WP), ``[N, s_l]`` chunks: :func:`acco_jax.dp.flat.reshard_chunks`, bit-identical.
   Which state leaves those are is found by running the optimizer's ``init`` on a tagged shards tree
   (parameter ``l`` shaped ``(1, _TAG + l)``), so any elementwise optax chain works.
 - ``buf`` ``[N, N*S]`` and ``buf_count`` ``[N]`` (delayed methods), per-device gradient sums and
   microbatch counts: the step only ever uses their sums over devices.
-  :meth:`acco_jax.stage.StageProgram.reduce` reduce-scatters (or psums) the rows and psums the
+  :meth:`acco_jax.dp.stage.StageProgram.reduce` reduce-scatters (or psums) the rows and psums the
   counts; the microbatch loops add a device's new gradients and count to its own row when ACCO
   keeps the accumulator, which keeps the sums; counts are never used one device at a time (a
   stage counts as empty only when the *total* is zero). So old row ``i`` moves, converted leaf by
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acco_jax.flat import FlatLayout, reshard_chunks, reshard_flat
+from acco_jax.dp.flat import FlatLayout, reshard_chunks, reshard_flat
 
 PyTree = Any
 _TAG = 1_000_003  # parameter l is shaped (1, _TAG + l) when tagging the optimizer state

@@ -1,8 +1,8 @@
 """From a config to the objects a run needs: mesh, tokens, model, method and compiled step.
 
 :func:`build` is the one place that reads the config's method choice. ACCO and its baselines get an
-:class:`acco_jax.step.TrainStep` over a ``data`` mesh; the low-communication methods get an
-:class:`acco_jax.loco_step.LocoStep` over a ``(replica, data)`` mesh. Every value that cannot work
+:class:`acco_jax.dp.step.TrainStep` over a ``data`` mesh; the low-communication methods get an
+:class:`acco_jax.loco.step.LocoStep` over a ``(replica, data)`` mesh. Every value that cannot work
 is refused here, before anything is written, with a one-line :class:`acco_jax.errors.UserError`.
 """
 
@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from acco_jax import data, errors, hetero, loco, methods, model, optim, parallel, quantize
-from acco_jax import loco_step as loco_lib
-from acco_jax.flat import FlatLayout
-from acco_jax.step import make_train_step
+from acco_jax import data, errors, loco, model
+from acco_jax.dp import hetero, methods, quantize
+from acco_jax.dp.flat import FlatLayout
+from acco_jax.dp.step import make_train_step
+from acco_jax.loco import step as loco_lib
+from acco_jax.run import optim, parallel
 
 
 class Run(NamedTuple):
@@ -30,13 +32,13 @@ class Run(NamedTuple):
   tokens: data.TokenData
   model_cfg: model.GPTConfig
   params_shapes: Any  # ShapeDtypeStruct tree of the model's parameters
-  train: Any  # acco_jax.step.TrainStep
+  train: Any  # acco_jax.dp.step.TrainStep
   stages_per_update: int
   total_stages: int
   base_microbatches: int  # per device per stage without heterogeneous budgets
   budgets: np.ndarray | None  # fixed per-device budgets per stage (hetero.budgets), else None
   batch_axis: Any = parallel.DATA  # the mesh axes a batch's rows are sharded over
-  loco: bool = False  # a low-communication method (train is an acco_jax.loco_step.LocoStep)
+  loco: bool = False  # a low-communication method (train is an acco_jax.loco.step.LocoStep)
 
 
 def _model_config(config, vocab_size: int) -> model.GPTConfig:

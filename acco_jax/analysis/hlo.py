@@ -8,7 +8,7 @@
   synchronously), so that check only means something on GPU.
 * :func:`gemms` lists the GEMMs with their operand dtypes.
 
-The same claims read off the program before compilation: :mod:`acco_jax.dataflow`.
+The same claims read off the program before compilation: :mod:`acco_jax.analysis.dataflow`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 
 class Collective(NamedTuple):
-  """One collective of a jaxpr (:mod:`acco_jax.dataflow`) or of compiled HLO text."""
+  """One collective of a jaxpr (:mod:`acco_jax.analysis.dataflow`) or of compiled HLO text."""
 
   kind: str  # jaxpr primitive or HLO opcode
   shape: tuple  # operand shape (jaxpr) / result shapes as (dtype, dims) (HLO)

@@ -22,14 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from acco_jax import checkpoint, data, errors, hetero, methods, model, monitor, parallel, quantize
-from acco_jax import loco_step as loco_lib
-from acco_jax import metrics as metrics_lib
-from acco_jax import reshard as reshard_lib
-from acco_jax.build import Run as Run
-from acco_jax.build import build as build
-from acco_jax.build import check_comm, check_vocab, comm_meta, updates_done, vocab_meta
-from acco_jax.build import stage_plan as stage_plan
+from acco_jax import data, errors, model
+from acco_jax.dp import hetero, methods, quantize
+from acco_jax.dp import reshard as reshard_lib
+from acco_jax.loco import step as loco_lib
+from acco_jax.run import checkpoint, monitor, parallel
+from acco_jax.run import metrics as metrics_lib
+from acco_jax.run.build import Run as Run
+from acco_jax.run.build import build as build
+from acco_jax.run.build import check_comm, check_vocab, comm_meta, updates_done, vocab_meta
+from acco_jax.run.build import stage_plan as stage_plan
 
 
 def _stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None):
@@ -99,7 +101,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   ckpt = open_ckpt() if os.path.isdir(ckpt_dir) else None
   start, tokens_seen, events, extra = (ckpt and ckpt.latest_step()), 0, [], {}
   if start is not None:
-    # A checkpoint written on another device count is resharded (acco_jax.reshard): weights and
+    # A checkpoint written on another device count is resharded (acco_jax.dp.reshard): weights and
     # optimizer state exactly, gradient buffers by their sums. The stage count, hence the schedule,
     # carries over; the global batch is now n/n_old times as large, and the data continues from
     # the same number of consumed rows (reshard_lib.data_state).

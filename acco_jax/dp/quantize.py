@@ -1,6 +1,6 @@
 r"""Blockwise symmetric integer quantization of what a device sends (pure ``jax.numpy``).
 
-No collectives here: :mod:`acco_jax.stage` quantizes a payload with :func:`encode`, moves the bytes
+No collectives here: :mod:`acco_jax.dp.stage` quantizes a payload with :func:`encode`, moves the bytes
 with an all-to-all or an all-gather, and reads them with :func:`decode`. Every function works along
 the last axis, one payload row per destination, so a block never straddles two destinations.
 
@@ -54,7 +54,7 @@ def check(quantize: str, block: int, error_feedback: bool = True, node_size: int
 
 
 def check_plan(plan, num_devices: int, shard_size: int, replica_axis=None) -> bool:
-  """Whether ``plan`` (a :class:`acco_jax.methods.CommPlan`) quantizes the gradients' reduction.
+  """Whether ``plan`` (a :class:`acco_jax.dp.methods.CommPlan`) quantizes the gradients' reduction.
 
   One-line ``ValueError`` for settings that this mesh and model cannot take. With a single node
   (``node_size`` = all devices) only the weights are quantized: no gradient leaves a node.

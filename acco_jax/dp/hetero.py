@@ -1,6 +1,6 @@
 r"""Heterogeneous workers: per-worker microbatch budgets, fixed or adapted to measured speeds.
 
-ACCO's update is the mean over *all* microbatches of *all* workers (``acco_jax.stage`` divides the
+ACCO's update is the mean over *all* microbatches of *all* workers (``acco_jax.dp.stage`` divides the
 summed gradients by the summed counts), so workers need not accumulate the same number of
 microbatches: a fast worker can keep accumulating while a slow one finishes. Here worker ``i``'s
 *budget* :math:`b_i` is how many microbatches it accumulates in a stage (``1 <= b_i <= k_max``, the

@@ -38,7 +38,7 @@ wait), so per microbatch its time is the compute alone (the ``adaptive`` variant
 Single loop. In one XLA program whose microbatches run in one ``while`` loop, the all-gather
 consumes the optimizer update of the reduce-scatter's output, so at most one of the two can be in
 flight across the loop: :math:`T_{stage} = \max(C_{stage}, T_{RS}) + T_{opt} + T_{AG}` (the
-``*_single_loop`` variants), unless the loop is split in two, which ``acco_jax.stage`` does for the
+``*_single_loop`` variants), unless the loop is split in two, which ``acco_jax.dp.stage`` does for the
 delayed methods (reduce-scatter behind the first half of the microbatches, all-gather behind the
 second; the non-``single_loop`` variants).
 

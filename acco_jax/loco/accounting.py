@@ -1,9 +1,9 @@
 """What a sync of a low-communication method costs, and the log fields of its outer steps.
 
 Host-side arithmetic, no programs. :class:`SyncAccounting` is a base class of
-:class:`acco_jax.loco_step.LocoStep`; its methods read the step's ``method``, ``codec``, ``layout``,
+:class:`acco_jax.loco.step.LocoStep`; its methods read the step's ``method``, ``codec``, ``layout``,
 ``parts``, ``num_workers``, ``num_devices`` and ``inner``. Bytes are per worker, summed over its
-devices, as the collective of the method's aggregator moves them (:mod:`acco_jax.replica`): a
+devices, as the collective of the method's aggregator moves them (:mod:`acco_jax.loco.replica`): a
 *payload* is what one worker hands to it, the *wire* bytes what a ring sends for it.
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 
 
 class SyncAccounting:
-  """The accounting methods of :class:`acco_jax.loco_step.LocoStep`."""
+  """The accounting methods of :class:`acco_jax.loco.step.LocoStep`."""
 
   def fragment_sizes(self) -> list[int]:
     """Values per fragment (the padded shard layout, all ``D`` shards of one worker)."""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from acco_jax import quantize as quantize_lib
+from acco_jax.dp import quantize as quantize_lib
 
 PyTree = Any
 
@@ -49,7 +49,7 @@ class CommPlan(NamedTuple):
     two_stage: stages alternate estimate (even) and commit (odd); only commits advance the optimizer.
     warmup_steps: synchronous updates before the delayed pipeline starts (DPU's warm-up).
     quantize: ``none``, ``int8`` or ``int4``: gradients reach their shard through a quantized
-      all-to-all and the compute weights receive quantized updates (:mod:`acco_jax.quantize`).
+      all-to-all and the compute weights receive quantized updates (:mod:`acco_jax.dp.quantize`).
     block: values per scale of the quantized payloads.
     error_feedback: what a quantized send did not deliver is sent again later (gradients: it stays
       in the device's accumulator; weights: each update is taken against the weights the devices

@@ -1,14 +1,14 @@
 r"""Workers with local steps and an outer optimizer: the low-communication family on the mesh.
 
-ACCO's path (:mod:`acco_jax.step`) hides the data-parallel communication of every update behind
+ACCO's path (:mod:`acco_jax.dp.step`) hides the data-parallel communication of every update behind
 compute. This module is the other path: ``M`` *workers* on a ``('replica', 'data')`` mesh, each of
 ``D`` devices running the ordinary inner data-parallel step (DDP or ZeRO-1 over ``'data'``, the
-same :class:`acco_jax.step.TrainStep`, its collectives staying inside a worker) on its own rows of
+same :class:`acco_jax.dp.step.TrainStep`, its collectives staying inside a worker) on its own rows of
 the data, and an outer step every few inner steps that moves data *between* workers
-(:mod:`acco_jax.replica`). What the outer step does is a :class:`acco_jax.loco.LocoMethod`.
+(:mod:`acco_jax.loco.replica`). What the outer step does is a :class:`acco_jax.loco.LocoMethod`.
 
 State (:class:`LocoState`; every leaf has a leading worker dimension ``M`` sharded over
-``replica``): the inner :class:`acco_jax.step.TrainState` (``θ_m`` as ``[M, D, s]`` shards, the
+``replica``): the inner :class:`acco_jax.dp.step.TrainState` (``θ_m`` as ``[M, D, s]`` shards, the
 inner optimizer state, the bf16 compute weights), the outer state (each worker's copy of ``θ_g`` and
 one outer optimizer state per fragment; identical on every worker except for NoLoCo, whose ``φ_i``
 and ``δ_i`` they are), the mean pseudo-gradient of a fragment in flight, and each worker's
@@ -17,8 +17,8 @@ error-feedback buffer (SparseLoCo) or momentum (DeMo).
 Here: the state, its shardings and initial value, the schedule (:meth:`LocoStep.plan`, the
 programs one :meth:`LocoStep.run` calls after ``s`` inner steps), the cache of the programs and the
 public API. The programs themselves (stage, sync, window and apply: what each computes, and which
-moves data between workers) are in :mod:`acco_jax.loco_programs`; what a sync costs, and the log
-fields of an outer step, in :mod:`acco_jax.loco_accounting`.
+moves data between workers) are in :mod:`acco_jax.loco.programs`; what a sync costs, and the log
+fields of an outer step, in :mod:`acco_jax.loco.accounting`.
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax import errors
-from acco_jax import loco_programs as programs
-from acco_jax.loco import base
+from acco_jax.dp.step import TrainState, TrainStep
+from acco_jax.loco import base, programs
+from acco_jax.loco.accounting import SyncAccounting
 from acco_jax.loco.base import LocoMethod, OuterState
-from acco_jax.loco_accounting import SyncAccounting
-from acco_jax.replica import REPLICA, ReplicaCollectives
-from acco_jax.step import TrainState, TrainStep
+from acco_jax.loco.replica import REPLICA, ReplicaCollectives
 
 PyTree = Any
 
@@ -47,7 +46,7 @@ class LocoState(NamedTuple):
   """Everything the workers and the outer step hold (a pytree; checkpoint it whole).
 
   Attributes:
-    inner: the workers' :class:`acco_jax.step.TrainState`, each leaf ``[M, ...]``.
+    inner: the workers' :class:`acco_jax.dp.step.TrainState`, each leaf ``[M, ...]``.
     outer: each worker's :class:`acco_jax.loco.OuterState` (``θ_g`` as ``[M, D, s]`` shards and the
       outer optimizer states of the fragments).
     inflight: the mean pseudo-gradient of the fragment in flight, ``[M, D, s]`` shards (zeros for
@@ -88,7 +87,7 @@ class LocoStep(SyncAccounting):
   """The programs of a low-communication method. Build it with :func:`make_loco_step`.
 
   What a sync costs and the log fields of an outer step: the methods of
-  :class:`acco_jax.loco_accounting.SyncAccounting`.
+  :class:`acco_jax.loco.accounting.SyncAccounting`.
   """
 
   def __init__(
@@ -204,7 +203,7 @@ class LocoStep(SyncAccounting):
     return jax.device_put(counts, NamedSharding(self.mesh, P(REPLICA, self.inner.plan.axis_name)))
 
   def _program(self, kind: str, p: int | None, state_like):
-    """The jitted program ``kind`` of fragment ``p`` (:func:`acco_jax.loco_programs.build`), built
+    """The jitted program ``kind`` of fragment ``p`` (:func:`acco_jax.loco.programs.build`), built
     on the first call; ``state_like``: a state or its ``ShapeDtypeStruct`` tree."""
     key = (kind, p)
     if key not in self._programs:
@@ -313,7 +312,7 @@ def make_loco_step(
 
   Example::
 
-    mesh = acco_jax.loco_step.worker_mesh(4)                # 4 workers of 2 devices on 8
+    mesh = acco_jax.loco.step.worker_mesh(4)                # 4 workers of 2 devices on 8
     method = acco_jax.loco.diloco(sync_every=50)
     train = make_loco_step(loss_fn, acco_jax.zero1(optax.adamw(4e-4)), method, mesh,
                            num_microbatches=2, params=params)

@@ -1,8 +1,8 @@
-"""The jitted programs of a :class:`acco_jax.loco_step.LocoStep`, and the syncs without all-reduce.
+"""The jitted programs of a :class:`acco_jax.loco.step.LocoStep`, and the syncs without all-reduce.
 
-A step module with no collective of its own: those between workers are :mod:`acco_jax.replica`'s,
-those of the inner step over the data axis :mod:`acco_jax.stage`'s. Programs, each one jitted XLA
-program (``s`` = inner steps done, see :meth:`acco_jax.loco_step.LocoStep.plan`), built by
+A step module with no collective of its own: those between workers are :mod:`acco_jax.loco.replica`'s,
+those of the inner step over the data axis :mod:`acco_jax.dp.stage`'s. Programs, each one jitted XLA
+program (``s`` = inner steps done, see :meth:`acco_jax.loco.step.LocoStep.plan`), built by
 :func:`build`:
 
 .. code-block:: none
@@ -15,7 +15,7 @@ program (``s`` = inner steps done, see :meth:`acco_jax.loco_step.LocoStep.plan`)
              the mean goes to the state (in flight)
   apply p    θ_g[p] ← outer(in-flight mean); α-merge into the θ_m of now (τ steps later)
 
-How a sync moves data between workers is the method's aggregator (:mod:`acco_jax.replica`): an
+How a sync moves data between workers is the method's aggregator (:mod:`acco_jax.loco.replica`): an
 all-reduce mean, or, through :func:`exchange`, a collective-permute with one peer or an all-gather
 of packed sparse bytes. No program but a sync or a window moves data between workers; their metrics
 stay per worker (``[M]``, sharded over ``replica``).
@@ -30,7 +30,7 @@ The syncs that do not all-reduce, NoLoCo's pair exchange and SparseLoCo's and De
 workers' mean), and the outer update and the merge then run as for DiLoCo. The math is in the pure
 method files (:mod:`acco_jax.loco.noloco`, :mod:`~acco_jax.loco.sparseloco`,
 :mod:`~acco_jax.loco.demo`) and :mod:`acco_jax.loco.compress`; the data movement in
-:mod:`acco_jax.replica`:
+:mod:`acco_jax.loco.replica`:
 
 .. code-block:: none
 
@@ -57,7 +57,7 @@ from acco_jax.loco import base
 from acco_jax.loco.compress import sparse as sparse_lib
 from acco_jax.loco.demo import kept_gradient
 from acco_jax.loco.noloco import consensus_gradient, matchings, pairing_index
-from acco_jax.replica import REPLICA
+from acco_jax.loco.replica import REPLICA
 
 PyTree = Any
 
@@ -96,7 +96,7 @@ def _per_worker_batch(step, batch):
 
 
 def inner_step(step, inner, batch, counts, token=None):
-  """One inner step of every worker (:meth:`acco_jax.stage.StageProgram.stage_fn`, 'sync')."""
+  """One inner step of every worker (:meth:`acco_jax.dp.stage.StageProgram.stage_fn`, 'sync')."""
   return step.inner.program.stage_fn("sync")(inner, _per_worker_batch(step, batch), counts, token)
 
 
@@ -150,7 +150,7 @@ def apply_outer(step, state, p: int, mean: dict):
 def build(step, kind: str, p: int | None, sharding):
   """The jitted program ``kind`` ('stage', 'window', 'sync' or 'apply') of fragment ``p``.
 
-  ``sharding``: the :class:`acco_jax.loco_step.LocoState` shardings (the state is donated).
+  ``sharding``: the :class:`acco_jax.loco.step.LocoState` shardings (the state is donated).
   """
   tau = step.method.overlap_steps
 

@@ -1,0 +1,7 @@
+"""Reading compiled programs and modelling their cost: tools for tests and benchmarks.
+
+``hlo`` reads a compiled module (collectives and their bytes, the async schedule on GPU, GEMM
+dtypes); ``dataflow`` walks a jaxpr (which collectives a loop feeds or waits on); ``perfmodel`` and
+``perfmodel_quantized`` model a step's time from compute and alpha-beta ring communication. Pure:
+nothing here runs a step or moves data; the training code never imports this folder.
+"""

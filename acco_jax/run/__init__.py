@@ -1,0 +1,10 @@
+"""The run shell: from a config to a run, and everything a run does besides the step's math.
+
+Entry point: :func:`acco_jax.run.trainer.train_and_evaluate` (what ``train.py`` calls);
+:func:`acco_jax.run.build.build` turns a config into the mesh, tokens, model and a family's step.
+
+``parallel`` (devices, meshes, ``jax.distributed``, XLA flag presets), ``optim`` (the inner optimizer
+from a config, pure optax), ``checkpoint`` and ``fingerprint`` (orbax I/O, leaf hashes), ``metrics``
+(accounting and writers), ``monitor`` (slow workers, the hung-collective watchdog). This is the only
+folder that does I/O; it owns no collective of a training step (the families' step modules do).
+"""
