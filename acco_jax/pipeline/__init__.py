@@ -1,0 +1,7 @@
+"""Pipeline training over stages, with SkipPipe's partial and reordered paths.
+
+The model's N blocks are split into S stages of N/S consecutive blocks. Stage 0 holds the embedding,
+its own blocks, the head and the loss: every microbatch starts there and ends there. A *path* is the
+tuple of the other stages a microbatch visits, in order (:mod:`acco_jax.pipeline.paths`). Pure host
+code and pure functions here; collectives stay in the step module.
+"""
