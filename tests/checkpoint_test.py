@@ -28,6 +28,7 @@ def abstract(tree):
 
 
 def assert_bitwise_equal(restored, expected, target):
+  """Bit for bit: a restore moves bytes and computes nothing, whatever the CPU."""
   assert jax.tree.structure(restored) == jax.tree.structure(expected)
   leaves = jax.tree.leaves(restored), jax.tree.leaves(expected), jax.tree.leaves(target)
   for r, e, t in zip(*leaves, strict=True):

@@ -33,8 +33,13 @@ def test_quantiser_matches_the_formula(nbits):
   for row in range(3):
     s = v[row].mean()
     sigma = np.sqrt(((v[row] - s) ** 2).sum() / (v.shape[1] - 1))
-    expected = np.clip(np.round((v[row] - s) / (6 * sigma / bins) + bins / 2), 0, bins - 1)
-    np.testing.assert_array_equal(np.asarray(codes[row]), expected)
+    raw = (v[row] - s) / (6 * sigma / bins) + bins / 2
+    expected = np.clip(np.round(raw), 0, bins - 1)
+    # Codes are exact except where float32 rounding of the mean and σ (summed in an order XLA
+    # picks per CPU) could tip a value across a rounding boundary: none of these data is that close.
+    clear = np.abs(np.abs(raw - np.floor(raw)) - 0.5) > 1e-4
+    assert clear.mean() > 0.95
+    np.testing.assert_array_equal(np.asarray(codes[row])[clear], expected[clear])
     table = [
       (v[row] - s)[expected == b].mean() if (expected == b).any() else 0 for b in range(bins)
     ]
@@ -112,6 +117,7 @@ def test_topk_and_scatter_mean_against_numpy():
   for s in range(sources):
     for i in range(rows):
       top = np.argsort(-np.abs(x[s, i]), kind="stable")[:k]
+      # exact: a selection, no arithmetic (random normals: no near-ties)
       np.testing.assert_array_equal(np.sort(np.asarray(idx[s, i])), np.sort(top))
       total[i, top] += x[s, i, top]
       count[i, top] += 1
@@ -139,6 +145,7 @@ def test_error_feedback_keeps_what_is_not_sent(transform, nbits):
   decoded = codec.mean(wire[None])
   for b, x, e, s, d, p in zip(buffers, rows, new, sent, decoded, plans, strict=True):
     np.testing.assert_allclose(np.asarray(e + s), np.asarray(0.9 * b + 0.5 * x), atol=1e-6)
+    # exact: the sender keeps what the receivers decode from the same bytes (a product promise)
     np.testing.assert_array_equal(np.asarray(d), np.asarray(s))
     coeffs = compress.to_chunks(s, p)
     if transform == "dct":
@@ -152,6 +159,12 @@ def test_codec_compress_runs_under_jit_and_per_row():
   codec = compress.SparseCodec(plans, "dct", 32)
   x = jnp.asarray(np.random.default_rng(5).normal(size=(3, 64)), jnp.float32)
   wire, sent = jax.jit(codec.compress)([x])
-  for i in range(3):  # each row on its own gives the same bytes
-    one, _ = codec.compress([x[i : i + 1]])
-    np.testing.assert_array_equal(np.asarray(wire[i : i + 1]), np.asarray(one))
+  decoded = codec.mean(wire[None])[0]
+  assert wire.shape == (3, codec.row_bytes)
+  for i in range(3):  # each row on its own sends the same coefficients
+    one, one_sent = codec.compress([x[i : i + 1]])
+    # Not the same bytes: the batched DCT is another GEMM shape, and XLA:CPU may sum it in another
+    # order (one float32 coefficient differed in its last bit on a CPU without AVX-512). What must
+    # hold is that both decode to the same values, to float32 rounding.
+    np.testing.assert_allclose(decoded[i : i + 1], codec.mean(one[None])[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sent[0][i : i + 1], one_sent[0], rtol=1e-5, atol=1e-6)

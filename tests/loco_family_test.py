@@ -310,6 +310,7 @@ def test_sparseloco_workers_stay_bit_identical(sparseloco_run):
     for a, b, c in zip(
       jax.tree.leaves(got), jax.tree.leaves(local), jax.tree.leaves(got), strict=True
     ):
+      # exact: every worker decodes the same bytes into the same outer step (a product promise)
       np.testing.assert_array_equal(np.asarray(a)[m], np.asarray(a)[0])
       np.testing.assert_array_equal(np.asarray(b)[m], np.asarray(c)[0])  # θ_m = θ_g after a sync
 
@@ -401,7 +402,7 @@ def test_noloco_with_all_workers_as_one_group_is_heavy_ball_diloco(batches):
   ref_train, ref_state, _ = run(heavy, 2, 4, bs)
   got = outer_params(train, state)
   assert_trees_close(worker(got, 0), ref_train.params(ref_state), rtol=1e-5, atol=1e-6)
-  for a in jax.tree.leaves(got):
+  for a in jax.tree.leaves(got):  # exact: both apply one outer step to the same all-reduced values
     np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(a)[1])
 
 
@@ -427,7 +428,7 @@ def test_demo_workers_stay_bit_identical(demo_run):
   train, state, _ = demo_run
   for tree in (outer_params(train, state), train.worker_params(state)):
     for x in jax.tree.leaves(tree):
-      for m in range(1, M):
+      for m in range(1, M):  # exact: every worker decodes the same bytes (a product promise)
         np.testing.assert_array_equal(np.asarray(x)[m], np.asarray(x)[0])
 
 
@@ -515,4 +516,4 @@ def test_resume_from_a_checkpoint_is_bit_exact(name, tmp_path, batches, request)
   for a, b in zip(
     jax.tree.leaves(jax.device_get(whole)), jax.tree.leaves(jax.device_get(state)), strict=True
   ):
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, b)  # exact: the same programs (one stage per call) rerun

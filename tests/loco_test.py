@@ -179,8 +179,9 @@ def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
 
 
 @pytest.mark.parametrize("inner_name", ["zero1", "ddp"])
-def test_one_worker_is_todays_step_bit_for_bit(inner_name):
-  """M = 1 without a sync runs exactly the data-parallel step of acco_jax.make_train_step."""
+def test_one_worker_is_todays_step(inner_name):
+  """M = 1 without a sync runs the data-parallel step of acco_jax.make_train_step. Float tolerance,
+  not bits: the two are different compiled programs (another mesh), summed in orders XLA picks."""
   params, batches = toy_params(), toy_batches(3, 8 * K * B)
   method = loco.diloco(sync_every=1000)
   train, state, logged = run(method, 1, 8, batches, inner_name)
@@ -191,10 +192,9 @@ def test_one_worker_is_todays_step_bit_for_bit(inner_name):
   ref = plain.init(params)
   for batch, got in zip(batches, logged, strict=True):
     ref, m = plain.step(ref, batch)
-    assert np.asarray(got["loss"])[0] == np.asarray(m["loss"])
-  for a, b in zip(jax.tree.leaves(state.inner.params), jax.tree.leaves(ref.params), strict=True):
-    np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b))
-  np.testing.assert_array_equal(np.asarray(state.inner.w)[0], np.asarray(ref.w))
+    np.testing.assert_allclose(np.asarray(got["loss"])[0], np.asarray(m["loss"]), rtol=1e-6)
+  assert_trees_close(jax.tree.map(lambda x: np.asarray(x)[0], state.inner.params), ref.params)
+  assert_trees_close(np.asarray(state.inner.w)[0], ref.w)
 
 
 @pytest.mark.parametrize("M,D", [(8, 1), (4, 2), (2, 4)])

@@ -162,6 +162,7 @@ def test_padded_shapes_and_init_keep_the_real_rows():
   assert model.get_config("gpt2", vocab_multiple=128).padded_vocab == 50304
   padded, plain = model.init_params(PADDED, 0), model.init_params(CFG32, 0)
   assert padded["wte"]["embedding"].shape == (256, 32)
+  # exact: the same sampler on the same key and shape; the padding only appends zero rows
   np.testing.assert_array_equal(padded["wte"]["embedding"][:203], plain["wte"]["embedding"])
   assert not np.any(np.asarray(padded["wte"]["embedding"][203:]))
   for a, b in zip(jax.tree.leaves(padded), jax.tree.leaves(plain), strict=True):

@@ -300,7 +300,7 @@ def test_estimate_stage_leaves_no_trace():
     before = jax.device_get((state.opt_state.inner_state, state.opt_state.committed))
     state, metrics = train.step(state, batch)
     after = jax.device_get((state.opt_state.inner_state, state.opt_state.committed))
-    same = all(
+    same = all(  # exact: an estimate stage must not write this state at all
       np.array_equal(x, y)
       for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
     )

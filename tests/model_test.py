@@ -71,7 +71,7 @@ def test_gpt2_initialisation():
   np.testing.assert_array_equal(block["ln_2"]["scale"], 1.0)
   np.testing.assert_array_equal(params["ln_f"]["bias"], 0.0)
   # Same seed, same params, whether given as an int, a typed key or a raw uint32 key.
-  for seed in (3, jax.random.PRNGKey(3)):
+  for seed in (3, jax.random.PRNGKey(3)):  # exact: the same program on the same key
     jax.tree.map(np.testing.assert_array_equal, model.init_params(cfg, seed), params)
 
 

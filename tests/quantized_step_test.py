@@ -251,7 +251,7 @@ def test_compute_weights_follow_every_estimate_and_commit(mode="int4"):
       w = np.asarray(state.w, np.float32).reshape(N, -1)
       error = np.abs(w - to_bf16(target))
       worst[feedback].append(error.max())
-      if feedback:
+      if feedback:  # exact: elementwise quantize, add and bf16 rounding, no order-dependent sum
         np.testing.assert_array_equal(w.reshape(-1), to_bf16(ref_weights(w_before, target, mode)))
         _, scale, _ = ref_quantize(target - w_before.reshape(N, -1), mode, BLOCK)
         step = np.repeat(scale, BLOCK, axis=-1)[:, : w.shape[1]]
@@ -338,7 +338,7 @@ def test_resume_from_a_checkpoint_is_bit_exact(tmp_path, name="zero1"):
     restored, _ = ckpt.restore(None, train.abstract_state(PARAMS))
   resumed = run(train, restored, batches[2:])
   for a, b in leaves_of(straight, resumed):
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, b)  # exact: a resume reruns the same programs on the same data
 
 
 @pytest.mark.parametrize("name", ["zero1", "acco"])
