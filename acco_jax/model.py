@@ -94,11 +94,13 @@ class GPTConfig:
     if not 0.0 <= self.dropout < 1.0:
       raise errors.UserValueError(f"dropout must be in [0, 1), got {self.dropout}")
     try:
-      jnp.dtype(self.dtype)
+      floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
     except TypeError:
+      floating = False
+    if not floating:
       raise errors.UserValueError(
-        f"dtype={self.dtype!r} is not a dtype name: use 'bfloat16', 'float32' or 'float16'"
-      ) from None
+        f"dtype={self.dtype!r} is not a floating dtype: use 'bfloat16', 'float32' or 'float16'"
+      )
 
   @property
   def mlp_dim(self) -> int:

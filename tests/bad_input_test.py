@@ -112,7 +112,13 @@ CONFIGS = [
     "unknown-model-dtype",
     {"model.dtype": "float33"},
     ValueError,
-    r"dtype='float33' is not a dtype name: use 'bfloat16'",
+    r"^model.dtype='float33' is not a dtype this field takes: choose one of bfloat16, float32, ",
+  ),
+  (  # a dtype name, but not one the model computes in (was: a traceback from Flax's init)
+    "integer-model-dtype",
+    {"model.dtype": "int8"},
+    ValueError,
+    r"^model.dtype='int8' is not a dtype this field takes: choose one of bfloat16, float32, ",
   ),
   (
     "unknown-attention",
@@ -147,7 +153,8 @@ CONFIGS += [  # sizes and counts (trainer._check_config); the last field: what h
    r"batch.microbatch_size=0 must be >= 1", "fails later, as global_batch_rows=0"),
   ("zero-updates", {"train.num_updates": 0}, ValueError, r"train.num_updates=0 must be >= 1",
    "blames opt.warmup_updates; negative values train 0 stages silently"),
-  ("unknown-comm-dtype", {"comm_dtype": "int7"}, ValueError, r"comm_dtype='int7'",
+  ("unknown-comm-dtype", {"comm_dtype": "int7"}, ValueError,
+   r"^comm_dtype='int7' is not a dtype this field takes: choose one of bfloat16, float32, float16",
    "a bare TypeError: data type 'int7' not understood"),
   ("zero-log-every", {"train.log_every": 0}, ValueError, r"train.log_every=0 must be >= 1",
    "ZeroDivisionError after compiling and running the first stage"),
@@ -449,6 +456,7 @@ THROUGH_TRAIN_PY = [
   "unknown-method", "acco-odd-microbatches", "unknown-optimizer", "warmup-past-the-end",
   "unknown-model-size", "heads-not-dividing-width", "negative-seq-len", "unknown-attention",
   "more-devices-than-visible", "zero-microbatch-size", "unknown-comm-dtype", "zero-log-every",
+  "integer-model-dtype",
 ]  # fmt: skip
 
 

@@ -257,3 +257,9 @@ def test_generate():
     window = greedy[None, max(0, n - TINY.L) : n]
     want = int(jnp.argmax(_apply(params, TINY_F32, window)[0, -1]))
     assert int(greedy[n]) == want
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bool", "float33"])
+def test_config_refuses_a_dtype_the_model_cannot_compute_in(dtype):
+  with pytest.raises(ValueError, match=rf"^dtype='{dtype}' is not a floating dtype: use 'bfloat16'"):
+    model.get_config("tiny", dtype=dtype)

@@ -223,6 +223,13 @@ _AT_LEAST = {
 }  # fmt: skip
 
 
+# Every dtype field of the config and the values it takes (floating types the step computes in).
+_DTYPES = {
+  "model.dtype": ("bfloat16", "float32", "float16"),
+  "comm_dtype": ("bfloat16", "float32", "float16"),
+}
+
+
 def _check_config(config) -> None:
   """Refuses out-of-range sizes and counts before anything is built (one line naming the key)."""
   for key, low in _AT_LEAST.items():
@@ -234,12 +241,12 @@ def _check_config(config) -> None:
     raise errors.UserValueError(
       f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'"
     )
-  try:
-    jnp.dtype(config.comm_dtype)
-  except TypeError:
-    raise errors.UserValueError(
-      f"comm_dtype={config.comm_dtype!r} is not a dtype name: use 'bfloat16' or 'float32'"
-    ) from None
+  for key, allowed in _DTYPES.items():
+    value = config[key.split(".")[0]][key.split(".")[1]] if "." in key else config[key]
+    if value not in allowed:
+      raise errors.UserValueError(
+        f"{key}={value!r} is not a dtype this field takes: choose one of {', '.join(allowed)}"
+      )
 
 
 def _budgets(config, n: int, k: int) -> tuple[np.ndarray | None, int]:
