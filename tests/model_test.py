@@ -261,5 +261,7 @@ def test_generate():
 
 @pytest.mark.parametrize("dtype", ["int8", "bool", "float33"])
 def test_config_refuses_a_dtype_the_model_cannot_compute_in(dtype):
-  with pytest.raises(ValueError, match=rf"^dtype='{dtype}' is not a floating dtype: use 'bfloat16'"):
+  with pytest.raises(
+    ValueError, match=rf"^dtype='{dtype}' is not a floating dtype: use 'bfloat16'"
+  ):
     model.get_config("tiny", dtype=dtype)

@@ -84,7 +84,7 @@ def test_baselines_run_through_the_trainer(tmp_path, module, extra, monkeypatch)
     assert any(x is loss for x in waited), f"stage {i} was not waited for before stage {i + 2}"
 
 
-def test_resume_continues_the_identical_trajectory(tmp_path):
+def test_resume_continues_the_identical_trajectory(tmp_path, capsys, monkeypatch):
   config = tiny(gpt2_acco)
   whole = trainer.train_and_evaluate(config, str(tmp_path / "whole"))
   first = trainer.train_and_evaluate(config, str(tmp_path / "split"), max_stages=5)
@@ -94,6 +94,26 @@ def test_resume_continues_the_identical_trajectory(tmp_path):
   split = losses(tmp_path / "split")
   assert split == losses(tmp_path / "whole")  # bit-identical losses at every logged stage
   assert second["eval_loss"] == whole["eval_loss"]
+
+  # Rerunning the finished run: one line says so, the summary has the finished run's keys and
+  # values (from its checkpoint and metrics.jsonl), no step runs and nothing is written.
+  def no_step(*args, **kwargs):
+    raise AssertionError("a finished run must not train")
+
+  monkeypatch.setattr(TrainStep, "step", no_step)
+  written = {p: p.read_bytes() for p in (tmp_path / "whole").rglob("*") if p.is_file()}
+  capsys.readouterr()
+  again = trainer.train_and_evaluate(config, str(tmp_path / "whole"))
+  out = capsys.readouterr().out.splitlines()
+  stages = 2 * config.train.num_updates
+  assert out[0] == (
+    f"nothing to train: the run finished at stage {stages}/{stages}; final evaluation "
+    f"eval_loss={whole['eval_loss']:.4f} (stage {stages}, metrics.jsonl)"
+  ), out
+  assert json.loads(out[1]) == {k: v for k, v in whole.items() if k != "sample"}
+  assert list(json.loads(out[1])) == [k for k in whole if k != "sample"]  # same keys, same order
+  assert again["sample"] == whole["sample"]
+  assert {p: p.read_bytes() for p in (tmp_path / "whole").rglob("*") if p.is_file()} == written
 
 
 def test_quantized_acco_resumes_the_identical_trajectory(tmp_path, capsys):

@@ -70,6 +70,25 @@ def quantized_bytes_per_stage(plan, padded_size: int, num_devices: int) -> int:
   return int(intra + (nodes - 1) * wire + (n - 1) * wire)
 
 
+def last_logged(workdir: str) -> dict:
+  """What a run's ``metrics.jsonl`` says last: the loss and rate of its last logged stage and its
+  last evaluation (``{}`` where the file or the rows are missing). A rerun of a finished run reports
+  these instead of training again."""
+  found = {}
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      for line in f:
+        row = json.loads(line)
+        if "loss" in row:
+          found.update(loss=row["loss"], tokens_per_s=row.get("tokens_per_s"))
+        if "eval_loss" in row:
+          found.update(eval_loss=row["eval_loss"], eval_ppl=row.get("eval_ppl"))
+          found["eval_step"] = row.get("step")
+  except (OSError, json.JSONDecodeError):
+    pass
+  return found
+
+
 class MetricWriter:
   """Writes scalars to JSON lines and TensorBoard (process 0 only)."""
 

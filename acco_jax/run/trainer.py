@@ -144,6 +144,9 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
       prime = next(_stream(run, config, run.tokens.train, prime_rows, seed=config.train.seed + 1))
       state = train.init(params, parallel.global_batch(prime, mesh))
     events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
+  if start >= run.total_stages:  # nothing left: report the finished run, write nothing
+    ckpt.close()
+    return _finished(run, config, workdir, start, float(extra.get("wire_bytes", 0.0)), lead)
   ckpt = ckpt or open_ckpt()
   writer = metrics_lib.MetricWriter(workdir, enabled=lead)
   for name, fields in events:
@@ -345,10 +348,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
     if run.loco:
       for at, outer in jax.device_get([(at, readable(o)) for at, o in outer_rows]):
         writer.write(at, train.outer_row(outer))
-      summary.update(
-        wire_bytes_per_worker=wire_bytes, peak_sync_bytes=train.peak_sync_bytes(),
-        payload_bytes_per_sync=train.payload_bytes(0), sent_density=train.density(),
-      )  # fmt: skip
+      summary.update(_loco_summary(train, wire_bytes))
     final = train.params(state)
     if evaluated_at != stage:  # the last update may have been evaluated already
       ev = evaluate(run, config, final, eval_fn)
@@ -373,6 +373,38 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
     if watchdog is not None:
       watchdog.stop()
   if lead:
+    print(json.dumps({k: v for k, v in summary.items() if k != "sample"}), flush=True)
+  return summary
+
+
+def _loco_summary(train, wire_bytes: float) -> dict:
+  return dict(
+    wire_bytes_per_worker=wire_bytes, peak_sync_bytes=train.peak_sync_bytes(),
+    payload_bytes_per_sync=train.payload_bytes(0), sent_density=train.density(),
+  )  # fmt: skip
+
+
+def _finished(run: Run, config, workdir: str, stage: int, wire_bytes: float, lead: bool) -> dict:
+  """The summary of a run whose checkpoint is at (or past) its last stage, from the checkpoint and
+  ``metrics.jsonl``, with the keys the run printed when it finished; no step runs."""
+  logged = metrics_lib.last_logged(workdir)
+  at = logged.pop("eval_step", None)
+  summary = {"unigram_baseline": data.unigram_entropy(run.tokens.train), **logged}
+  if run.loco:
+    summary.update(_loco_summary(run.train, wire_bytes))
+  summary.update(stages=stage, updates=updates_done(config, stage))
+  sample_path = os.path.join(workdir, "sample.txt")
+  if config.train.sample_tokens and os.path.exists(sample_path):
+    with open(sample_path) as f:
+      summary["sample"] = f.read().rstrip("\n")
+  if lead:
+    where = f"at stage {stage}/{run.total_stages}"
+    if stage > run.total_stages:
+      where = f"at stage {stage}, past this config's {run.total_stages} stages"
+    final = "no evaluation in metrics.jsonl"
+    if "eval_loss" in logged:
+      final = f"eval_loss={logged['eval_loss']:.4f} (stage {at}, metrics.jsonl)"
+    print(f"nothing to train: the run finished {where}; final evaluation {final}", flush=True)
     print(json.dumps({k: v for k, v in summary.items() if k != "sample"}), flush=True)
   return summary
 
