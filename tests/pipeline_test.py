@@ -12,8 +12,8 @@ import pytest
 
 from acco_jax import layers, model
 from acco_jax.analysis import hlo
-from acco_jax.pipeline import ticks
 from acco_jax.pipeline import step as pipe
+from acco_jax.pipeline import ticks
 
 CFG = model.get_config("tiny", N=4, dtype="float32")
 S = 4
@@ -169,7 +169,7 @@ def test_pipeline_equals_single_device(params, paths, policy, lanes, devices):
   allowed = set()
   for path in paths:
     nodes = (0, *path, 0)
-    for a, b in ((a, b) for a, b in zip(nodes, nodes[1:]) if a != b):
+    for a, b in ((a, b) for a, b in zip(nodes, nodes[1:], strict=False) if a != b):
       allowed |= {(lane * S + a, lane * S + b) for lane in range(lanes)}
       allowed |= {(lane * S + b, lane * S + a) for lane in range(lanes)}
   permutes = [c for c in hlo.hlo_collectives(text) if c.kind == "collective-permute"]

@@ -47,7 +47,9 @@ def make_mesh(num_stages: int, data_lanes: int = 1, devices=None) -> jax.shardin
   """A ``('stage',)`` mesh, or ``('data', 'stage')`` with ``data_lanes > 1``, over the first devices."""
   devices = list(devices if devices is not None else jax.devices())[: num_stages * data_lanes]
   if len(devices) < num_stages * data_lanes:
-    raise ValueError(f"{num_stages} stages x {data_lanes} lanes need more than {len(devices)} devices")
+    raise ValueError(
+      f"{num_stages} stages x {data_lanes} lanes need more than {len(devices)} devices"
+    )
   auto = jax.sharding.AxisType.Auto
   if data_lanes == 1:
     return jax.sharding.Mesh(np.array(devices), (STAGE,), axis_types=(auto,))
@@ -77,7 +79,9 @@ def param_specs(pipe) -> dict:
 
 
 def place_params(pipe: dict, mesh) -> dict:
-  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), pipe, param_specs(pipe))
+  return jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), pipe, param_specs(pipe)
+  )
 
 
 def _batch_spec(mesh) -> P:
