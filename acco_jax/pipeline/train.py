@@ -134,7 +134,7 @@ class PipelineTrainStep:
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
-      "loss": loss, "grad_norm": optax.global_norm(grads),
+      "loss": loss, "grad_norm": optax.tree.norm(grads),
       "microbatches": jnp.asarray(self.microbatches_per_stage, jnp.float32),
       "committed": jnp.asarray(True), "skipped": jnp.zeros((), jnp.float32),
       "stage": state.stage + 1,
