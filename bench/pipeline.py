@@ -10,7 +10,8 @@ r"""Pipelines over a ``stage`` axis: bubbles, CPU time per iteration, and GPT-2 
 2. **CPU**: wall-clock per iteration (loss and gradients) of the same schedules on 8 simulated devices
    (2 data lanes x 4 stages), side by side in one process; medians of ``--repeats`` calls.
 3. **AOT**: GPT-2 124M's pipeline training step (schedule, gradients, AdamW) compiled by XLA:GPU for an
-   abstract 8 x H100 topology (the CUDA PJRT plugin, no GPU), S = 4 (2 lanes) and S = 8 (1 lane),
+   abstract 8 x H100 topology (the CUDA PJRT plugin, no GPU), S = 4 (2 lanes), S = 6 and S = 8 (a
+   16-block GPT-2: 12 blocks do not split into 8 equal stages),
    with XLA's per-device memory estimate (one SPMD program: every stage's device gets the same
    buffer sizes). Skipped, with the reason, where the plugin is missing.
 """
@@ -113,26 +114,28 @@ def aot_worker(args) -> dict:
   if not parallel.has_cuda_plugin():
     return {"skipped": "no CUDA PJRT plugin (pip install jax-cuda12-pjrt==<jaxlib version>)"}
   devices = parallel.gpu_aot_devices(8, "h100")
-  cfg = model.get_config("gpt2", L=1024, V=50257, vocab_multiple=128, dtype="bfloat16",
-                         attention="xla")  # fmt: skip
-  shapes = jax.eval_shape(lambda: model.init_params(cfg, 0))
+  gpt2 = dict(L=1024, V=50257, vocab_multiple=128, dtype="bfloat16", attention="xla")
+  cfg = model.get_config("gpt2", **gpt2)
   import ml_collections
 
   opt = ml_collections.ConfigDict(dict(name="adamw", lr=6e-4, b1=0.9, b2=0.95, eps=1e-8,
                                        weight_decay=0.1, clip_norm=1.0, schedule="cosine",
                                        warmup_updates=10, min_lr_ratio=0.1))  # fmt: skip
-  tx = optim.inner_optimizer(opt, 100, pipe_train.decay_mask(shapes))
   rows = []
   M, B = args.microbatches, args.rows
-  for S in (4, 8):
-    lanes = 8 // S
+  # GPT-2 124M has 12 blocks: S = 4 (2 lanes) and S = 6 (6 of the 8 devices); S = 8 needs a block
+  # count divisible by 8, so that row is GPT-2's width with 16 blocks (163M parameters)
+  deep = model.get_config("gpt2", N=16, **gpt2)
+  for S, lanes, c in ((4, 2, cfg), (6, 1, cfg), (8, 1, deep)):
+    c_shapes = jax.eval_shape(lambda c=c: model.init_params(c, 0))
+    c_tx = optim.inner_optimizer(opt, 100, pipe_train.decay_mask(c_shapes))
     for policy in ("gpipe", "1f1b"):
       sched = ticks.build([paths.full_path(S)] * M, S, policy)
       mesh = pipe.make_mesh(S, lanes, devices)
-      train = pipe_train.PipelineTrainStep(cfg, tx, mesh, sched, shapes)
-      state = train.abstract_state(shapes)
+      train = pipe_train.PipelineTrainStep(c, c_tx, mesh, sched, c_shapes)
+      state = train.abstract_state(c_shapes)
       spec = P(pipe.DATA) if lanes > 1 else P()
-      batch = {k: jax.ShapeDtypeStruct((lanes * M * B, cfg.L), jnp.int32,
+      batch = {k: jax.ShapeDtypeStruct((lanes * M * B, c.L), jnp.int32,
                                        sharding=NamedSharding(mesh, spec))
                for k in ("inputs", "targets")}  # fmt: skip
       t0 = time.perf_counter()
@@ -140,6 +143,7 @@ def aot_worker(args) -> dict:
       mem = compiled.memory_analysis()
       gib = lambda b: round(b / 2**30, 2)
       rows.append({
+        "model": f"N={c.N}", "params_M": round(train.layout.num_params / 1e6, 1),
         "S": S, "lanes": lanes, "schedule": policy, "ticks": sched.num_ticks, "slots": sched.slots,
         "state_GiB": gib(common.shard_bytes(state)),
         "argument_GiB": gib(mem.argument_size_in_bytes), "temp_GiB": gib(mem.temp_size_in_bytes),
@@ -165,7 +169,8 @@ def main():
     Path(args.worker).write_text(json.dumps(fn(args)))
     return
   parts = args.parts.split(",")
-  out = {"command": "python bench/pipeline.py " + " ".join(sys.argv[1:])}
+  out = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+  out["command"] = "python bench/pipeline.py " + " ".join(sys.argv[1:])
   flags = ["--microbatches", str(args.microbatches), "--repeats", str(args.repeats),
            "--rows", str(args.rows)]  # fmt: skip
   if "bubbles" in parts:
@@ -187,7 +192,7 @@ def main():
     if "skipped" in res:
       print(f"\nAOT: skipped: {res['skipped']}")
     else:
-      cols = [("S", "S"), ("lanes", "lanes"), ("schedule", "schedule"), ("ticks", "ticks"),
+      cols = [("model", "blocks"), ("params_M", "params M"), ("S", "S"), ("lanes", "lanes"), ("schedule", "schedule"), ("ticks", "ticks"),
               ("slots", "slots"), ("state_GiB", "state GiB"), ("argument_GiB", "args GiB"),
               ("temp_GiB", "temp GiB"), ("output_GiB", "out GiB"), ("compile_s", "compile s")]  # fmt: skip
       res["table"] = common.format_table(res["rows"], cols)

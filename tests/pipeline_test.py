@@ -177,3 +177,28 @@ def test_pipeline_equals_single_device(params, paths, policy, lanes, devices):
   moved = {tuple(p) for c in permutes for p in c.groups}
   assert moved <= allowed, sorted(moved - allowed)
   assert {(a, b) for a, b in moved if a < S and b < S} == sched.pairs()
+
+
+def test_bench_bubble_table_smoke(tmp_path):
+  import json
+  import pathlib
+  import subprocess
+  import sys
+
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  out = tmp_path / "pipeline.json"
+  cmd = [
+    sys.executable,
+    str(repo / "bench" / "pipeline.py"),
+    "--parts",
+    "bubbles",
+    "--out",
+    str(out),
+  ]
+  proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads(out.read_text())["bubbles"]["rows"]
+  assert {r["schedule"] for r in rows} >= {"gpipe", "1f1b", "skippipe-1f1b"}
+  for r in rows:  # every microbatch's 2k + 3 operations run once: full paths have k = S - 1
+    if r["paths"] == "full":
+      assert r["busy_ops"] == r["M"] * (2 * (r["S"] - 1) + 3)
