@@ -124,7 +124,7 @@ def aot_worker(args) -> dict:
   rows = []
   M, B = args.microbatches, args.rows
   # GPT-2 124M has 12 blocks: S = 4 (2 lanes) and S = 6 (6 of the 8 devices); S = 8 needs a block
-  # count divisible by 8, so that row is GPT-2's width with 16 blocks (163M parameters)
+  # count divisible by 8, so that row is GPT-2's width with 16 blocks (153M parameters)
   deep = model.get_config("gpt2", N=16, **gpt2)
   for S, lanes, c in ((4, 2, cfg), (6, 1, cfg), (8, 1, deep)):
     c_shapes = jax.eval_shape(lambda c=c: model.init_params(c, 0))
