@@ -130,6 +130,13 @@ def test_two_stage_gpipe_by_hand():
   assert sched.idle_fraction() == pytest.approx(2 / 12)
   assert [ticks.KIND_NAMES[k] for k in sched.kind[:, 0]] == ["F0", "F0", "H", "H", "B0", "B0"]
   assert [ticks.KIND_NAMES[k] for k in sched.kind[:, 1]] == ["idle", "F", "F", "B", "B", "idle"]
+  # M=3: H goes by microbatch rank before a later F0; stage 1 may not start B0 before its last F
+  # (t3, t4 idle), stage 0 waits for the last activation (t5 idle)
+  sched = ticks.build([(1,)] * 3, 2, "gpipe")
+  names = lambda s: [ticks.KIND_NAMES[k] for k in sched.kind[:, s]]
+  assert names(0) == ["F0", "F0", "H", "H", "F0", "idle", "H", "B0", "B0", "B0"]
+  assert names(1) == ["idle", "F", "F", "idle", "idle", "F", "B", "B", "B", "idle"]
+  assert list(sched.mb[:, 0]) == [0, 1, 0, 1, 2, 0, 2, 0, 1, 2]
 
 
 @pytest.mark.parametrize("policy", ticks.POLICIES)
