@@ -502,3 +502,30 @@ def test_help_exits_zero():
 def test_cuda_platform_without_cuda(tmp_path):
   line = train_py("--config", TINY, "--workdir", str(tmp_path), env={"JAX_PLATFORMS": "cuda"})
   assert line.startswith("error: JAX has no usable backend for JAX_PLATFORMS='cuda': "), line
+
+
+# -- pipeline configs (method=pipeline, configs/gpt2_pipeline.py) ----------------------------------
+
+PIPELINE_CONFIGS = [
+  ("pipeline-stages-not-dividing-devices", {"pipeline.stages": 3},
+   r"pipeline.stages=3 must be >= 2 and divide the 8 devices"),
+  ("pipeline-stages-not-dividing-blocks", {"pipeline.stages": 8},
+   r"pipeline.stages=8 does not split the model's 4 blocks into equal stages"),
+  ("pipeline-unknown-schedule", {"pipeline.schedule": "zb"},
+   r"pipeline.schedule='zb' is unknown: choose one of gpipe, 1f1b, skippipe"),
+  ("pipeline-skip-leaves-no-stage", {"pipeline.schedule": "skippipe", "pipeline.skip": 1.0},
+   r"pipeline.skip=1.0 leaves no stage to run"),
+  ("pipeline-quantized-comm", {"comm.quantize": "int8"},
+   r"comm.quantize is not supported with method=pipeline"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "overrides,match", [pytest.param(*c[1:], id=c[0]) for c in PIPELINE_CONFIGS]
+)
+def test_bad_pipeline_config_is_refused(overrides, match):
+  from configs import gpt2_pipeline
+
+  with pytest.raises(ValueError, match=match) as info:
+    trainer.build(tiny(gpt2_pipeline, **overrides))
+  one_line(info.value)

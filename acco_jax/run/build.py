@@ -73,6 +73,11 @@ def updates_done(config, stage: int) -> int:
 
 
 def build(config) -> Run:
+  if config.method == "pipeline":  # blocks sharded over a 'stage' axis (acco_jax.pipeline)
+    from acco_jax.pipeline import train as pipeline_train
+
+    _check_config(config)
+    return pipeline_train.build_run(config)
   if config.method not in methods.METHODS + loco.METHODS:
     raise errors.UserValueError(
       f"method={config.method!r} is unknown: choose one of "

@@ -88,7 +88,9 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
     )
   run = build(config)
   train, mesh, n = run.train, run.mesh, run.mesh.size
-  rows_per_stage = n * train.num_microbatches * config.batch.microbatch_size
+  # microbatches one stage takes from the stream (a pipeline: M per data lane, not per device)
+  mb_per_stage = getattr(train, "microbatches_per_stage", n * train.num_microbatches)
+  rows_per_stage = mb_per_stage * config.batch.microbatch_size
   stream = _stream(run, config, run.tokens.train, rows_per_stage, seed=config.train.seed)
 
   # -- restore or initialise ----------------------------------------------------------------------
@@ -297,7 +299,7 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
           watchdog.progress(stage)
       in_flight = m["loss"]
       stages_run = len(batches)
-      used = n * train.num_microbatches if budgets is None else int(budgets.sum())
+      used = mb_per_stage if budgets is None else int(budgets.sum())
       tokens_seen += used * rows_per_microbatch * config.data.seq_len * stages_run
       # elementwise, per worker under LoCo: a reduction here would be a collective across every
       # device after every stage, which the next stage's programs would queue behind

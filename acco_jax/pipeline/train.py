@@ -1,0 +1,234 @@
+"""Training on a pipeline mesh: the step the trainer drives, and its construction from a config.
+
+:class:`PipelineTrainStep` has the interface of :class:`acco_jax.dp.step.TrainStep` that
+:mod:`acco_jax.run.trainer` uses (``init``, ``step``, ``params``, ``abstract_state``, ...), so a
+pipeline run goes through ``train.py`` unchanged: checkpoints, metrics, evaluation and resume.
+
+State: the parameters split by :func:`acco_jax.pipeline.step.split_params` (blocks stacked and
+sharded over ``stage``, embedding and head replicated), the optimizer state sharded like them, and
+the stage counter. A step is one schedule: M microbatches per data lane through the pipeline
+(:func:`acco_jax.pipeline.step.make_loss_and_grad`), then the optimizer update, each stage on its own
+shard. Within a stage, data lanes average their gradients (DDP); ZeRO-1 over the lanes is not
+implemented here.
+
+Schedules (``pipeline.schedule``): ``gpipe`` and ``1f1b`` run the full path for every microbatch;
+``skippipe`` draws one path per microbatch (``pipeline.skip``, ``pipeline.swap``, seeded by
+``pipeline.seed``) once per run and runs them under the 1F1B policy, so that one compiled program
+serves the whole run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from acco_jax import errors, model
+from acco_jax.pipeline import paths as paths_lib
+from acco_jax.pipeline import step as pipe
+from acco_jax.pipeline import ticks
+
+SCHEDULES = ("gpipe", "1f1b", "skippipe")
+
+
+class PipeState(NamedTuple):
+  params: Any  # {'blocks': [N, ...] sharded over stage, 'shared': replicated}
+  opt_state: Any
+  stage: jax.Array
+
+
+class _Layout(NamedTuple):
+  num_params: int
+  padded_size: int
+
+
+class _Plan(NamedTuple):
+  comm_dtype: Any = jnp.float32
+  quantize: str = "none"
+  name: str = "pipeline"
+
+
+def schedule_paths(kind: str, num_stages: int, num_mb: int, skip: float, swap: bool, seed: int):
+  """The microbatches' paths and the tick policy for a ``pipeline.schedule``."""
+  if kind not in SCHEDULES:
+    raise errors.UserValueError(
+      f"pipeline.schedule={kind!r} is unknown: choose one of {', '.join(SCHEDULES)}"
+    )
+  if kind != "skippipe":
+    return [paths_lib.full_path(num_stages)] * num_mb, kind
+  rng = np.random.default_rng(seed)
+  return paths_lib.random_paths(num_mb, num_stages, skip, swap, rng), "1f1b"
+
+
+class PipelineTrainStep:
+  """A compiled pipeline training step (see the module docstring).
+
+  Attributes:
+    schedule: the :class:`acco_jax.pipeline.ticks.Schedule` every step runs.
+    num_microbatches: M, microbatches per data lane per step.
+    microbatches_per_stage: M times the data lanes (rows per step / microbatch rows).
+  """
+
+  quantized = False
+  keeps_residual = False
+
+  def __init__(self, cfg: model.GPTConfig, tx, mesh, schedule: ticks.Schedule, params_like):
+    self.cfg, self.tx, self.mesh, self.schedule = cfg, tx, mesh, schedule
+    self.num_microbatches = schedule.num_microbatches
+    self.lanes = mesh.shape.get(pipe.DATA, 1)
+    self.microbatches_per_stage = self.num_microbatches * self.lanes
+    self.num_devices = mesh.size
+    self.plan = _Plan()
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params_like))
+    self.layout = _Layout(n, n)
+    self._loss_and_grad = pipe.make_loss_and_grad(cfg, mesh, schedule)
+    self._compiled = {}
+
+  # -- state --------------------------------------------------------------------------------------
+
+  def _build(self, params) -> PipeState:
+    split = pipe.split_params(params)
+    return PipeState(split, self.tx.init(split), jnp.zeros((), jnp.int32))
+
+  def _state_sharding(self, shapes: PipeState) -> PipeState:
+    specs = pipe.param_specs(shapes.params)
+    named = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+    rep = NamedSharding(self.mesh, P())
+    opt = optax.tree_map_params(
+      self.tx, lambda _, s: s, shapes.opt_state, named, transform_non_params=lambda _: rep
+    )
+    return PipeState(named, opt, rep)
+
+  def abstract_state(self, params) -> PipeState:
+    shapes = jax.eval_shape(self._build, params)
+    shardings = self._state_sharding(shapes)
+    return jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+    )
+
+  def init(self, params, microbatch=None) -> PipeState:
+    """The sharded state from float32 parameters (``microbatch`` is not used)."""
+    sharding = jax.tree.map(lambda s: s.sharding, self.abstract_state(params))
+    return jax.jit(self._build, out_shardings=sharding)(params)
+
+  def reshard(self, saved):
+    raise errors.UserValueError(
+      "the checkpoint was written on another mesh: a pipeline run resumes on the same "
+      "pipeline.stages and devices only (start in a new workdir)"
+    )
+
+  # -- step ---------------------------------------------------------------------------------------
+
+  def _step(self, state: PipeState, batch):
+    M = self.num_microbatches
+    mbs = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
+    mbs = jax.lax.with_sharding_constraint(
+      mbs, jax.tree.map(lambda _: NamedSharding(self.mesh, pipe._batch_spec(self.mesh)), mbs)
+    )
+    loss, grads = self._loss_and_grad(state.params, mbs)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+      "loss": loss, "grad_norm": optax.tree.norm(grads),
+      "microbatches": jnp.asarray(self.microbatches_per_stage, jnp.float32),
+      "committed": jnp.asarray(True), "skipped": jnp.zeros((), jnp.float32),
+      "stage": state.stage + 1,
+    }  # fmt: skip
+    return PipeState(params, opt_state, state.stage + 1), metrics
+
+  def step(self, state: PipeState, batch, counts=None):
+    """One schedule and one optimizer update. ``batch`` leaves: [M * lanes * B, ...] rows."""
+    if counts is not None:
+      raise ValueError("pipeline steps run every microbatch (no per-device counts)")
+    if "step" not in self._compiled:
+      sharding = jax.tree.map(lambda s: s.sharding, state)
+      rep = NamedSharding(self.mesh, P())
+      self._compiled["step"] = jax.jit(
+        self._step, donate_argnums=(0,), out_shardings=(sharding, rep)
+      )
+    return self._compiled["step"](state, batch)
+
+  def params(self, state: PipeState):
+    """The model's parameters (original structure), replicated."""
+    rep = NamedSharding(self.mesh, P())
+    return jax.jit(pipe.merge_params, out_shardings=rep)(state.params)
+
+  def replicated(self, x):
+    rep = NamedSharding(self.mesh, P())
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=rep)(x)
+
+  def probe(self, state, batch, repeats: int = 2):
+    raise errors.UserValueError("health.probe_every is not supported with method=pipeline: set 0")
+
+
+def decay_mask(params_like) -> dict:
+  """``model.decay_mask`` in the layout of :func:`acco_jax.pipeline.step.split_params`."""
+  mask = model.decay_mask(params_like)
+  return {"blocks": mask["blocks"]["0"], "shared": {k: v for k, v in mask.items() if k != "blocks"}}
+
+
+def _check(config, num_devices: int) -> tuple[int, int]:
+  """(stages, data lanes), or a one-line error for a pipeline config that cannot run."""
+  p = config.get("pipeline")
+  if p is None:
+    raise errors.UserValueError(
+      "method=pipeline needs a 'pipeline' config group: use configs/gpt2_pipeline.py"
+    )
+  stages = int(p.stages)
+  if stages < 2 or num_devices % stages:
+    raise errors.UserValueError(
+      f"pipeline.stages={stages} must be >= 2 and divide the {num_devices} devices (each data "
+      "lane holds one stage per device)"
+    )
+  for key, bad in (
+    ("comm.quantize", config.comm.quantize != "none"),
+    ("hetero.budgets", bool(config.hetero.budgets)),
+    ("hetero.adaptive", bool(config.hetero.adaptive)),
+    ("hetero.slowdown", bool(config.hetero.slowdown)),
+    ("health.probe_every", bool(config.health.probe_every)),
+  ):
+    if bad:
+      raise errors.UserValueError(
+        f"{key} is not supported with method=pipeline: leave it at its default"
+      )
+  return stages, num_devices // stages
+
+
+def build_run(config):
+  """A :class:`acco_jax.run.build.Run` for ``method=pipeline`` (called by ``run.build.build``)."""
+  import os
+
+  from acco_jax import data
+  from acco_jax.run import build as build_lib
+  from acco_jax.run import optim, parallel
+
+  devices = parallel.make_mesh(config.mesh.num_devices).devices.flatten()
+  stages, lanes = _check(config, len(devices))
+  cache = config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
+  tokens = data.prepare(
+    config.data.source, config.data.tokenizer, cache_dir=cache,
+    eval_fraction=config.data.eval_fraction, seed=config.data.split_seed,
+    data_dir=config.data.data_dir or None, text_key=config.data.text_key,
+  )  # fmt: skip
+  model_cfg = build_lib._model_config(config, tokens.tokenizer.vocab_size)
+  paths_lib.check_stages(model_cfg.N, stages)
+  M = int(config.batch.microbatches)
+  p = config.pipeline
+  paths, policy = schedule_paths(p.schedule, stages, M, float(p.skip), bool(p.swap), int(p.seed))
+  schedule = ticks.build(paths, stages, policy)
+  mesh = pipe.make_mesh(stages, lanes, devices)
+  shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
+  if config.opt.decay not in ("matrices", "all"):
+    raise errors.UserValueError(f"opt.decay={config.opt.decay!r}: choose 'matrices' or 'all'")
+  mask = decay_mask(shapes) if config.opt.decay == "matrices" else None
+  tx = optim.inner_optimizer(config.opt, config.train.num_updates, mask)
+  train = PipelineTrainStep(model_cfg, tx, mesh, schedule, shapes)
+  axis = pipe.DATA if lanes > 1 else None
+  return build_lib.Run(
+    mesh, tokens, model_cfg, shapes, train, 1, config.train.num_updates, M, None, batch_axis=axis
+  )

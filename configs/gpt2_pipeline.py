@@ -1,0 +1,31 @@
+r"""GPT-2 on a pipeline: blocks sharded over a 'stage' mesh axis (acco_jax.pipeline).
+
+  python train.py --config configs/gpt2_pipeline.py --workdir runs/pipeline            # CPU, 1F1B
+  python train.py --config configs/gpt2_pipeline.py --workdir runs/gpipe \
+    --config.pipeline.schedule=gpipe
+  python train.py --config configs/gpt2_pipeline.py --workdir runs/skippipe \
+    --config.pipeline.schedule=skippipe --config.pipeline.skip=0.25 --config.pipeline.swap=True
+  python train.py --config configs/gpt2_pipeline.py:gpt2 --workdir runs/pipeline-124m  # GPUs
+
+Each step runs batch.microbatches microbatches of batch.microbatch_size rows per data lane through
+the schedule; the devices form (devices / pipeline.stages) data lanes of pipeline.stages stages.
+"""
+
+import ml_collections
+
+from configs import common
+
+
+def get_config(arg: str = "cpu"):
+  c = common.get_base(arg or "cpu", method="pipeline")
+  c.pipeline = ml_collections.ConfigDict()
+  c.pipeline.stages = 4  # S, devices per data lane; must divide model.N and the device count
+  c.pipeline.schedule = "1f1b"  # gpipe | 1f1b (full paths) | skippipe (partial, reordered paths)
+  c.pipeline.skip = 0.25  # skippipe: share of the S stages a microbatch leaves out
+  c.pipeline.swap = True  # skippipe: paths visit their stages in any order
+  c.pipeline.seed = 0  # skippipe: the paths, drawn once per run
+  c.batch.microbatches = 8  # M per data lane per update (more: smaller pipeline bubbles)
+  if (arg or "cpu") == "tiny":
+    c.model.N = 4
+    c.batch.microbatches = 4
+  return c

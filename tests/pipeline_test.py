@@ -1,0 +1,211 @@
+"""acco_jax.pipeline.ticks and .step: schedules of paths, run as a pipeline over the ``stage`` axis.
+
+The pipeline's loss and gradients are compared with the single-device computation
+(``layers.loss_fn_ordered``, itself tested against a plain-jax block in layers_test.py) averaged over
+the microbatches, each with the layer order written out here from its path. Another program (a
+pipeline of ppermutes and per-stage vjps against one jax.grad), so float32 tolerance, not bits.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from acco_jax import layers, model
+from acco_jax.analysis import hlo
+from acco_jax.pipeline import step as pipe
+from acco_jax.pipeline import ticks
+
+CFG = model.get_config("tiny", N=4, dtype="float32")
+S = 4
+RTOL, ATOL = 1e-5, 1e-6  # float32, the same operations composed in another program
+FULL = [(1, 2, 3)] * 6
+# full, skipped, swapped, skipped+swapped, empty (stage 0 only) and one-stage paths
+MIXED = [(1, 2, 3), (2, 3), (3, 1), (), (2,), (3, 2, 1)]
+
+
+@pytest.fixture(scope="module")
+def params():
+  return model.init_params(CFG, 0)
+
+
+def _batch(m, rows, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, CFG.V, size=(m, rows, 17), dtype=np.int32)
+  weights = (rng.random((m, rows, 16)) < 0.9).astype(np.float32)
+  return {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "weights": weights}
+
+
+def _order(path):
+  per = CFG.N // S
+  return np.array([b for s in (0, *path) for b in range(s * per, (s + 1) * per)], np.int32)
+
+
+@jax.jit
+def _loss_and_grad(params, batch, order):  # one compile per order length
+  return jax.value_and_grad(lambda p: layers.loss_fn_ordered(p, CFG, batch, order)[0])(params)
+
+
+def _reference(params, batch, paths, lanes):
+  """Mean over lanes and microbatches of the single-device loss and gradient."""
+  rows = batch["inputs"].shape[1] // lanes
+  total = None
+  for lane in range(lanes):
+    for m, path in enumerate(paths):
+      b = {k: v[m, lane * rows : (lane + 1) * rows] for k, v in batch.items()}
+      out = _loss_and_grad(params, b, _order(path))
+      total = out if total is None else jax.tree.map(np.add, total, out)
+  return jax.tree.map(lambda v: np.asarray(v) / (lanes * len(paths)), total)
+
+
+def _run(params, paths, policy, lanes, devices=8):
+  sched = ticks.build(paths, S, policy)
+  mesh = pipe.make_mesh(S, lanes, jax.devices()[:devices])
+  batch = _batch(len(paths), 2 * lanes)
+  fn = jax.jit(pipe.make_loss_and_grad(CFG, mesh, sched))
+  args = (pipe.place_params(pipe.split_params(params), mesh), pipe.place_batch(batch, mesh))
+  compiled = fn.lower(*args).compile()
+  loss, grads = compiled(*args)
+  return sched, batch, loss, grads, compiled.as_text()
+
+
+def _assert_equal(params, batch, paths, lanes, loss, grads):
+  ref_loss, ref_grads = _reference(params, batch, paths, lanes)
+  np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)
+  got = pipe.merge_params(jax.device_get(grads))
+  for path, g in jax.tree_util.tree_leaves_with_path(ref_grads):
+    np.testing.assert_allclose(
+      np.asarray(_get(got, path)), g, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path)
+    )
+
+
+def _get(tree, path):
+  for k in path:
+    tree = tree[k.key]
+  return tree
+
+
+# ----------------------------------------------------------------------------------------- ticks
+
+
+def _replay(sched):
+  """Checks the tables by replaying them: every operation reads the tensor its chain needs."""
+  S_, T = sched.num_stages, sched.num_ticks
+  slot = [dict() for _ in range(S_)]  # slot -> (microbatch, op index whose output it holds)
+  saved = {}  # (microbatch, op index of F) -> slot on that stage
+  done = {m: 0 for m in range(sched.num_microbatches)}
+  for t in range(T):
+    outs = {}
+    for s in range(S_):
+      k, m = int(sched.kind[t, s]), int(sched.mb[t, s])
+      if k == ticks.IDLE:
+        continue
+      chain = ticks.chain(sched.paths[m])
+      i = done[m]
+      assert chain[i] == (k, s), (t, s, chain[i], (k, s))
+      if k in (ticks.F, ticks.H):
+        assert slot[s].get(int(sched.slot_x[t, s])) == (m, i - 1)
+        if k == ticks.F:
+          saved[(m, i)] = int(sched.slot_x[t, s])
+      if k in (ticks.B, ticks.B0):
+        assert slot[s].get(int(sched.slot_g[t, s])) == (m, i - 1)
+      if k == ticks.B:
+        j = len(chain) - 1 - i
+        assert int(sched.slot_x[t, s]) == saved[(m, j)]
+        assert slot[s][saved[(m, j)]] == (m, j - 1)
+      outs[s] = (m, i)
+      done[m] = i + 1
+    for s, item in outs.items():
+      if sched.local[t, s] != sched.slots:
+        slot[s][int(sched.local[t, s])] = item
+    for r in range(sched.perm.shape[1]):
+      for src, dst in sched.perms[sched.perm[t, r]]:
+        slot[dst][int(sched.recv[t, r, dst])] = outs[src]
+  assert all(done[m] == len(ticks.chain(p)) for m, p in enumerate(sched.paths))
+
+
+def test_two_stage_gpipe_by_hand():
+  # S=2, M=2: t0 F0(0) | t1 F0(1), F(0) | t2 H(0), F(1) | t3 H(1), B(0) | t4 B0(0), B(1) | t5 B0(1)
+  sched = ticks.build([(1,), (1,)], 2, "gpipe")
+  assert sched.num_ticks == 6
+  assert sched.idle_fraction() == pytest.approx(2 / 12)
+  assert [ticks.KIND_NAMES[k] for k in sched.kind[:, 0]] == ["F0", "F0", "H", "H", "B0", "B0"]
+  assert [ticks.KIND_NAMES[k] for k in sched.kind[:, 1]] == ["idle", "F", "F", "B", "B", "idle"]
+  # M=3: H goes by microbatch rank before a later F0; stage 1 may not start B0 before its last F
+  # (t3, t4 idle), stage 0 waits for the last activation (t5 idle)
+  sched = ticks.build([(1,)] * 3, 2, "gpipe")
+  names = lambda s: [ticks.KIND_NAMES[k] for k in sched.kind[:, s]]
+  assert names(0) == ["F0", "F0", "H", "H", "F0", "idle", "H", "B0", "B0", "B0"]
+  assert names(1) == ["idle", "F", "F", "idle", "idle", "F", "B", "B", "B", "idle"]
+  assert list(sched.mb[:, 0]) == [0, 1, 0, 1, 2, 0, 2, 0, 1, 2]
+
+
+@pytest.mark.parametrize("policy", ticks.POLICIES)
+@pytest.mark.parametrize("paths", [FULL, MIXED, MIXED[::-1] * 2])
+def test_tables_replay(paths, policy):
+  _replay(ticks.build(paths, S, policy))
+
+
+def test_1f1b_bounds_memory_and_priority_orders_collisions():
+  full = [(1, 2, 3)] * 12
+  gpipe, one = ticks.build(full, S, "gpipe"), ticks.build(full, S, "1f1b")
+  assert one.slots < gpipe.slots
+  # stage 0 runs F0 in the given priority order
+  order = [5, 4, 3, 2, 1, 0]
+  sched = ticks.build([(1,)] * 6, 2, "gpipe", priority=[order, order])
+  f0 = [int(sched.mb[t, 0]) for t in range(sched.num_ticks) if sched.kind[t, 0] == ticks.F0]
+  assert f0 == order
+
+
+# -------------------------------------------------------------------------------------- pipeline
+
+
+@pytest.mark.parametrize(
+  "paths,policy,lanes,devices",
+  [
+    (FULL, "gpipe", 1, 4),
+    (FULL, "1f1b", 1, 4),
+    (MIXED, "gpipe", 1, 4),
+    (MIXED, "1f1b", 2, 8),
+  ],
+  ids=["full-gpipe-4dev", "full-1f1b-4dev", "skip-swap-gpipe-4dev", "skip-swap-1f1b-2lanes-8dev"],
+)
+def test_pipeline_equals_single_device(params, paths, policy, lanes, devices):
+  sched, batch, loss, grads, text = _run(params, paths, policy, lanes, devices)
+  _assert_equal(params, batch, paths, lanes, loss, grads)
+  # the compiled collective-permutes move data only between consecutive nodes of some path
+  allowed = set()
+  for path in paths:
+    nodes = (0, *path, 0)
+    for a, b in ((a, b) for a, b in zip(nodes, nodes[1:], strict=False) if a != b):
+      allowed |= {(lane * S + a, lane * S + b) for lane in range(lanes)}
+      allowed |= {(lane * S + b, lane * S + a) for lane in range(lanes)}
+  permutes = [c for c in hlo.hlo_collectives(text) if c.kind == "collective-permute"]
+  assert permutes
+  moved = {tuple(p) for c in permutes for p in c.groups}
+  assert moved <= allowed, sorted(moved - allowed)
+  assert {(a, b) for a, b in moved if a < S and b < S} == sched.pairs()
+
+
+def test_bench_bubble_table_smoke(tmp_path):
+  import json
+  import pathlib
+  import subprocess
+  import sys
+
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  out = tmp_path / "pipeline.json"
+  cmd = [
+    sys.executable,
+    str(repo / "bench" / "pipeline.py"),
+    "--parts",
+    "bubbles",
+    "--out",
+    str(out),
+  ]
+  proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads(out.read_text())["bubbles"]["rows"]
+  assert {r["schedule"] for r in rows} >= {"gpipe", "1f1b", "skippipe-1f1b"}
+  for r in rows:  # every microbatch's 2k + 3 operations run once: full paths have k = S - 1
+    if r["paths"] == "full":
+      assert r["busy_ops"] == r["M"] * (2 * (r["S"] - 1) + 3)
