@@ -60,6 +60,13 @@ def _cache_dir(config) -> str:
   return config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
 
 
+def _data_dir(config, source: str) -> str | None:
+  """Where the pipeline keeps a source's prepared files (as `acco_jax.data.prepare` chooses)."""
+  if source.startswith("text:"):
+    return config.data.data_dir or os.path.join(_cache_dir(config), "text_tfds")
+  return config.data.data_dir or None
+
+
 def _list(spec: str) -> list[str]:
   return [s.strip() for s in spec.split(",") if s.strip()]
 
@@ -273,7 +280,7 @@ def run(config, workdir: str, *, interrupt: tuple[str, int] | None = None) -> di
       data.split_documents(
         sources_lib.load_documents(
           plan.source_of[d.name],
-          data_dir=config.data.data_dir or None,
+          data_dir=_data_dir(config, plan.source_of[d.name]),
           text_key=config.data.text_key,
         ),  # fmt: skip
         config.data.eval_fraction,
