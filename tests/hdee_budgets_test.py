@@ -134,3 +134,31 @@ def test_bad_recipe_configs(overrides, match, tmp_path):
     recipe.run(tiny(**overrides), str(tmp_path / "W"))
   assert "\n" not in str(info.value)
   assert not (tmp_path / "W").exists()  # nothing written
+
+
+def test_bench_counts_domains_where_a_heterogeneous_ensemble_is_lowest(tmp_path):
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("bench_hdee", REPO / "bench" / "hdee.py")
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  rules = ("simple_avg", "uniform_prior")
+  # domain a: M_Ho-I_He lowest under both rules; domain b: the homogeneous ensemble lowest
+  ppl = {"a": {"M_Ho-I_Ho": 10.0, "M_Ho-I_He": 9.0, "M_He-I_Ho": 11.0},
+         "b": {"M_Ho-I_Ho": 5.0, "M_Ho-I_He": 6.0, "M_He-I_Ho": 7.0}}  # fmt: skip
+  seeds = []
+  for shift in (0.0, 0.5, 100.0):  # the median ignores the outlying third seed
+    seeds.append({
+      "domains": {"a": {"group": "hard", "iteration": 1}, "b": {"group": "easy", "iteration": 0}},
+      "ppl": {
+        **{lab: {r: {d: ppl[d][lab] + shift for d in ppl} for r in rules} for lab in bench.LABELS},
+        "dense": {"a": 9.5 + shift, "b": 4.0 + shift}, "seed-M": {"a": 20.0, "b": 20.0},
+      },
+    })  # fmt: skip
+  s = bench.summarize(seeds)
+  assert s["hetero_lowest"] == {"simple_avg": 1, "uniform_prior": 1, "best_rule": 1}
+  assert s["ensemble_beats_dense"]["simple_avg"] == 1  # a: 9.5 < 10; b: dense 4.5 < 5.5
+  assert (
+    s["rows"][0]["M_Ho-I_He/simple_avg"] == 9.5 and s["rows"][0]["lowest/simple_avg"] == "M_Ho-I_He"
+  )
+  assert "heterogeneous ensemble lowest in 1 of 2" in bench.table(s, "simple_avg")
