@@ -61,7 +61,7 @@ def get_config(preset: str = "cpu") -> ml_collections.ConfigDict:
     h.budget_flops, h.seed_updates = 2.5e9, 4
     h.prior_sequences, h.eval_sequences, h.max_domain_chars = 8, 8, 30_000
     c.batch.microbatch_size, c.batch.microbatches = 2, 2
-    c.train.log_every, c.ckpt.every = 2, 2
+    c.train.log_every = 4
   elif preset == "cpu":
     c.model.D, c.model.N, c.model.H = 128, 4, 4
     c.data.tokenizer, c.data.seq_len = "byte", 64

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import pathlib
 
+import jax
+import numpy as np
 import pytest
 
 from acco_jax.ensemble import budgets, mixing, recipe
+from acco_jax.run import trainer
 from configs import hdee
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -73,3 +76,20 @@ def test_recipe_resumes_after_a_kill(straight, tmp_path):
   assert results["priors"] == expected["priors"]
   with pytest.raises(ValueError, match=r"holds an HDEE recipe with another config \(hdee.budget_"):
     recipe.run(tiny(**{"hdee.budget_flops": 3e9}), workdir)
+
+
+def test_a_job_starts_from_its_parents_parameters(straight, tmp_path):
+  """One step from init_params = 2 x the seed (no random init is near it) stays near it."""
+  workdir, _ = straight
+  plan = recipe.make_plan(tiny())
+  cfg = plan.model_cfgs["M"]
+  start = jax.tree.map(lambda x: 2 * x, recipe.load_params(f"{workdir}/seed-M/params.npz", cfg))
+  job = budgets.Job("one", "M", "kjv_law", 1, 0.0, "seed-M")
+  got = []
+  trainer.train_and_evaluate(
+    recipe.job_config(tiny(), job, plan.source_of["kjv_law"], plan.sizes["M"]),
+    str(tmp_path / "one"), init_params=start, on_params=got.append,
+  )  # fmt: skip
+  sq = lambda t: sum(float(np.sum(np.square(x))) for x in jax.tree.leaves(t))  # noqa: E731
+  moved = sq(jax.tree.map(lambda a, b: np.asarray(a) - b, got[0], start)) / sq(start)
+  assert moved < 1e-3, moved  # one AdamW step of lr <= 2e-3 per weight
