@@ -9,7 +9,7 @@ under every mixing rule (``<workdir>/results.md``). Rerunning the command resume
 
 Presets: ``tiny`` (tests: 2 experts, 2 iterations, ~1 min on 2 cores), ``cpu`` (the benchmark:
 3 experts, 3 iterations, 12 built-in domains), ``gpt2`` (GPUs: GPT-2-width experts of about
-95M/114M/128M parameters, the paper's "small, close" ratio; bring larger domains with
+96M/115M/129M parameters, the paper's "small, close" ratio; bring larger domains with
 ``name=tfds:...`` in ``hdee.domains``).
 """
 
@@ -68,7 +68,7 @@ def get_config(preset: str = "cpu") -> ml_collections.ConfigDict:
     c.batch.microbatch_size, c.batch.microbatches = 8, 1
     c.opt.warmup_updates = 10
     c.train.log_every, c.train.sample_tokens = 50, 64
-  else:  # gpt2: GPT-2 width and depth, MLP widths give ~95M / 114M / 128M parameters
+  else:  # gpt2: GPT-2 width and depth, MLP widths give 96M / 115M / 129M parameters
     h.sizes = "S:F=1536;M:F=2560;L:F=3328"
     h.budget_flops, h.seed_updates = 6e17, 2000
     h.eval_sequences, h.max_domain_chars = 64, 10_000_000
