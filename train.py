@@ -126,7 +126,12 @@ def main(argv):
   from acco_jax.run import monitor, trainer
 
   try:
-    trainer.train_and_evaluate(config, flags.FLAGS.workdir)
+    if config.method == "hdee":  # an ensemble of independent experts, each its own trainer run
+      from acco_jax.ensemble import recipe
+
+      recipe.run(config, flags.FLAGS.workdir)
+    else:
+      trainer.train_and_evaluate(config, flags.FLAGS.workdir)
   except errors.UserError as e:
     _user_error(str(e), hard=jax.process_count() > 1)
   except Exception as e:

@@ -440,6 +440,9 @@ CLI = [
    r"^error: jax.distributed.initialize: Number of processes must be defined. Set"),
   ("unknown-xla-flag", ["--config", TINY, "--workdir", "W"], {"XLA_FLAGS": "--xla_bogus_flag=1"},
    r"^error: Unknown flag in XLA_FLAGS: --xla_bogus_flag=1: remove or correct it in the XLA_FLAGS"),
+  ("hdee-unknown-mode",
+   ["--config", "configs/hdee.py:tiny", "--workdir", "W", "--config.hdee.modes=steps,bogus"], {},
+   r"^error: hdee.modes: unknown mode 'bogus': choose from homogeneous, steps, sizes$"),
 ]  # fmt: skip
 
 

@@ -75,11 +75,15 @@ class _Preemption:
       signal.signal(sig, old)
 
 
-def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -> dict:
+def train_and_evaluate(
+  config, workdir: str, *, max_stages: int | None = None, init_params=None, on_params=None
+) -> dict:
   """Trains the config's model with its method; returns the final metrics.
 
   ``max_stages`` stops early (with a checkpoint) after that many stages in total, as a preemption
-  would; rerunning continues the same trajectory.
+  would; rerunning continues the same trajectory. ``init_params`` (a parameter tree) replaces the
+  random initialisation of a fresh run (a continued expert, acco_jax.ensemble); ``on_params`` is
+  called with the final parameters once the run has finished (not when it stops early).
   """
   lead = jax.process_index() == 0
   if os.path.exists(workdir) and not os.path.isdir(workdir):
@@ -139,6 +143,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
   else:
     start = 0
     params = model.init_params(run.model_cfg, config.train.seed)
+    if init_params is not None:
+      params = jax.tree.map(lambda p, q: jnp.asarray(q, p.dtype), params, init_params)
     if run.loco:
       state = train.init(params)
     else:
@@ -352,6 +358,8 @@ def train_and_evaluate(config, workdir: str, *, max_stages: int | None = None) -
         writer.write(at, train.outer_row(outer))
       summary.update(_loco_summary(train, wire_bytes))
     final = train.params(state)
+    if on_params is not None:
+      on_params(final)
     if evaluated_at != stage:  # the last update may have been evaluated already
       ev = evaluate(run, config, final, eval_fn)
       writer.write(stage, {"update": updates_done(config, stage), **ev})

@@ -1,0 +1,95 @@
+"""The HDEE recipe end to end at tiny scale: one command's jobs, results, and resume after a kill."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from acco_jax.ensemble import budgets, mixing, recipe
+from acco_jax.run import trainer
+from configs import hdee
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CACHE = REPO / ".pytest_cache" / "acco_data"
+
+
+def tiny(**overrides):
+  """Two experts of one size (mode 'steps'), one iteration each, and a held-out domain each."""
+  c = hdee.get_config("tiny")
+  c.data.cache_dir = str(CACHE)
+  c.ckpt.async_save = False
+  c.hdee.modes = "steps"
+  c.hdee.domains = "hard:1:code_asyncio,hard:0:code_unittest,easy:1:kjv_law,easy:0:kjv_gospels"
+  c.hdee.budget_flops = 1.5e9
+  c.train.sample_tokens = 0
+  for key, value in overrides.items():
+    group, _, field = key.rpartition(".")
+    (c[group] if group else c)[field] = value
+  return c
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("hdee") / "straight")
+  return workdir, recipe.run(tiny(), workdir)
+
+
+def test_one_command_runs_seed_experts_and_evaluation(straight):
+  workdir, results = straight
+  names = [j["name"] for j in results["plan"]]
+  assert names == ["seed-M", "steps/hard-1", "steps/easy-1"]
+  steps = {j["name"]: j["steps"] for j in results["plan"]}
+  hard, easy = steps["steps/hard-1"], steps["steps/easy-1"]
+  assert 3 * easy <= hard < 3 * (easy + 1)  # step weights 1.5 : 0.5, each rounded down
+  for name in names:
+    assert os.path.isfile(os.path.join(workdir, name, "params.npz"))
+  ppl = results["ppl"]["M_Ho-I_He"]
+  assert set(ppl) == set(mixing.RULES)
+  domains = ["code_asyncio", "code_unittest", "kjv_law", "kjv_gospels"]
+  for rule in mixing.RULES:
+    assert set(ppl[rule]) == set(domains) and all(1 < v < 300 for v in ppl[rule].values())
+  experts = results["experts"]["M_Ho-I_He"]
+  for d in domains:  # the posterior mixture is never much worse than its best expert
+    best = min(e[d] for e in experts.values())
+    assert ppl["uniform_prior"][d] < best * 1.05
+  assert os.path.isfile(os.path.join(workdir, "results.md"))
+  assert budgets.MODE_LABELS["steps"] in open(os.path.join(workdir, "results.md")).read()
+
+
+def test_recipe_resumes_after_a_kill(straight, tmp_path):
+  _, expected = straight
+  workdir = str(tmp_path / "killed")
+  # stop inside the seed, after its checkpoint at stage 2 (what a kill after a checkpoint leaves)
+  assert recipe.run(tiny(), workdir, interrupt=("seed-M", 2)) == {}
+  assert os.path.isdir(os.path.join(workdir, "seed-M", "checkpoints"))
+  assert not os.path.exists(os.path.join(workdir, "seed-M", "params.npz"))
+  assert not os.path.exists(os.path.join(workdir, "steps"))
+  results = recipe.run(tiny(), workdir)
+  # resume reruns the same programs from the same state: the same numbers, bit for bit
+  assert results["ppl"] == expected["ppl"]
+  assert results["priors"] == expected["priors"]
+  with pytest.raises(ValueError, match=r"holds an HDEE recipe with another config \(hdee.budget_"):
+    recipe.run(tiny(**{"hdee.budget_flops": 3e9}), workdir)
+
+
+def test_a_job_starts_from_its_parents_parameters(straight, tmp_path):
+  """One step from init_params = 2 x the seed (no random init is near it) stays near it."""
+  workdir, _ = straight
+  plan = recipe.make_plan(tiny())
+  cfg = plan.model_cfgs["M"]
+  start = jax.tree.map(lambda x: 2 * x, recipe.load_params(f"{workdir}/seed-M/params.npz", cfg))
+  job = budgets.Job("one", "M", "kjv_law", 1, 0.0, "seed-M")
+  got = []
+  trainer.train_and_evaluate(
+    recipe.job_config(tiny(), job, plan.source_of["kjv_law"], plan.sizes["M"]),
+    str(tmp_path / "one"), init_params=start, on_params=got.append,
+  )  # fmt: skip
+  sq = lambda t: sum(float(np.sum(np.square(x))) for x in jax.tree.leaves(t))  # noqa: E731
+  moved = sq(jax.tree.map(lambda a, b: np.asarray(a) - b, got[0], start)) / sq(start)
+  assert moved < 1e-3, moved  # one AdamW step of lr <= 2e-3 per weight
