@@ -152,8 +152,10 @@ def train_and_evaluate(
       prime = next(_stream(run, config, run.tokens.train, prime_rows, seed=config.train.seed + 1))
       state = train.init(params, parallel.global_batch(prime, mesh))
     events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
-  if start >= run.total_stages:  # nothing left: report the finished run, write nothing
+  if start >= run.total_stages:  # nothing left: report the finished run, train nothing
     ckpt.close()
+    if on_params is not None:  # a kill may have come between the last checkpoint and this call
+      on_params(train.params(state))
     return _finished(run, config, workdir, start, float(extra.get("wire_bytes", 0.0)), lead)
   ckpt = ckpt or open_ckpt()
   writer = metrics_lib.MetricWriter(workdir, enabled=lead)
