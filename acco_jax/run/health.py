@@ -40,7 +40,10 @@ from acco_jax import errors
 
 HEALTH_FILE = "health.json"
 _IDENTITY = "acco_jax/identity/"  # this process's host, pid and launch index
-_FAULT = "acco_jax/fault"  # the first verdict of the job: the others adopt it
+# the first verdict of the job, which the others adopt (key_value_dir_get lists a directory, so
+# every key read through it lives under one, with a trailing slash)
+_FAULTS = "acco_jax/fault/"
+_FAULT = _FAULTS + "first"
 _DONE = "acco_jax/done/"  # a survivor has written its verdict and leaves
 VERDICTS = ("dead", "hung", "slow")
 
@@ -250,7 +253,7 @@ class Recorder:
 
   def peer_fault(self) -> dict | None:
     """The verdict another process published, if any (the watchdog polls it)."""
-    value = self._dir(_FAULT).get(_FAULT)
+    value = self._dir(_FAULTS).get(_FAULT)
     return json.loads(value) if value else None
 
   def conclude(self, *, error: BaseException | None = None, slow: list | None = None) -> dict:
@@ -334,10 +337,12 @@ class Recorder:
       "hang_timeout_s": dog.timeout_s, "heartbeat_interval_s": dog.interval_s,
       "error": None if error is None else " ".join(str(error).split())[:500],
       "first_detected_by": me if published is None else published.get("detected_by"),
+      "first_detected_at": now if published is None else published.get("detected_at"),
       "processes": procs, "probe": self.probe,
     }  # fmt: skip
     if published is None and kind != "slow":  # the first verdict of the job: the others adopt it
-      first = {"verdict": kind, "suspects": named, "error": verdict["error"], "detected_by": me}
+      first = {"verdict": kind, "suspects": named, "error": verdict["error"], "detected_by": me,
+               "detected_at": now}  # fmt: skip
       self._set(_FAULT, json.dumps(first), overwrite=False)
       theirs = self.peer_fault()
       if theirs and theirs["suspects"] != named:  # another process decided first
@@ -348,6 +353,7 @@ class Recorder:
     named = published["suspects"]
     verdict.update(
       verdict=published["verdict"], suspects=named, first_detected_by=published.get("detected_by"),
+      first_detected_at=published.get("detected_at"),
       error=verdict["error"] or published.get("error"),
       cause="; ".join(f"process {s['process']} ({s['reason']})" for s in named) or verdict["cause"],
       exclude=sorted(set(self.launch.excluded) | {s["launch_id"] for s in named}),
@@ -374,4 +380,5 @@ class Recorder:
 
   def message(self) -> str:
     v = self.verdict
-    return f"health.json: verdict {v['verdict']}: {v['cause']}"
+    named = {"slow": "slow worker(s): "}.get(v["verdict"], "peer(s) stopped: ")
+    return f"health.json: verdict {v['verdict']}, {named if v['suspects'] else ''}{v['cause']}"

@@ -196,14 +196,17 @@ class Watchdog:
       what = f"another process found a {peer_fault['verdict']} peer"
     else:
       what = f"no progress for {idle:.1f} s after stage {self._stage}"
-    text = (
-      f"process {self.process_index}: {what} (health.hang_timeout_s={self.timeout_s:g}); "
-      f"{self.diagnose()}. Ending the run; restart all processes with the same command to resume "
-      "from the last checkpoint"
+    verdict = self.recorder is not None and self.recorder.verdict is not None
+    found = (
+      f"{self.recorder.message()}; health.exclude=auto leaves the suspects out"
+      if verdict
+      else self.diagnose()
     )
-    if self.recorder is not None and self.recorder.verdict is not None:
-      text += f" ({self.recorder.message()}; health.exclude=auto leaves the suspects out)"
-    return text
+    return (
+      f"process {self.process_index}: {what} (health.hang_timeout_s={self.timeout_s:g}); {found}. "
+      "Ending the run; restart all processes with the same command to resume from the last "
+      "checkpoint"
+    )
 
   def _run(self) -> None:
     while not self._stop.wait(self.interval_s):

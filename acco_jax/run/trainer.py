@@ -388,7 +388,7 @@ def train_and_evaluate(
   except Exception as e:
     if watchdog is not None and monitor.is_collective_failure(e):  # say which peer is gone
       recorder.conclude(error=e)  # health.json, after the dead peer's heartbeat has gone stale
-      e.add_note(f"process {jax.process_index()}: {watchdog.diagnose()}; {recorder.message()}")
+      e.add_note(f"process {jax.process_index()}: {recorder.message()}")
     raise
   finally:
     feed.close()
