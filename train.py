@@ -116,7 +116,11 @@ def main(argv):
     except health.Excluded as e:
       print(e, flush=True)
       sys.exit(0)
-    parallel.initialize_distributed(config.dist.initialize, **dist, timeout_s=config.dist.timeout_s)
+    hang = config.health.hang_timeout_s  # jax.distributed's own abort must not come first
+    parallel.initialize_distributed(
+      config.dist.initialize, **dist, timeout_s=config.dist.timeout_s,
+      heartbeat_timeout_s=max(100, int(hang) + 60) if hang > 0 else 0,
+    )  # fmt: skip
     try:  # start the backend: JAX fails on JAX_PLATFORMS=cuda without its plugin with no message
       parallel.jax.devices()
     except AssertionError:

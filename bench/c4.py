@@ -148,9 +148,11 @@ def scenario(name: str, tmp: Path, rng: random.Random, timeout_s: float, cap: fl
   verdict = json.loads((workdir / "health.json").read_text()) if watchdog else None
   if verdict is None:
     out.update(detection_s=first_exit - t_fault, exit_s=last_exit - first_exit)
-    tail = (workdir.parent / f"{name}-first-p0.log").read_text()[-4000:]
-    out["ended"] = ("jax.distributed heartbeat timeout (abort)" if "Terminating process" in tail
-                    else "gloo error, exit 75" if "Gloo" in tail else f"exit {codes}")  # fmt: skip
+    text = (workdir.parent / f"{name}-first-p0.log").read_text()
+    abort = [x for x in text.splitlines() if "Terminating process" in x or "heartbeat" in x.lower()]
+    out["ended"] = (f"abort by jax.distributed (exit {codes[0]})" if abort
+                    else "gloo error, exit 75" if "Gloo" in text else f"exit {codes}")  # fmt: skip
+    out["log"] = (abort or [x for x in text.splitlines() if "Gloo" in x] or [""])[:3]
     return out
   detected = verdict["first_detected_at"]
   out.update(detection_s=detected - t_fault, exit_s=last_exit - detected,
@@ -165,9 +167,10 @@ def scenario(name: str, tmp: Path, rng: random.Random, timeout_s: float, cap: fl
   try:
     deadline = t_launch + 600
     while True:
-      done = [r for r in rows(workdir) if r.get("event") == "restored"][restored_before:]
-      if done and last_stage(workdir) > done[0]["stage"]:
-        t_first = time.time()
+      log = rows(workdir)
+      at = [i for i, r in enumerate(log) if r.get("event") == "restored"][restored_before:]
+      if at and any("loss" in r for r in log[at[0] :]):  # a stage trained after the restore
+        t_first, done = time.time(), [log[at[0]]]
         break
       if time.time() > deadline or any(p.poll() is not None for p in procs.values()):
         raise RuntimeError(f"{name}: the restart did not train")

@@ -336,3 +336,57 @@ def test_faulty_process_is_named_and_the_run_resumes_without_it(tmp_path):
   assert step < resumed_step <= max(stages(reference))  # both trained after the restore
   print(f"4x2 processes: SIGKILL -> exit 75 in {killed_s:.1f} s; 3x2 resumed at stage {step} on "
         f"6 devices; SIGSTOP -> exit 75 in {frozen_s:.1f} s (timeout {TIMEOUT_S} s)")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_slow_worker_is_excluded_after_a_checkpoint(tmp_path):
+  """2 processes x 1 device; process 1 sleeps 50 ms per microbatch. With on_slow=exclude and a
+  patience of 2 probes, both save a checkpoint at the second probe, write a `slow` verdict
+  naming process 1 and exit 75 together: the restart loses no stage."""
+  workdir, port = tmp_path / "run", free_port()
+  workdir.mkdir()
+  extra = {"mesh.cpu_devices": 1, "dist.num_processes": 2, "health.probe_every": 2,
+           "health.on_slow": "exclude", "health.slow_patience": 2, "hetero.slowdown": "1:0.05",
+           "health.hang_timeout_s": 0, "ckpt.every": 0}  # fmt: skip
+  procs = []
+  for i in range(2):
+    cmd = command(workdir, port, i, "off")
+    cmd += [f"--config.{k}={v}" for k, v in extra.items()]
+    log = open(tmp_path / f"slow-p{i}.log", "w")
+    procs.append(subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=log,
+                                  stderr=subprocess.STDOUT))  # fmt: skip
+  try:
+    codes = [p.wait(timeout=240) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait(timeout=30)
+  log = (tmp_path / "slow-p0.log").read_text()
+  assert codes == [monitor.HANG_EXIT_CODE] * 2, log[-3000:]
+  verdict = json.loads((workdir / "health.json").read_text())
+  assert verdict["verdict"] == "slow" and verdict["exclude"] == [1], verdict
+  assert verdict["suspects"][0]["reason"].endswith("x the others' microbatch time"), verdict
+  assert verdict["probe"]["mb_vs_median"][1] > 2, verdict["probe"]
+  events = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+  (excluded,) = [e for e in events if e.get("event") == "excluded"]
+  assert excluded["stage"] == 2 == verdict["last_checkpoint_step"]  # probes at stages 0 and 2
+  assert "health.on_slow=exclude" in (tmp_path / "slow-p0.log").read_text()
+
+
+def test_jax_heartbeat_timeout_stays_above_the_watchdog(monkeypatch):
+  """jax.distributed aborts every process when a peer misses heartbeats for its timeout (100 s by
+  default): above health.hang_timeout_s, so that the watchdog writes the verdict first."""
+  import jax
+
+  from acco_jax.run import parallel
+
+  seen = {}
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
+  parallel.initialize_distributed("on", coordinator_address="127.0.0.1:1", num_processes=1,
+                                  process_id=0, heartbeat_timeout_s=660)  # fmt: skip
+  assert seen["heartbeat_timeout_seconds"] == 660
+  seen.clear()
+  parallel.initialize_distributed("on", coordinator_address="127.0.0.1:1", num_processes=1,
+                                  process_id=0)  # fmt: skip
+  assert "heartbeat_timeout_seconds" not in seen  # JAX's default
