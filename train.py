@@ -101,16 +101,25 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:  # keep the terminal to progress lines and results
     logging.set_verbosity(logging.WARNING)
   from acco_jax import errors
-  from acco_jax.run import parallel  # jax is imported; its backend starts at the first operation
+  from acco_jax.run import health, monitor, parallel  # jax is imported, its backend not started
 
   known = {f.split("=")[0] for f in parallel.GPU_OVERLAP_FLAGS}
   _check_xla_flags(known | {"--xla_force_host_platform_device_count"})
   try:
     parallel.configure_platform(cpu_devices=config.mesh.cpu_devices)
+    try:  # health.exclude=auto: the launch's processes less those health.json names
+      launch, dist = health.exclusion(
+        config.health.exclude, flags.FLAGS.workdir,
+        coordinator_address=config.dist.coordinator_address,
+        num_processes=config.dist.num_processes, process_id=config.dist.process_id,
+      )  # fmt: skip
+    except health.Excluded as e:
+      print(e, flush=True)
+      sys.exit(0)
+    hang = config.health.hang_timeout_s  # jax.distributed's own abort must not come first
     parallel.initialize_distributed(
-      config.dist.initialize, coordinator_address=config.dist.coordinator_address,
-      num_processes=config.dist.num_processes, process_id=config.dist.process_id,
-      timeout_s=config.dist.timeout_s,
+      config.dist.initialize, **dist, timeout_s=config.dist.timeout_s,
+      heartbeat_timeout_s=max(100, int(hang) + 60) if hang > 0 else 0,
     )  # fmt: skip
     try:  # start the backend: JAX fails on JAX_PLATFORMS=cuda without its plugin with no message
       parallel.jax.devices()
@@ -123,7 +132,7 @@ def main(argv):
     _user_error(str(e))
   import jax
 
-  from acco_jax.run import monitor, trainer
+  from acco_jax.run import trainer
 
   try:
     if config.method == "hdee":  # an ensemble of independent experts, each its own trainer run
@@ -131,9 +140,12 @@ def main(argv):
 
       recipe.run(config, flags.FLAGS.workdir)
     else:
-      trainer.train_and_evaluate(config, flags.FLAGS.workdir)
+      trainer.train_and_evaluate(config, flags.FLAGS.workdir, launch=launch)
   except errors.UserError as e:
     _user_error(str(e), hard=jax.process_count() > 1)
+  except health.RestartWithout as e:  # checkpointed; every process leaves together
+    print(e, file=sys.stderr, flush=True)
+    sys.exit(monitor.HANG_EXIT_CODE)
   except Exception as e:
     if jax.process_count() == 1:
       raise

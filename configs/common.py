@@ -107,6 +107,14 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.health.hang_timeout_s = 600.0  # no progress this long: end the run, name the peer (0 = off)
   c.health.probe_every = 0  # stages between speed probes that name slow workers (0 = off)
   c.health.slow_factor = 2.0  # warn about processes this many times slower than the others
+  # A process slow in slow_patience probes in a row: keep it (ACCO's adaptive budgets absorb it) or
+  # exclude it (checkpoint, health.json names it, exit 75); auto = keep for acco with
+  # hetero.adaptive, exclude otherwise (docs/reliability.md, "Restarting without a faulty process")
+  c.health.on_slow = "auto"  # auto | keep | exclude
+  c.health.slow_patience = 3
+  # auto: on start, leave out the processes <workdir>/health.json names (explicit launches with
+  # dist.coordinator_address; under SLURM, scripts/slurm_requeue.sbatch excludes the hosts)
+  c.health.exclude = "off"  # off | auto
 
   c.opt = ml_collections.ConfigDict()
   c.opt.name = "adamw"  # adamw | sgd | lion

@@ -177,6 +177,14 @@ CONFIGS += [  # quantized communication (the comm group)
   ("comm-quantize-with-dpu", {"method": "dpu", "comm.quantize": "int8"}, ValueError,
    r"comm.quantize='int8' applies to method acco or zero1, not dpu; set comm.quantize=none"),
 ]  # fmt: skip
+CONFIGS += [  # health (acco_jax.run.health.check_config)
+  ("unknown-on-slow", {"health.on_slow": "drop"}, ValueError,
+   r"health.on_slow='drop': choose 'keep', 'exclude' or 'auto'"),
+  ("unknown-exclude", {"health.exclude": "yes"}, ValueError,
+   r"health.exclude='yes': choose 'off' or 'auto'"),
+  ("zero-slow-patience", {"health.slow_patience": 0}, ValueError,
+   r"health.slow_patience=0 must be >= 1 \(probes\)"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -96,6 +96,7 @@ def launch(workdir: Path, tag: str) -> list[subprocess.Popen]:
            "--config.train.sample_tokens=0", "--config.ckpt.every=2",
            "--config.ckpt.async_save=False", f"--config.health.hang_timeout_s={TIMEOUT_S}",
            "--config.health.probe_every=4", "--config.hetero.slowdown=1:0.02",
+           "--config.health.on_slow=keep",
            f"--config.data.cache_dir={REPO / '.pytest_cache' / 'acco_data'}"]  # fmt: skip
     log = open(workdir.parent / f"{tag}-p{i}.log", "w")
     procs.append(subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=log, stderr=log))

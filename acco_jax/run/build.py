@@ -22,7 +22,7 @@ from acco_jax.dp import hetero, methods, quantize
 from acco_jax.dp.flat import FlatLayout
 from acco_jax.dp.step import make_train_step
 from acco_jax.loco import step as loco_lib
-from acco_jax.run import optim, parallel
+from acco_jax.run import health, optim, parallel
 
 
 class Run(NamedTuple):
@@ -84,6 +84,7 @@ def build(config) -> Run:
       f"{', '.join(methods.METHODS + loco.METHODS)}"
     )
   _check_config(config)
+  health.check_config(config)
   is_loco = config.method in loco.METHODS
   method = _check_loco(config) if is_loco else None
   mesh = parallel.make_mesh(config.mesh.num_devices)

@@ -55,6 +55,24 @@ def slow_message(mb_time_s, factor: float, stage: int) -> str | None:
   )
 
 
+class SlowStreak:
+  """Processes slower than ``factor`` times the others in ``patience`` consecutive probes.
+
+  A single slow probe (a page fault, a checkpoint write) names nobody; a process slow ``patience``
+  times in a row is what ``health.on_slow=exclude`` acts on.
+  """
+
+  def __init__(self, factor: float, patience: int):
+    self.factor, self.patience = factor, patience
+    self.streak: dict[int, int] = {}
+
+  def observe(self, mb_time_s) -> list[tuple[int, float]]:
+    """Counts this probe; returns ``(process, slowdown)`` of those slow ``patience`` times in a row."""
+    slow = dict(slow_workers(mb_time_s, self.factor))
+    self.streak = {p: self.streak.get(p, 0) + 1 for p in slow}
+    return [(p, s) for p, s in slow.items() if self.streak[p] >= self.patience]
+
+
 _TRANSPORT_ERRORS = ("Gloo", "NCCL", "onnection", "coordination service", "UNAVAILABLE",
                      "DEADLINE_EXCEEDED")  # fmt: skip
 
@@ -104,6 +122,7 @@ class Watchdog:
     self.on_hang = on_hang or self._exit
     self._stage, self._last = 0, time.time()
     self._armed = False
+    self.recorder = None  # an acco_jax.run.health.Recorder: writes the verdict before the exit
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="acco-watchdog", daemon=True)
 
@@ -118,6 +137,24 @@ class Watchdog:
 
   def stop(self) -> None:
     self._stop.set()
+
+  @property
+  def stage(self) -> int:
+    """The last stage the loop completed."""
+    return self._stage
+
+  def heartbeats(self) -> dict[int, tuple[int, float]]:
+    """``{process: (stage, unix time)}`` of the last heartbeat of each process that sent one.
+
+    Raises when there is no key-value store or the coordinator is unreachable.
+    """
+    if self.client is None:
+      raise RuntimeError("no jax.distributed key-value store")
+    out = {}
+    for key, value in self.client.key_value_dir_get(_PREFIX):
+      stage, at = value.split()
+      out[int(key[len(_PREFIX) :])] = (int(stage), float(at))
+    return out
 
   def _beat(self) -> None:
     if self.client is not None:
@@ -138,36 +175,49 @@ class Watchdog:
     if self.client is None:
       return "no jax.distributed key-value store to ask which peer stopped"
     try:
-      beats = dict(self.client.key_value_dir_get(_PREFIX))
+      beats = self.heartbeats()
     except Exception as e:
       return f"the coordinator (process 0) is unreachable ({type(e).__name__})"
     now, silent = time.time(), []
     for p in range(self.process_count):
-      value = beats.get(f"{_PREFIX}{p}")
-      if value is None:
+      if p not in beats:
         silent.append(f"process {p} (no heartbeat)")
         continue
-      stage, at = value.split()
-      if now - float(at) > 3 * self.interval_s:
-        silent.append(f"process {p} (silent for {now - float(at):.0f} s, last at stage {stage})")
+      stage, at = beats[p]
+      if now - at > 3 * self.interval_s:
+        silent.append(f"process {p} (silent for {now - at:.0f} s, last at stage {stage})")
     if not silent:
       return "every process still sends heartbeats: a collective or the network is stuck"
     return "peer(s) stopped: " + ", ".join(silent)
 
-  def message(self) -> str:
+  def message(self, peer_fault: dict | None = None) -> str:
     idle = time.time() - self._last
+    if peer_fault is not None:
+      what = f"another process found a {peer_fault['verdict']} peer"
+    else:
+      what = f"no progress for {idle:.1f} s after stage {self._stage}"
+    verdict = self.recorder is not None and self.recorder.verdict is not None
+    found = (
+      f"{self.recorder.message()}; health.exclude=auto leaves the suspects out"
+      if verdict
+      else self.diagnose()
+    )
     return (
-      f"process {self.process_index}: no progress for {idle:.1f} s after stage {self._stage} "
-      f"(health.hang_timeout_s={self.timeout_s:g}); {self.diagnose()}. Ending the run; restart "
-      "all processes with the same command to resume from the last checkpoint"
+      f"process {self.process_index}: {what} (health.hang_timeout_s={self.timeout_s:g}); {found}. "
+      "Ending the run; restart all processes with the same command to resume from the last "
+      "checkpoint"
     )
 
   def _run(self) -> None:
     while not self._stop.wait(self.interval_s):
       self._beat()
-      if self._armed and time.time() - self._last > self.timeout_s:
+      fault = self.recorder.peer_fault() if self.recorder is not None else None
+      if fault is not None or (self._armed and time.time() - self._last > self.timeout_s):
         self._armed = False
-        self.on_hang(self.message())
+        if self.recorder is not None:
+          self.recorder.conclude()
+        self.on_hang(self.message(fault))
+        return
 
   @staticmethod
   def _exit(message: str) -> None:

@@ -129,7 +129,7 @@ def configure_platform(*, cpu_devices: int = 0, gpu_overlap: bool = True) -> Non
 
 def initialize_distributed(mode: str = "auto", *, coordinator_address: str = "",
                            num_processes: int = 0, process_id: int = -1,
-                           timeout_s: int = 300) -> bool:  # fmt: skip
+                           timeout_s: int = 300, heartbeat_timeout_s: int = 0) -> bool:  # fmt: skip
   """Starts ``jax.distributed`` for multi-host runs. Returns whether it was initialised.
 
   Args:
@@ -140,6 +140,9 @@ def initialize_distributed(mode: str = "auto", *, coordinator_address: str = "",
     num_processes: total processes.
     process_id: this process's index.
     timeout_s: how long to wait for all processes to join.
+    heartbeat_timeout_s: after how long without heartbeats ``jax.distributed`` declares a process
+      dead and aborts every process (0: JAX's default, 100 s in jax 0.10.2). ``train.py`` keeps it
+      above ``health.hang_timeout_s``, so that the watchdog, which writes the verdict, fires first.
   """
   if mode not in ("auto", "on", "off"):
     raise errors.UserValueError(f"dist.initialize must be 'auto', 'on' or 'off', got {mode!r}")
@@ -150,6 +153,8 @@ def initialize_distributed(mode: str = "auto", *, coordinator_address: str = "",
   if mode == "auto" and not (in_slurm or explicit or os.environ.get("JAX_COORDINATOR_ADDRESS")):
     return False
   kwargs = {"initialization_timeout": timeout_s}
+  if heartbeat_timeout_s > 0:
+    kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_s)
   if not explicit and (num_processes > 0 or process_id >= 0):  # JAX reads only the address
     kwargs.update(
       num_processes=num_processes or None, process_id=None if process_id < 0 else process_id

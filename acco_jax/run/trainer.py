@@ -26,7 +26,7 @@ from acco_jax import data, errors, model
 from acco_jax.dp import hetero, methods, quantize
 from acco_jax.dp import reshard as reshard_lib
 from acco_jax.loco import step as loco_lib
-from acco_jax.run import checkpoint, monitor, parallel
+from acco_jax.run import checkpoint, health, monitor, parallel
 from acco_jax.run import metrics as metrics_lib
 from acco_jax.run.build import Run as Run
 from acco_jax.run.build import build as build
@@ -76,7 +76,13 @@ class _Preemption:
 
 
 def train_and_evaluate(
-  config, workdir: str, *, max_stages: int | None = None, init_params=None, on_params=None
+  config,
+  workdir: str,
+  *,
+  max_stages: int | None = None,
+  init_params=None,
+  on_params=None,
+  launch: health.Launch | None = None,
 ) -> dict:
   """Trains the config's model with its method; returns the final metrics.
 
@@ -84,6 +90,8 @@ def train_and_evaluate(
   would; rerunning continues the same trajectory. ``init_params`` (a parameter tree) replaces the
   random initialisation of a fresh run (a continued expert, acco_jax.ensemble); ``on_params`` is
   called with the final parameters once the run has finished (not when it stops early).
+  ``launch``: this run's processes among those it was launched with, when ``health.exclude=auto``
+  left some out (:func:`health.exclusion`).
   """
   lead = jax.process_index() == 0
   if os.path.exists(workdir) and not os.path.isdir(workdir):
@@ -124,6 +132,7 @@ def train_and_evaluate(
       check_comm(extra, config, train)  # LoCo steps keep no residual: always the same
 
     target = train.abstract_state(run.params_shapes)
+    restore_t0 = time.time()
     try:
       state, extra = ckpt.restore(None, target, reshard=reshard, check_extra=check)
       start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
@@ -139,7 +148,8 @@ def train_and_evaluate(
       if lead:
         print(f"resharded the checkpoint of stage {start} from {saved_n[-1]} to {n} devices; "
               f"data continues at global batch {position['step']}", flush=True)  # fmt: skip
-    events.append(("restored", dict(stage=start, workdir=workdir)))
+    events.append(("restored", dict(stage=start, workdir=workdir, restore_s=time.time() - restore_t0,
+                                    time=time.time())))  # fmt: skip
   else:
     start = 0
     params = model.init_params(run.model_cfg, config.train.seed)
@@ -192,12 +202,17 @@ def train_and_evaluate(
   rows_per_microbatch = config.batch.microbatch_size
 
   # -- the loop -----------------------------------------------------------------------------------
-  watchdog, in_flight = None, None
-  if jax.process_count() > 1 and config.health.hang_timeout_s > 0:
-    watchdog = monitor.Watchdog(
-      config.health.hang_timeout_s, process_index=jax.process_index(),
+  watchdog, in_flight, recorder, slow = None, None, None, None
+  if jax.process_count() > 1:  # the verdict (health.json) and the policy for slow workers
+    dog = monitor.Watchdog(
+      config.health.hang_timeout_s or float("inf"), process_index=jax.process_index(),
       process_count=jax.process_count(),
-    ).start()  # fmt: skip
+    )  # fmt: skip
+    recorder = dog.recorder = health.Recorder(workdir, dog, launch)
+    if health.on_slow(config) == "exclude":
+      slow = monitor.SlowStreak(config.health.slow_factor, config.health.slow_patience)
+    if config.health.hang_timeout_s > 0:
+      watchdog = dog.start()
   preempt = _Preemption()
   progress = metrics_lib.Progress(run.total_stages, start, enabled=lead)
   t_start = time.time()
@@ -282,6 +297,22 @@ def train_and_evaluate(
       adapt = policy is not None and (stage == start or stage % config.hetero.adapt_every == 0)
       if adapt or (config.health.probe_every and stage % config.health.probe_every == 0):
         times = _probe(train, state, batch, stage, config.health.slow_factor, writer)
+        if recorder is not None:
+          recorder.probed(stage, times)
+          excluded = slow.observe(times[:, 0]) if slow is not None else []
+          if excluded:  # checkpoint here, then restart without them: no work is lost
+            flush()
+            if ckpt.latest_step() != stage:
+              save(stage)
+            ckpt.wait()
+            verdict = recorder.conclude(slow=excluded)
+            writer.event("excluded", stage=stage, verdict=verdict["verdict"],
+                         suspects=verdict["suspects"])  # fmt: skip
+            raise health.RestartWithout(
+              f"stage {stage}: {recorder.message()} for {config.health.slow_patience} probes "
+              f"in a row (health.on_slow=exclude); checkpoint saved at stage {stage}; restart "
+              "with health.exclude=auto to resume without them"
+            )
         if policy is not None:
           per_device = [times[d.process_index, 0] for d in mesh.devices.flat]
           changed = policy.observe(per_device, float(times[:, 1].max()))
@@ -373,7 +404,8 @@ def train_and_evaluate(
       summary["sample"] = sample(run, config, final, workdir)
   except Exception as e:
     if watchdog is not None and monitor.is_collective_failure(e):  # say which peer is gone
-      e.add_note(f"process {jax.process_index()}: {watchdog.diagnose(settle=True)}")
+      recorder.conclude(error=e)  # health.json, after the dead peer's heartbeat has gone stale
+      e.add_note(f"process {jax.process_index()}: {recorder.message()}")
     raise
   finally:
     feed.close()
