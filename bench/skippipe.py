@@ -13,7 +13,9 @@ Three tables (``--part``):
 * ``convergence``: a small GPT (8 blocks) trained with SkipPipe paths on 8 simulated devices
   (zero1, every worker holds the whole model), scheduled on the geo preset with S = 8, for each
   skip ratio with and without swaps, against normal training; equal iterations, final eval loss of
-  the full model, over seeds.
+  the full model, over seeds. One process runs every run, with one compiled step per path length;
+  normal training is the identity order through the skip-0 step (equal to ``model.loss_fn`` to
+  float tolerance, tests/skippipe_train_test.py).
 * ``omission``: for the models of ``convergence`` (normal, and SkipPipe at skip 0.5), the eval loss
   of the full model, of every other stage (stages 0, 2, 4, 6: half the blocks) and of random
   half-paths (stage 0 and 3 random stages in order), relative to the full model.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 
@@ -53,7 +56,9 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
       t0 = time.perf_counter()
       part = assign.assign(topo, costs, s, seed=0)
       rnd_part = [
-        assign.cost(topo, costs, assign.random_partition(topo.num_nodes, s, np.random.default_rng(i)))
+        assign.cost(
+          topo, costs, assign.random_partition(topo.num_nodes, s, np.random.default_rng(i))
+        )
         for i in range(20)
       ]
       gpipe = schedule.full_pipeline(topo, costs, part, num_mb, "gpipe").makespan
@@ -103,65 +108,93 @@ def _config(seed: int, skip: float | None, swap: bool, conv: dict):
   c.batch.microbatch_size, c.batch.microbatches = conv["microbatch_size"], conv["microbatches"]
   c.train.num_updates, c.train.seed = conv["num_updates"], seed
   c.train.eval_batches = 8
-  c.opt.lr, c.opt.warmup_updates = conv["lr"], 5
+  c.opt.lr, c.opt.warmup_updates = conv["lr"], min(5, conv["num_updates"] - 1)
   c.pipeline.stages = 0 if skip is None else STAGES
   c.pipeline.skip, c.pipeline.swap = skip or 0.0, swap
   c.pipeline.seed = seed
   return c
 
 
-def _train(config):
-  """Trains with the trainer's pieces (build, the ordered stream, the step) and returns params."""
+class _Identity:
+  """Every microbatch runs every block in order: normal training through the same program."""
+
+  def __init__(self, rows: int, blocks: int):
+    self.rows, self.blocks = rows, blocks
+
+  def order_rows(self, step: int) -> np.ndarray:
+    return np.tile(np.arange(self.blocks, dtype=np.int32), (self.rows, 1))
+
+
+def _train(run, config, orders):
+  """Trains with the trainer's pieces (the ordered stream, the step) and returns params, losses."""
   import jax
 
   from acco_jax import model
   from acco_jax.pipeline import orders as orders_lib
   from acco_jax.run import parallel, trainer
 
-  run = trainer.build(config)
   train, mesh = run.train, run.mesh
   rows = mesh.size * train.num_microbatches * config.batch.microbatch_size
   stream = trainer._stream(run, config, run.tokens.train, rows, seed=config.train.seed)
-  if run.orders is not None:
-    stream = orders_lib.OrderedStream(stream, run.orders)
+  stream = orders_lib.OrderedStream(stream, orders)
   state = train.init(model.init_params(run.model_cfg, config.train.seed))
   losses = []
   for _ in range(run.total_stages):
     state, m = train.step(state, parallel.global_batch(next(stream), mesh))
     losses.append(float(jax.device_get(m["loss"])))
-  return run, train.params(state), losses
+  return jax.device_get(train.params(state)), losses
 
 
-def worker(out: str, seed: int, conv: dict, omission_skip: float) -> None:
+def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None:
+  """Every run of the table in one process: one compiled step per path length, shared by the
+  seeds, the swap settings and (for skip 0) normal training."""
+  from acco_jax.pipeline import orders as orders_lib
   from acco_jax.pipeline import paths
   from acco_jax.run import trainer
 
   per_stage = conv["N"] // STAGES
   half_every_other = np.arange(conv["N"]).reshape(STAGES, per_stage)[::2].reshape(-1)
-  rng = np.random.default_rng(100 + seed)
-  half_random = [
-    paths.layer_order(p, conv["N"], STAGES)
-    for p in paths.random_paths(5, STAGES, 0.5, False, rng)
-  ]
-  results = []
-  runs = [(None, False)] + [(s, w) for s in SKIPS for w in (False, True)]
-  for skip, swap in runs:
-    config = _config(seed, skip, swap, conv)
-    t0 = time.perf_counter()
-    run, params, losses = _train(config)
-    full = trainer.evaluate(run, config, params)["eval_loss"]
-    row = dict(seed=seed, skip=skip, swap=swap, eval_loss=full, train_loss_last=losses[-1],
-               wall_s=round(time.perf_counter() - t0, 1))  # fmt: skip
-    if skip is None or (skip == omission_skip and not swap):
-      row["half_every_other"] = trainer.evaluate(run, config, params, order=half_every_other)[
-        "eval_loss"
-      ]
-      row["half_random"] = [
-        trainer.evaluate(run, config, params, order=o)["eval_loss"] for o in half_random
-      ]
-    common.log(f"  seed {seed} skip={skip} swap={swap}: eval {full:.4f} ({row['wall_s']} s)")
-    results.append(row)
-  common.write_json(out, {"rows": results})
+  evals: dict = {}
+
+  def evaluate(run, config, params, order=None):
+    key = None if order is None else tuple(int(i) for i in order)
+    if key not in evals:
+      evals[key] = trainer.eval_function(run.model_cfg, order)
+    return trainer.evaluate(run, config, params, evals[key])["eval_loss"]
+
+  results, runs = [], {}
+  for seed in seeds:  # seed-major: a cut-off benchmark still has whole seeds
+    rng = np.random.default_rng(100 + seed)
+    half_random = [
+      paths.layer_order(p, conv["N"], STAGES)
+      for p in paths.random_paths(5, STAGES, 0.5, False, rng)
+    ]
+    for skip in SKIPS:
+      if skip not in runs:
+        runs[skip] = trainer.build(_config(seeds[0], skip, False, conv))
+      run = runs[skip]
+      num_mb = run.mesh.size * run.train.num_microbatches
+      for swap in ([None] if skip == 0.0 else []) + [False, True]:
+        config = _config(seed, None if swap is None else skip, bool(swap), conv)
+        t0 = time.perf_counter()
+        if swap is None:
+          orders = _Identity(num_mb * conv["microbatch_size"], conv["N"])
+        else:
+          orders = orders_lib.LayerOrders(
+            config.pipeline, run.model_cfg, num_mb, conv["microbatch_size"]
+          )
+        params, losses = _train(run, config, orders)
+        full = evaluate(run, config, params)
+        row = dict(seed=seed, skip=None if swap is None else skip, swap=bool(swap),
+                   eval_loss=full, train_loss_last=losses[-1],
+                   wall_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+        if swap is None or (skip == omission_skip and not swap):
+          row["half_every_other"] = evaluate(run, config, params, half_every_other)
+          row["half_random"] = [evaluate(run, config, params, o) for o in half_random]
+        common.log(f"  seed {seed} skip={row['skip']} swap={swap}: eval {full:.4f} "
+                   f"({row['wall_s']} s)")  # fmt: skip
+        results.append(row)
+        common.write_json(out, {"rows": results})
 
 
 def summarise(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -208,7 +241,7 @@ OMIT_COLUMNS = [
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--part", choices=("sim", "convergence", "all"), default="all")
+  ap.add_argument("--part", choices=("sim", "convergence", "collect", "all"), default="all")
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   ap.add_argument("--updates", type=int, default=CONV["num_updates"])
   ap.add_argument("--out", default=str(common.RESULTS))
@@ -218,7 +251,7 @@ def main() -> None:
   args = ap.parse_args()
   if args.worker:
     w = json.loads(args.worker_args)
-    worker(args.worker, w["seed"], w["conv"], w["omission_skip"])
+    worker(args.worker, w["seeds"], w["conv"], w["omission_skip"])
     return
   from pathlib import Path
 
@@ -236,24 +269,30 @@ def main() -> None:
       out / "skippipe_sim.json",
       {"benchmark": "skippipe_sim", "machine": common.machine(), "wall_s": wall, "rows": rows},
     )
-  if args.part in ("convergence", "all"):
+  if args.part in ("convergence", "collect", "all"):
     conv = dict(CONV, num_updates=args.updates)
     seeds = args.seeds
     if args.smoke:
       conv.update(num_updates=2, D=32)
       seeds = seeds[:1]
-      global SKIPS
-    rows = []
-    for seed in seeds:
-      wargs = json.dumps({"seed": seed, "conv": conv, "omission_skip": 0.5})
-      script = str(Path(__file__).resolve())
-      res = common.run_worker(script, 8, ["--worker-args", wargs], timeout=3600)
-      rows.extend(res["rows"])
+  if args.part == "collect":  # the table of the runs written so far
+    rows = json.loads((out / "skippipe_convergence_runs.json").read_text())["rows"]
+  if args.part in ("convergence", "all"):
+    out.mkdir(parents=True, exist_ok=True)
+    wargs = json.dumps({"seeds": seeds, "conv": conv, "omission_skip": 0.5})
+    # grows run by run: a cut-off benchmark keeps its whole seeds (--part collect tabulates them)
+    runs_json = out / "skippipe_convergence_runs.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(runs_json),
+           "--worker-args", wargs]  # fmt: skip
+    subprocess.run(cmd, env=common.cpu_env(8), check=True)
+    rows = json.loads(runs_json.read_text())["rows"]
+  if args.part in ("convergence", "collect", "all"):
     conv_rows, omit_rows = summarise(rows)
     print("\n## Convergence (eval loss of the full model)\n")
     print(common.format_table(conv_rows, CONV_COLUMNS))
     print("\n## Layer omission (half the model at evaluation)\n")
     print(common.format_table(omit_rows, OMIT_COLUMNS))
+    out.mkdir(parents=True, exist_ok=True)
     common.write_json(
       out / "skippipe_convergence.json",
       {"benchmark": "skippipe_convergence", "machine": common.machine(), "setting": conv,
