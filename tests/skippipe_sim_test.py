@@ -172,3 +172,20 @@ def test_topology_presets_and_file(tmp_path):
   f.write_text("{not json")
   with pytest.raises(errors.UserValueError, match="does not parse as JSON"):
     topology.get(str(f), 2)
+
+
+def test_bench_sim_smoke(tmp_path):
+  # bench/skippipe.py --part sim --smoke: the iteration-time table on one small geo case
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  repo = Path(__file__).resolve().parent.parent
+  cmd = [sys.executable, str(repo / "bench" / "skippipe.py"), "--part", "sim", "--smoke",
+         "--out", str(tmp_path)]  # fmt: skip
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  data = json.loads((tmp_path / "skippipe_sim.json").read_text())
+  assert data["benchmark"] == "skippipe_sim" and len(data["rows"]) == 4
+  for row in data["rows"]:
+    assert row["scheduler_s"] < row["random_s"]
