@@ -275,8 +275,13 @@ def main() -> None:
     if args.smoke:
       conv.update(num_updates=2, D=32)
       seeds = seeds[:1]
-  if args.part == "collect":  # the table of the runs written so far
+  if args.part == "collect":  # the table of the seeds whose runs are all written so far
     rows = json.loads((out / "skippipe_convergence_runs.json").read_text())["rows"]
+    per_seed = {s: sum(r["seed"] == s for r in rows) for s in {r["seed"] for r in rows}}
+    whole = {s for s, n in per_seed.items() if n == 2 * len(SKIPS) + 1}
+    common.log(f"seeds with every run: {sorted(whole)}; left out (incomplete): "
+               f"{sorted(set(per_seed) - whole)}")  # fmt: skip
+    rows = [r for r in rows if r["seed"] in whole]
   if args.part in ("convergence", "all"):
     out.mkdir(parents=True, exist_ok=True)
     wargs = json.dumps({"seeds": seeds, "conv": conv, "omission_skip": 0.5})
