@@ -102,6 +102,22 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.loco.pairings = 16  # K random perfect matchings drawn once; one is picked per sync
   c.loco.pairing_seed = 0  # the shared seed of the matchings and of the pick per sync
 
+  # SkipPipe paths (acco_jax.pipeline): every microbatch runs stage 0's blocks, then the stages of
+  # its path in path order, skipping some and (with swap) reordering them; every worker holds the
+  # whole model (data parallel: ddp, zero1, acco, dpu, wp). Evaluation runs the full model.
+  c.pipeline = ml_collections.ConfigDict()
+  c.pipeline.stages = 0  # S, stages of model.N / S blocks (0 = off: every block, in order)
+  c.pipeline.skip = 0.0  # share of the S stages a microbatch leaves out (stage 0 always runs)
+  c.pipeline.swap = False  # paths may visit their stages out of order
+  c.pipeline.paths = "scheduled"  # scheduled (the path scheduler's plan) | random (each iteration)
+  c.pipeline.topology = "geo"  # single-cluster | multi-cluster | geo | path of a JSON topology
+  c.pipeline.memory = 0  # m, microbatches a node may host per iteration (0 = least + 1)
+  c.pipeline.balance = 0  # c, microbatches a stage may take per iteration (0 = equal share)
+  c.pipeline.seed = 0  # topology preset, stage assignment, scheduler and random paths
+  c.pipeline.search_iters = 400  # the scheduler's local-search moves
+  # method=pipeline (configs/gpt2_pipeline.py): blocks sharded over a 'stage' mesh axis
+  c.pipeline.schedule = "1f1b"  # gpipe | 1f1b (full paths) | skippipe (partial, reordered paths)
+
   # Health of multi-process runs (acco_jax.run.monitor).
   c.health = ml_collections.ConfigDict()
   c.health.hang_timeout_s = 600.0  # no progress this long: end the run, name the peer (0 = off)

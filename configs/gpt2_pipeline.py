@@ -11,14 +11,12 @@ Each step runs batch.microbatches microbatches of batch.microbatch_size rows per
 the schedule; the devices form (devices / pipeline.stages) data lanes of pipeline.stages stages.
 """
 
-import ml_collections
-
 from configs import common
 
 
 def get_config(arg: str = "cpu"):
   c = common.get_base(arg or "cpu", method="pipeline")
-  c.pipeline = ml_collections.ConfigDict()
+  # The pipeline group is configs/common.py's (shared with SkipPipe on data-parallel workers).
   c.pipeline.stages = 4  # S, devices per data lane; must divide model.N and the device count
   c.pipeline.schedule = "1f1b"  # gpipe | 1f1b (full paths) | skippipe (partial, reordered paths)
   c.pipeline.skip = 0.25  # skippipe: share of the S stages a microbatch leaves out

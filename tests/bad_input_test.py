@@ -186,6 +186,25 @@ CONFIGS += [  # health (acco_jax.run.health.check_config)
    r"health.slow_patience=0 must be >= 1 \(probes\)"),
 ]  # fmt: skip
 
+CONFIGS += [  # SkipPipe paths (the pipeline group; the tiny model has 2 blocks)
+  ("pipeline-more-stages-than-blocks", {"pipeline.stages": 4}, ValueError,
+   r"pipeline.stages=4 does not split the model's 2 blocks into equal stages"),
+  ("pipeline-skip-leaves-no-stage", {"pipeline.stages": 2, "pipeline.skip": 0.9}, ValueError,
+   r"pipeline.skip=0.9 leaves no stage to run with pipeline.stages=2"),
+  ("pipeline-negative-memory", {"pipeline.stages": 2, "pipeline.memory": -1}, ValueError,
+   r"pipeline.memory=-1 and pipeline.balance=0 must be >= 1 microbatch"),
+  ("pipeline-memory-too-small", {"pipeline.stages": 2, "pipeline.memory": 1}, ValueError,
+   r"pipeline.memory=1 microbatches per node cannot hold 8 microbatches"),
+  ("pipeline-unknown-paths", {"pipeline.stages": 2, "pipeline.paths": "astar"}, ValueError,
+   r"pipeline.paths='astar' is unknown: choose one of scheduled, random"),
+  ("pipeline-unknown-topology", {"pipeline.stages": 2, "pipeline.topology": "moon"}, ValueError,
+   r"pipeline.topology='moon' is neither a preset nor a .json file"),
+  ("pipeline-missing-topology-file", {"pipeline.stages": 2, "pipeline.topology": "/no/such.json"},
+   FileNotFoundError, r"topology file /no/such.json does not exist"),
+  ("pipeline-with-loco", {"method": "diloco", "pipeline.stages": 2}, ValueError,
+   r"pipeline.stages=2: SkipPipe paths run with the data-parallel methods"),
+]  # fmt: skip
+
 
 @pytest.mark.parametrize(
   "overrides,error,match",
@@ -194,6 +213,17 @@ CONFIGS += [  # health (acco_jax.run.health.check_config)
 def test_bad_config_is_refused_before_anything_runs(overrides, error, match):
   config = tiny(gpt2_zero1 if overrides.get("method") == "zero1" else gpt2_acco, **overrides)
   with pytest.raises(error, match=match) as info:
+    trainer.build(config)
+  one_line(info.value)
+
+
+def test_topology_file_that_does_not_parse(tmp_path):
+  path = tmp_path / "cluster.json"
+  path.write_text('{"speed": [1, 1], "region": ["a", "b"], "latency_ms": [[0, 1], [1, 0]')
+  config = tiny(gpt2_zero1, **{"pipeline.stages": 2, "pipeline.topology": str(path)})
+  with pytest.raises(
+    ValueError, match=r"topology file .*cluster.json does not parse as JSON"
+  ) as info:
     trainer.build(config)
   one_line(info.value)
 

@@ -2,13 +2,20 @@
 
 The model's N blocks are split into S stages of N/S consecutive blocks. Stage 0 holds the embedding,
 its own blocks, the head and the loss: every microbatch starts there and ends there. A *path* is the
-tuple of the other stages a microbatch visits, in order (:mod:`acco_jax.pipeline.paths`). Pure host
-code and pure functions here; collectives stay in the step module.
+tuple of the other stages a microbatch visits, in order (:mod:`acco_jax.pipeline.paths`).
 
-Modules:
-  paths.py   paths and the layer orders they run (pure)
-  ticks.py   schedules as static tick tables: GPipe and 1F1B over any paths (pure, NumPy)
-  step.py    the pipeline over a ``stage`` (or ``('data', 'stage')``) mesh: the only module with
-             ``shard_map`` and collectives (``ppermute``, ``psum``, ``pmean``)
-  train.py   the training step the trainer drives (``method=pipeline``) and its build from a config
+Pure host code (NumPy), no collectives:
+
+  paths.py      a path, its layer order, skip ratios, random paths
+  topology.py   nodes, regions, latency and bandwidth: presets and JSON files
+  assign.py     which nodes hold which stage (local search on the round trip's transfer cost)
+  simulate.py   discrete-event simulation of one iteration (fifo, GPipe, 1F1B; static replay)
+  schedule.py   the path scheduler under memory, balance and collisions; its ``Plan``
+  orders.py     training on data-parallel workers: a layer order per microbatch in the batch
+  ticks.py      schedules as static tick tables: GPipe and 1F1B over any paths
+
+The pipeline over a ``stage`` (or ``('data', 'stage')``) mesh:
+
+  step.py       the only module with ``shard_map`` and collectives (``ppermute``, ``psum``, ``pmean``)
+  train.py      the training step the trainer drives (``method=pipeline``) and its build from a config
 """

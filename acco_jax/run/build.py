@@ -22,6 +22,7 @@ from acco_jax.dp import hetero, methods, quantize
 from acco_jax.dp.flat import FlatLayout
 from acco_jax.dp.step import make_train_step
 from acco_jax.loco import step as loco_lib
+from acco_jax.pipeline import orders as pipeline_orders
 from acco_jax.run import health, optim, parallel
 
 
@@ -39,6 +40,7 @@ class Run(NamedTuple):
   budgets: np.ndarray | None  # fixed per-device budgets per stage (hetero.budgets), else None
   batch_axis: Any = parallel.DATA  # the mesh axes a batch's rows are sharded over
   loco: bool = False  # a low-communication method (train is an acco_jax.loco.step.LocoStep)
+  orders: Any = None  # SkipPipe paths: acco_jax.pipeline.orders.LayerOrders (pipeline.stages > 0)
 
 
 def _model_config(config, vocab_size: int) -> model.GPTConfig:
@@ -86,6 +88,12 @@ def build(config) -> Run:
   _check_config(config)
   health.check_config(config)
   is_loco = config.method in loco.METHODS
+  skippipe = config.get("pipeline") is not None and config.pipeline.stages != 0
+  if skippipe and is_loco:
+    raise errors.UserValueError(
+      f"pipeline.stages={config.pipeline.stages}: SkipPipe paths run with the data-parallel "
+      f"methods (ddp, zero1, acco, dpu, wp), not {config.method}; set pipeline.stages=0"
+    )
   method = _check_loco(config) if is_loco else None
   mesh = parallel.make_mesh(config.mesh.num_devices)
   if is_loco:
@@ -114,15 +122,21 @@ def build(config) -> Run:
     kwargs["warmup_steps"] = int(config.dpu_warmup_updates)
   tx = methods.get_method(config.method, inner, **kwargs)
   loss = lambda p, b: model.loss_fn(p, model_cfg, b)
+  budgets, k_max = _budgets(config, mesh.size, k)
+  orders = None
+  if skippipe:  # a layer order per microbatch, in the batch (acco_jax.pipeline.orders)
+    orders = pipeline_orders.LayerOrders(
+      config.pipeline, model_cfg, mesh.size * k_max, config.batch.microbatch_size
+    )
+    loss = pipeline_orders.ordered_loss(model_cfg)
   if config.hetero.slowdown:
     delays = hetero.parse_slowdown(config.hetero.slowdown, mesh.size)
     loss = hetero.slowed(loss, delays, tx.plan.axis_name)
-  budgets, k_max = _budgets(config, mesh.size, k)
   train = make_train_step(
     loss, tx, mesh, num_microbatches=k_max, params=shapes, has_aux=True,
     skip_nonfinite=config.train.on_nonfinite == "skip",
   )  # fmt: skip
-  return Run(mesh, tokens, model_cfg, shapes, train, per_update, total, k, budgets)
+  return Run(mesh, tokens, model_cfg, shapes, train, per_update, total, k, budgets, orders=orders)
 
 
 def _comm(config, n: int, shapes) -> dict:

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from acco_jax import data, errors, model
+from acco_jax import data, errors, layers, model
 from acco_jax.dp import hetero, methods, quantize
 from acco_jax.dp import reshard as reshard_lib
 from acco_jax.loco import step as loco_lib
+from acco_jax.pipeline import orders as pipeline_orders
 from acco_jax.run import checkpoint, health, monitor, parallel
 from acco_jax.run import metrics as metrics_lib
 from acco_jax.run.build import Run as Run
@@ -42,8 +43,22 @@ def _stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epo
   )  # fmt: skip
 
 
-def evaluate(run: Run, config, params, eval_fn) -> dict:
-  """Mean token loss and perplexity of ``params`` on the first ``eval_batches`` held-out batches."""
+def eval_function(cfg: model.GPTConfig, order=None):
+  """Jitted ``(params, batch) -> aux`` of the model, or of its blocks run in ``order`` (int array of
+  block indices: a half model, a SkipPipe path; None runs every block in order)."""
+  if order is None:
+    return jax.jit(lambda p, b: model.loss_fn(p, cfg, b)[1])
+  order = jnp.asarray(order, jnp.int32)
+  return jax.jit(lambda p, b: layers.loss_fn_ordered(p, cfg, b, order)[1])
+
+
+def evaluate(run: Run, config, params, eval_fn=None, order=None) -> dict:
+  """Mean token loss and perplexity of ``params`` on the first ``eval_batches`` held-out batches.
+
+  ``eval_fn`` defaults to :func:`eval_function` of ``order`` (the full model when None).
+  """
+  if eval_fn is None:
+    eval_fn = eval_function(run.model_cfg, order)
   rows = run.mesh.size * config.batch.microbatch_size
   it = _stream(run, config, run.tokens.eval, rows, seed=0, shuffle=False)
   loss_sum = tokens = 0.0
@@ -104,6 +119,10 @@ def train_and_evaluate(
   mb_per_stage = getattr(train, "microbatches_per_stage", n * train.num_microbatches)
   rows_per_stage = mb_per_stage * config.batch.microbatch_size
   stream = _stream(run, config, run.tokens.train, rows_per_stage, seed=config.train.seed)
+  if run.orders is not None:  # SkipPipe: each microbatch's layer order rides in its batch
+    stream = pipeline_orders.OrderedStream(
+      stream, run.orders, jax.process_index(), jax.process_count()
+    )
 
   # -- restore or initialise ----------------------------------------------------------------------
   # Nothing is written to the workdir until this is done: a config that cannot resume the run
@@ -160,6 +179,10 @@ def train_and_evaluate(
     else:
       prime_rows = n * config.batch.microbatch_size
       prime = next(_stream(run, config, run.tokens.train, prime_rows, seed=config.train.seed + 1))
+      if run.orders is not None:  # device i primes with the path of its first microbatch
+        prime["order"] = pipeline_orders.prime_rows(
+          run.orders, train.num_microbatches, jax.process_index(), jax.process_count()
+        )
       state = train.init(params, parallel.global_batch(prime, mesh))
     events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
   if start >= run.total_stages:  # nothing left: report the finished run, train nothing
@@ -172,7 +195,7 @@ def train_and_evaluate(
   for name, fields in events:
     writer.event(name, **fields)
 
-  eval_fn = jax.jit(lambda p, b: model.loss_fn(p, run.model_cfg, b)[1])
+  eval_fn = eval_function(run.model_cfg)  # the full model, also after SkipPipe training
   baseline = data.unigram_entropy(run.tokens.train)
   n_params = train.layout.num_params
   flops_token = model.flops_per_token(run.model_cfg)

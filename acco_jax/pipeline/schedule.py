@@ -1,0 +1,343 @@
+"""The path scheduler: a route per microbatch that shortens the iteration, under SkipPipe's
+constraints.
+
+Given a topology, a stage assignment (:mod:`acco_jax.pipeline.assign`), ``n`` microbatches, a skip
+ratio and whether swaps are allowed, every microbatch ``b`` gets a stage-0 node ``o_b``, a path of
+``K = paths.path_length(S, skip)`` distinct stages (in increasing order unless swaps are allowed)
+and a node of each visited stage's partition. The constraints:
+
+  memory     every node hosts at most ``m`` microbatches per iteration (each holds activations);
+  balance    every stage s >= 1 is visited by at most ``c`` microbatches; by default
+             ``c = ceil(n K / (S - 1))``, an equal share;
+  collisions a node computes one step at a time; waiting is priced by the simulator's 'fifo'
+             policy (:mod:`acco_jax.pipeline.simulate`).
+
+The objective is the simulated makespan. :func:`schedule` starts from the best of a few plans:
+greedy ones, in order and (with swaps) swapped, where each microbatch in turn takes the
+least-loaded origin, the least-visited stages and at each hop the nearest node with room, weighed
+by the work queued on it; and the full pipeline's lanes with stages left out in rotation. It then
+improves the plan by local search: a random move (another node for one hop, two hops of one path
+swapped, a visited stage exchanged for an unvisited one, another origin, a path's hops moved to
+their nearest nodes) is kept when the simulated makespan does not grow. Seeded and deterministic.
+
+The result is a :class:`Plan`: plain data a pipeline runtime builds its tick tables from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from acco_jax import errors
+from acco_jax.pipeline import paths as paths_lib
+from acco_jax.pipeline import simulate
+from acco_jax.pipeline.assign import Partition
+from acco_jax.pipeline.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """One iteration's schedule, as plain data.
+
+  Attributes:
+    origin: per microbatch, its stage-0 node (it runs the embedding, stage 0, the head and the loss).
+    paths: per microbatch, the stages it visits after stage 0, in order (``paths.Path``).
+    nodes: per microbatch, the node of each stage of its path (``len(nodes[b]) == len(paths[b])``).
+    order: per node, the ``(microbatch, step)`` pairs it runs, in the order the simulator assumed;
+      steps are numbered as in :mod:`acco_jax.pipeline.simulate` (0 = stage 0 forward on the
+      origin, 1..K the path forward, K+1 head, K+2..2K+1 the path backward, 2K+2 stage 0 backward).
+    makespan: the simulated iteration time [s] of this order.
+  """
+
+  origin: tuple[int, ...]
+  paths: tuple[paths_lib.Path, ...]
+  nodes: tuple[tuple[int, ...], ...]
+  order: tuple[tuple[tuple[int, int], ...], ...]
+  makespan: float
+
+  def routes(self) -> list[simulate.Route]:
+    return [
+      simulate.Route(o, p, n) for o, p, n in zip(self.origin, self.paths, self.nodes, strict=True)
+    ]
+
+  def to_dict(self) -> dict:
+    return {
+      "origin": list(self.origin),
+      "paths": [list(p) for p in self.paths],
+      "nodes": [list(n) for n in self.nodes],
+      "order": [[list(s) for s in o] for o in self.order],
+      "makespan": self.makespan,
+    }
+
+
+def plan_of(topo, costs, routes, policy: str = "fifo") -> Plan:
+  """Simulates ``routes`` under ``policy`` and packs them with the order it assumed."""
+  res = simulate.simulate(topo, costs, routes, policy)
+  return Plan(
+    tuple(r.origin for r in routes),
+    tuple(r.path for r in routes),
+    tuple(r.nodes for r in routes),
+    res.order,
+    res.makespan,
+  )
+
+
+def limits(partition: Partition, num_mb: int, k: int, memory: int = 0, balance: int = 0):
+  """The balance ``c`` and memory ``m`` bounds, defaults filled in; one-line errors when infeasible.
+
+  Default ``m``: the least that fits the equal share, plus one microbatch of slack.
+  """
+  s_count = len(partition)
+  c = balance or (-(-num_mb * k // (s_count - 1)) if s_count > 1 else 0)
+  need = max([-(-num_mb // len(partition[0]))] + [-(-c // len(p)) for p in partition[1:]])
+  m = memory or need + 1
+  if m < 1:
+    raise errors.UserValueError(f"pipeline.memory={memory} must be at least 1 microbatch per node")
+  if s_count > 1 and c * (s_count - 1) < num_mb * k:
+    raise errors.UserValueError(
+      f"pipeline.balance={c} is too low: {num_mb} microbatches visiting {k} stages each need "
+      f"{num_mb * k} visits over {s_count - 1} stages; raise it to {-(-num_mb * k // (s_count - 1))}"
+    )
+  if m < need:
+    raise errors.UserValueError(
+      f"pipeline.memory={m} microbatches per node cannot hold {num_mb} microbatches on these "
+      f"{sum(len(p) for p in partition)} nodes: raise it to at least {need}"
+    )
+  return c, m
+
+
+class _State:
+  """Loads of a candidate plan, for constraint checks during construction and search."""
+
+  def __init__(self, partition, num_mb, c, m):
+    self.stage_of = {x: s for s, p in enumerate(partition) for x in p}
+    self.load = dict.fromkeys(self.stage_of, 0)
+    self.visits = [0] * len(partition)
+    self.c, self.m, self.partition = c, m, partition
+
+  def add(self, origin, path, nodes, sign=1):
+    self.load[origin] += sign
+    for s, y in zip(path, nodes, strict=True):
+      self.load[y] += sign
+      self.visits[s] += sign
+
+
+def _greedy(topo, costs, partition, num_mb, k, swap, c, m, rng):
+  xfer = topo.transfer_MxM(costs.act_bytes)
+  st = _State(partition, num_mb, c, m)
+  work = dict.fromkeys(st.stage_of, 0.0)  # seconds of compute queued on each node
+  s_count = len(partition)
+  routes = []
+  for _ in range(num_mb):
+    o = min(partition[0], key=lambda x: (st.load[x], work[x], x))
+    # the k least-visited stages; among equals, the ones with a node close to the origin
+    near = {s: min(xfer[o, y] for y in partition[s]) for s in range(1, s_count)}
+    chosen = sorted(range(1, s_count), key=lambda s: (st.visits[s], near[s], rng.random()))[:k]
+    cur, path, nodes, todo = o, [], [], set(chosen)
+    while todo:
+      options = [s for s in todo if swap or s == min(todo)]
+      best = None
+      for s in options:
+        for y in partition[s]:
+          if st.load[y] >= m:
+            continue
+          score = xfer[cur, y] + work[y] / len(partition[s])
+          if best is None or score < best[0]:
+            best = (score, s, y)
+      if best is None:
+        raise errors.UserValueError(f"pipeline.memory={m} leaves no node with room on a stage")
+      _, s, y = best
+      path.append(s)
+      nodes.append(y)
+      todo.discard(s)
+      st.load[y] += 1
+      work[y] += (1 + costs.backward) * costs.fwd_S[s] / topo.speed_M[y]
+      cur = y
+    st.load[o] += 1
+    for s in path:
+      st.visits[s] += 1
+    work[o] += (1 + costs.backward) * (costs.fwd_S[0] + costs.head) / topo.speed_M[o]
+    routes.append(simulate.Route(o, tuple(path), tuple(nodes)))
+  return routes
+
+
+def _lanes(topo, costs, partition, num_mb, k, c, m):
+  """The full pipeline's lanes with ``S - 1 - k`` stages left out in rotation (balanced visits);
+  None when a node would exceed the memory bound."""
+  s_count = len(partition)
+  drop = s_count - 1 - k
+  st = _State(partition, num_mb, c, m)
+  routes = []
+  for b, r in enumerate(simulate.lanes(topo, costs, partition, num_mb)):
+    skipped = {1 + (b * drop + i) % (s_count - 1) for i in range(drop)}
+    keep = [(s, y) for s, y in zip(r.path, r.nodes, strict=True) if s not in skipped]
+    route = simulate.Route(r.origin, tuple(s for s, _ in keep), tuple(y for _, y in keep))
+    st.add(route.origin, route.path, route.nodes)
+    routes.append(route)
+  if max(st.load.values()) > m or max(st.visits[1:] or [0]) > c:
+    return None
+  return routes
+
+
+def _reroute(topo, costs, partition, st, route):
+  """The same stages in the same order, each hop on the nearest node with room."""
+  xfer = topo.transfer_MxM(costs.act_bytes)
+  cur, nodes = route.origin, []
+  for s, y0 in zip(route.path, route.nodes, strict=True):
+    opts = [y for y in partition[s] if y == y0 or st.load[y] < st.m]
+    y = min(opts, key=lambda y: (xfer[cur, y], y))
+    nodes.append(y)
+    cur = y
+  return simulate.Route(route.origin, route.path, tuple(nodes))
+
+
+def _move(topo, costs, routes, partition, st, swap, rng):
+  """A random constraint-respecting change of one route; None when the draw finds none."""
+  b = int(rng.integers(len(routes)))
+  r = routes[b]
+  kind = int(rng.integers(5))
+  if kind == 4:
+    return b, _reroute(topo, costs, partition, st, r)
+  path, nodes, origin = list(r.path), list(r.nodes), r.origin
+  k = len(path)
+  if kind == 0 and k:
+    j = int(rng.integers(k))
+    opts = [y for y in partition[path[j]] if y != nodes[j] and st.load[y] < st.m]
+    if not opts:
+      return None
+    nodes[j] = int(rng.choice(opts))
+  elif kind == 1 and swap and k > 1:
+    i, j = rng.choice(k, 2, replace=False)
+    path[i], path[j] = path[j], path[i]
+    nodes[i], nodes[j] = nodes[j], nodes[i]
+  elif kind == 2 and 0 < k < len(partition) - 1:
+    j = int(rng.integers(k))
+    out = [s for s in range(1, len(partition)) if s not in path and st.visits[s] < st.c]
+    if not out:
+      return None
+    s = int(rng.choice(out))
+    opts = [y for y in partition[s] if st.load[y] < st.m]
+    if not opts:
+      return None
+    path[j], nodes[j] = s, int(rng.choice(opts))
+    if not swap:
+      pairs = sorted(zip(path, nodes, strict=True))
+      path, nodes = [p for p, _ in pairs], [y for _, y in pairs]
+  elif kind == 3:
+    opts = [x for x in partition[0] if x != origin and st.load[x] < st.m]
+    if not opts:
+      return None
+    origin = int(rng.choice(opts))
+  else:
+    return None
+  return b, simulate.Route(origin, tuple(path), tuple(nodes))
+
+
+def schedule(
+  topo: Topology,
+  costs: simulate.Costs,
+  partition: Partition,
+  num_mb: int,
+  skip: float,
+  swap: bool,
+  seed: int = 0,
+  iters: int = 400,
+  memory: int = 0,
+  balance: int = 0,
+) -> Plan:
+  """Scheduled routes for ``num_mb`` microbatches (see the module docstring).
+
+  Args:
+    topo, costs, partition: the network, per-microbatch costs, and the nodes of each stage.
+    num_mb: microbatches per iteration.
+    skip: the skip ratio (``paths.path_length``).
+    swap: whether a path may visit its stages out of order.
+    seed: seeds tie-breaks and the local search.
+    iters: local-search moves tried (each costs one simulation).
+    memory, balance: ``m`` and ``c``; 0 picks the defaults of :func:`limits`.
+
+  Returns:
+    The best :class:`Plan` found, with the processing order the simulator assumed.
+  """
+  s_count = len(partition)
+  k = paths_lib.path_length(s_count, skip)
+  c, m = limits(partition, num_mb, k, memory, balance)
+  rng = np.random.default_rng(seed)
+  starts = [_greedy(topo, costs, partition, num_mb, k, False, c, m, rng)]
+  if swap:  # in-order paths are swap-mode paths too
+    starts.append(_greedy(topo, costs, partition, num_mb, k, True, c, m, rng))
+  lane = _lanes(topo, costs, partition, num_mb, k, c, m)
+  if lane is not None:
+    starts.append(lane)
+  made = [simulate.simulate(topo, costs, r).makespan for r in starts]
+  routes, best = list(starts[int(np.argmin(made))]), min(made)
+  st = _State(partition, num_mb, c, m)
+  for r in routes:
+    st.add(r.origin, r.path, r.nodes)
+  for _ in range(iters):
+    mv = _move(topo, costs, routes, partition, st, swap, rng)
+    if mv is None:
+      continue
+    b, new = mv
+    old = routes[b]
+    st.add(old.origin, old.path, old.nodes, -1)
+    ok = all(st.load[y] < m for y in (new.origin, *new.nodes)) and all(
+      st.visits[s] < c for s in new.path
+    )
+    if ok:
+      routes[b] = new
+      t = simulate.simulate(topo, costs, routes).makespan
+      if t <= best + 1e-12:
+        best = t
+        st.add(new.origin, new.path, new.nodes)
+        continue
+      routes[b] = old
+    st.add(old.origin, old.path, old.nodes)
+  return plan_of(topo, costs, routes)
+
+
+def random_plan(
+  topo: Topology,
+  costs: simulate.Costs,
+  partition: Partition,
+  num_mb: int,
+  skip: float,
+  swap: bool,
+  seed: int = 0,
+  memory: int = 0,
+  balance: int = 0,
+) -> Plan:
+  """Random valid routes: uniform paths (``paths.random_paths``) and nodes, redrawn until the
+  memory and balance constraints hold; collisions priced by the 'fifo' policy."""
+  s_count = len(partition)
+  k = paths_lib.path_length(s_count, skip)
+  c, m = limits(partition, num_mb, k, memory, balance)
+  rng = np.random.default_rng(seed)
+  for _ in range(10_000):
+    st = _State(partition, num_mb, c, m)
+    routes = []
+    for p in paths_lib.random_paths(num_mb, s_count, skip, swap, rng):
+      o = int(rng.choice([x for x in partition[0] if st.load[x] < m] or [-1]))
+      nodes = []
+      for s in p:
+        opts = [y for y in partition[s] if st.load[y] < m]
+        nodes.append(int(rng.choice(opts)) if opts else -1)
+      if o < 0 or -1 in nodes:
+        break
+      st.add(o, p, tuple(nodes))
+      routes.append(simulate.Route(o, p, tuple(nodes)))
+    if len(routes) == num_mb and max(st.visits[1:] or [0]) <= c:
+      return plan_of(topo, costs, routes)
+  raise RuntimeError("no random plan met the memory and balance constraints in 10000 draws")
+
+
+def full_pipeline(topo, costs, partition, num_mb: int, policy: str) -> Plan:
+  """The full pipeline on fixed lanes (``simulate.lanes``) under 'gpipe' or '1f1b'."""
+  return plan_of(topo, costs, simulate.lanes(topo, costs, partition, num_mb), policy)
+
+
+def gap(a: float, b: float) -> float:
+  """Relative change from ``b`` to ``a``: -0.3 means ``a`` takes 30% less time."""
+  return (a - b) / b if b > 0 else math.nan

@@ -1,0 +1,309 @@
+"""SkipPipe at CPU scale: simulated iteration time, convergence, and layer omission.
+
+Three tables (``--part``):
+
+* ``sim``: the iteration time the discrete-event simulator (:mod:`acco_jax.pipeline.simulate`) gives
+  for the topology presets single-cluster, multi-cluster and geo, S = 6 and 8 stages, skip ratios
+  0 / 0.25 / 0.33 / 0.5, swaps off and on: the full pipeline on fixed lanes (GPipe fill-drain and
+  1F1B) against random valid paths (median of 5 draws) and the path scheduler. The cost model is a
+  ~1B-parameter decoder (24 layers, d_model 2048, vocabulary 32000), microbatches of 4 x 1024
+  tokens, nodes of 100 TFLOP/s effective (scaled by each node's speed), bf16 activations; 16
+  microbatches per iteration; nodes 2 per stage and 4 on stage 0 (``topology.default_nodes``).
+  Seconds of host time, no device.
+* ``convergence``: a small GPT (8 blocks) trained with SkipPipe paths on 8 simulated devices
+  (zero1, every worker holds the whole model), scheduled on the geo preset with S = 8, for each
+  skip ratio with and without swaps, against normal training; equal iterations, final eval loss of
+  the full model, over seeds. One process runs every run, with one compiled step per path length;
+  normal training is the identity order through the skip-0 step (equal to ``model.loss_fn`` to
+  float tolerance, tests/skippipe_train_test.py).
+* ``omission``: for the models of ``convergence`` (normal, and SkipPipe at skip 0.5), the eval loss
+  of the full model, of every other stage (stages 0, 2, 4, 6: half the blocks) and of random
+  half-paths (stage 0 and 3 random stages in order), relative to the full model.
+
+Usage::
+
+  python bench/skippipe.py --part sim                        # seconds to a minute
+  python bench/skippipe.py --part convergence --seeds 0 1 2  # also writes the omission table
+  python bench/skippipe.py --smoke --out /tmp/sp             # CI: a sliver of each part
+
+Writes ``bench/results/skippipe_sim.json`` and ``bench/results/skippipe_convergence.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import common
+import numpy as np
+
+TOPOLOGIES = ("single-cluster", "multi-cluster", "geo")
+SKIPS = (0.0, 0.25, 0.33, 0.5)
+
+
+def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draws=5, iters=400):
+  from acco_jax.pipeline import assign, paths, schedule, simulate, topology
+
+  rows = []
+  for name in topologies:
+    for s in stages:
+      topo = topology.preset(name, topology.default_nodes(s), seed=0)
+      costs = simulate.transformer_costs(s, 24, 2048, 32000, 1024, 4, 1e14)
+      t0 = time.perf_counter()
+      part = assign.assign(topo, costs, s, seed=0)
+      rnd_part = [
+        assign.cost(
+          topo, costs, assign.random_partition(topo.num_nodes, s, np.random.default_rng(i))
+        )
+        for i in range(20)
+      ]
+      gpipe = schedule.full_pipeline(topo, costs, part, num_mb, "gpipe").makespan
+      f1b1 = schedule.full_pipeline(topo, costs, part, num_mb, "1f1b").makespan
+      for skip in skips:
+        for swap in (False, True):
+          rnd = statistics.median(
+            schedule.random_plan(topo, costs, part, num_mb, skip, swap, seed=i).makespan
+            for i in range(draws)
+          )
+          sched = schedule.schedule(topo, costs, part, num_mb, skip, swap, seed=0, iters=iters)
+          best_full = min(gpipe, f1b1)
+          rows.append(
+            dict(
+              topology=name, stages=s, skip=skip, k=paths.path_length(s, skip), swap=swap,
+              gpipe_s=round(gpipe, 3), f1b1_s=round(f1b1, 3), random_s=round(rnd, 3),
+              scheduler_s=round(sched.makespan, 3),
+              vs_full=f"{schedule.gap(sched.makespan, best_full):+.0%}",
+              vs_random=f"{schedule.gap(sched.makespan, rnd):+.0%}",
+              assign_cost_s=round(assign.cost(topo, costs, part), 3),
+              random_assign_cost_s=round(statistics.median(rnd_part), 3),
+            )
+          )  # fmt: skip
+      common.log(f"  {name} S={s}: {time.perf_counter() - t0:.1f} s")
+  return rows
+
+
+SIM_COLUMNS = [
+  ("topology", "topology"), ("stages", "S"), ("skip", "skip"), ("k", "stages visited"),
+  ("swap", "swap"), ("gpipe_s", "GPipe s"), ("f1b1_s", "1F1B s"), ("random_s", "random s"),
+  ("scheduler_s", "scheduler s"), ("vs_full", "vs best full"), ("vs_random", "vs random"),
+]  # fmt: skip
+
+
+# -- convergence and omission: one worker process per seed, 8 simulated devices --------------------
+
+CONV = dict(D=64, N=8, H=4, seq_len=64, microbatch_size=1, microbatches=4, num_updates=60, lr=3e-3)
+STAGES = 8
+
+
+def _config(seed: int, skip: float | None, swap: bool, conv: dict):
+  from configs import gpt2_skippipe
+
+  c = gpt2_skippipe.get_config("tiny")
+  c.model.D, c.model.N, c.model.H = conv["D"], conv["N"], conv["H"]
+  c.data.tokenizer, c.data.seq_len = "byte", conv["seq_len"]
+  c.batch.microbatch_size, c.batch.microbatches = conv["microbatch_size"], conv["microbatches"]
+  c.train.num_updates, c.train.seed = conv["num_updates"], seed
+  c.train.eval_batches = 8
+  c.opt.lr, c.opt.warmup_updates = conv["lr"], min(5, conv["num_updates"] - 1)
+  c.pipeline.stages = 0 if skip is None else STAGES
+  c.pipeline.skip, c.pipeline.swap = skip or 0.0, swap
+  c.pipeline.seed = seed
+  return c
+
+
+class _Identity:
+  """Every microbatch runs every block in order: normal training through the same program."""
+
+  def __init__(self, rows: int, blocks: int):
+    self.rows, self.blocks = rows, blocks
+
+  def order_rows(self, step: int) -> np.ndarray:
+    return np.tile(np.arange(self.blocks, dtype=np.int32), (self.rows, 1))
+
+
+def _train(run, config, orders):
+  """Trains with the trainer's pieces (the ordered stream, the step) and returns params, losses."""
+  import jax
+
+  from acco_jax import model
+  from acco_jax.pipeline import orders as orders_lib
+  from acco_jax.run import parallel, trainer
+
+  train, mesh = run.train, run.mesh
+  rows = mesh.size * train.num_microbatches * config.batch.microbatch_size
+  stream = trainer._stream(run, config, run.tokens.train, rows, seed=config.train.seed)
+  stream = orders_lib.OrderedStream(stream, orders)
+  state = train.init(model.init_params(run.model_cfg, config.train.seed))
+  losses = []
+  for _ in range(run.total_stages):
+    state, m = train.step(state, parallel.global_batch(next(stream), mesh))
+    losses.append(float(jax.device_get(m["loss"])))
+  return jax.device_get(train.params(state)), losses
+
+
+def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None:
+  """Every run of the table in one process: one compiled step per path length, shared by the
+  seeds, the swap settings and (for skip 0) normal training."""
+  from acco_jax.pipeline import orders as orders_lib
+  from acco_jax.pipeline import paths
+  from acco_jax.run import trainer
+
+  per_stage = conv["N"] // STAGES
+  half_every_other = np.arange(conv["N"]).reshape(STAGES, per_stage)[::2].reshape(-1)
+  evals: dict = {}
+
+  def evaluate(run, config, params, order=None):
+    key = None if order is None else tuple(int(i) for i in order)
+    if key not in evals:
+      evals[key] = trainer.eval_function(run.model_cfg, order)
+    return trainer.evaluate(run, config, params, evals[key])["eval_loss"]
+
+  results, runs = [], {}
+  for seed in seeds:  # seed-major: a cut-off benchmark still has whole seeds
+    rng = np.random.default_rng(100 + seed)
+    half_random = [
+      paths.layer_order(p, conv["N"], STAGES)
+      for p in paths.random_paths(5, STAGES, 0.5, False, rng)
+    ]
+    for skip in SKIPS:
+      if skip not in runs:
+        runs[skip] = trainer.build(_config(seeds[0], skip, False, conv))
+      run = runs[skip]
+      num_mb = run.mesh.size * run.train.num_microbatches
+      for swap in ([None] if skip == 0.0 else []) + [False, True]:
+        config = _config(seed, None if swap is None else skip, bool(swap), conv)
+        t0 = time.perf_counter()
+        if swap is None:
+          orders = _Identity(num_mb * conv["microbatch_size"], conv["N"])
+        else:
+          orders = orders_lib.LayerOrders(
+            config.pipeline, run.model_cfg, num_mb, conv["microbatch_size"]
+          )
+        params, losses = _train(run, config, orders)
+        full = evaluate(run, config, params)
+        row = dict(seed=seed, skip=None if swap is None else skip, swap=bool(swap),
+                   eval_loss=full, train_loss_last=losses[-1],
+                   wall_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+        if swap is None or (skip == omission_skip and not swap):
+          row["half_every_other"] = evaluate(run, config, params, half_every_other)
+          row["half_random"] = [evaluate(run, config, params, o) for o in half_random]
+        common.log(f"  seed {seed} skip={row['skip']} swap={swap}: eval {full:.4f} "
+                   f"({row['wall_s']} s)")  # fmt: skip
+        results.append(row)
+        common.write_json(out, {"rows": results})
+
+
+def summarise(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+  conv, omit = [], []
+  keys = sorted({(r["skip"] is not None, r["skip"] or 0.0, r["swap"]) for r in rows})
+  base = [r["eval_loss"] for r in rows if r["skip"] is None]
+  for has, skip, swap in keys:
+    sel = [r for r in rows if (r["skip"] is not None) == has and (r["skip"] or 0.0) == skip
+           and r["swap"] == swap]  # fmt: skip
+    vals = [r["eval_loss"] for r in sel]
+    conv.append(
+      dict(
+        run="normal" if not has else f"skip {skip}", swap=swap if has else "",
+        eval_loss=f"{statistics.mean(vals):.4f} ± {statistics.pstdev(vals):.4f}",
+        vs_normal=f"{statistics.mean(vals) / statistics.mean(base) - 1:+.1%}",
+        seeds=len(vals),
+      )
+    )  # fmt: skip
+    if any("half_every_other" in r for r in sel):
+      full = [r["eval_loss"] for r in sel]
+      half = [r["half_every_other"] for r in sel]
+      rnd = [statistics.mean(r["half_random"]) for r in sel]
+      omit.append(
+        dict(
+          trained="normal" if not has else f"SkipPipe skip {skip}",
+          full=f"{statistics.mean(full):.4f}", half_every_other=f"{statistics.mean(half):.4f}",
+          half_rel=f"{statistics.mean(h / f for h, f in zip(half, full, strict=True)) - 1:+.1%}",
+          ppl_rel=f"{statistics.mean(np.exp(h - f) for h, f in zip(half, full, strict=True)) - 1:+.0%}",
+          half_random=f"{statistics.mean(rnd):.4f}",
+          random_ppl_rel=f"{statistics.mean(np.exp(h - f) for h, f in zip(rnd, full, strict=True)) - 1:+.0%}",
+        )
+      )  # fmt: skip
+  return conv, omit
+
+
+CONV_COLUMNS = [("run", "run"), ("swap", "swap"), ("eval_loss", "eval loss (full model)"),
+                ("vs_normal", "vs normal"), ("seeds", "seeds")]  # fmt: skip
+OMIT_COLUMNS = [
+  ("trained", "trained"), ("full", "full"), ("half_every_other", "half (every other stage)"),
+  ("ppl_rel", "ppl vs full"), ("half_random", "random half-paths (mean of 5)"),
+  ("random_ppl_rel", "ppl vs full"),
+]  # fmt: skip
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument("--part", choices=("sim", "convergence", "collect", "all"), default="all")
+  ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  ap.add_argument("--updates", type=int, default=CONV["num_updates"])
+  ap.add_argument("--out", default=str(common.RESULTS))
+  ap.add_argument("--smoke", action="store_true", help="a sliver of each part (CI)")
+  ap.add_argument("--worker", help=argparse.SUPPRESS)
+  ap.add_argument("--worker-args", help=argparse.SUPPRESS)
+  args = ap.parse_args()
+  if args.worker:
+    w = json.loads(args.worker_args)
+    worker(args.worker, w["seeds"], w["conv"], w["omission_skip"])
+    return
+  from pathlib import Path
+
+  out = Path(args.out)
+  if args.part in ("sim", "all"):
+    t0 = time.perf_counter()
+    if args.smoke:
+      rows = sim_table(stages=(4,), skips=(0.0, 0.5), topologies=("geo",), num_mb=8, iters=50)
+    else:
+      rows = sim_table()
+    wall = time.perf_counter() - t0
+    print("\n## Iteration time (simulated)\n")
+    print(common.format_table(rows, SIM_COLUMNS))
+    common.write_json(
+      out / "skippipe_sim.json",
+      {"benchmark": "skippipe_sim", "machine": common.machine(), "wall_s": wall, "rows": rows},
+    )
+  if args.part in ("convergence", "collect", "all"):
+    conv = dict(CONV, num_updates=args.updates)
+    seeds = args.seeds
+    if args.smoke:
+      conv.update(num_updates=2, D=32)
+      seeds = seeds[:1]
+  if args.part == "collect":  # the table of the seeds whose runs are all written so far
+    rows = json.loads((out / "skippipe_convergence_runs.json").read_text())["rows"]
+    per_seed = {s: sum(r["seed"] == s for r in rows) for s in {r["seed"] for r in rows}}
+    whole = {s for s, n in per_seed.items() if n == 2 * len(SKIPS) + 1}
+    common.log(f"seeds with every run: {sorted(whole)}; left out (incomplete): "
+               f"{sorted(set(per_seed) - whole)}")  # fmt: skip
+    rows = [r for r in rows if r["seed"] in whole]
+  if args.part in ("convergence", "all"):
+    out.mkdir(parents=True, exist_ok=True)
+    wargs = json.dumps({"seeds": seeds, "conv": conv, "omission_skip": 0.5})
+    # grows run by run: a cut-off benchmark keeps its whole seeds (--part collect tabulates them)
+    runs_json = out / "skippipe_convergence_runs.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(runs_json),
+           "--worker-args", wargs]  # fmt: skip
+    subprocess.run(cmd, env=common.cpu_env(8), check=True)
+    rows = json.loads(runs_json.read_text())["rows"]
+  if args.part in ("convergence", "collect", "all"):
+    conv_rows, omit_rows = summarise(rows)
+    print("\n## Convergence (eval loss of the full model)\n")
+    print(common.format_table(conv_rows, CONV_COLUMNS))
+    print("\n## Layer omission (half the model at evaluation)\n")
+    print(common.format_table(omit_rows, OMIT_COLUMNS))
+    out.mkdir(parents=True, exist_ok=True)
+    common.write_json(
+      out / "skippipe_convergence.json",
+      {"benchmark": "skippipe_convergence", "machine": common.machine(), "setting": conv,
+       "stages": STAGES, "runs": rows, "convergence": conv_rows, "omission": omit_rows},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+  sys.exit(main())

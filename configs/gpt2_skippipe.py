@@ -1,0 +1,22 @@
+r"""GPT-2 trained with SkipPipe paths (acco_jax.pipeline) on the `zero1` method.
+
+  python train.py --config configs/gpt2_skippipe.py --workdir runs/skippipe            # CPU
+  python train.py --config configs/gpt2_skippipe.py:gpt2 --workdir runs/skippipe-124m  # GPUs
+
+Every microbatch runs stage 0's blocks and then a scheduled path through the other stages, with a
+quarter of the stages left out and swaps allowed; the path scheduler plans for the geo preset.
+Every worker holds the whole model (data parallel), as SkipPipe's convergence runs do; evaluation
+runs the full model. The argument after the colon picks a size preset (configs/common.py).
+"""
+
+from configs import common
+
+
+def get_config(arg: str = "cpu"):
+  c = common.get_base(arg or "cpu", method="zero1")
+  if (arg or "cpu") == "tiny":
+    c.model.N = 4  # four one-block stages (the tiny model has 2 blocks)
+  c.pipeline.stages = {"cpu": 4, "tiny": 4, "gpt2": 6, "gpt2-medium": 8}[arg or "cpu"]
+  c.pipeline.skip = 0.25
+  c.pipeline.swap = True
+  return c

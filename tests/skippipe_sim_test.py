@@ -1,0 +1,191 @@
+"""SkipPipe's host side: topology, stage assignment, the iteration simulator and the path scheduler.
+
+The simulator is checked against makespans computed by hand in the comments; the scheduler and the
+assignment against the baselines they must beat (random valid plans, the full pipeline, random
+partitions), all priced by the simulator, which the hand-computed cases pin down.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from acco_jax import errors
+from acco_jax.pipeline import assign, paths, schedule, simulate, topology
+
+
+def _topo(latency, bandwidth, speed=None):
+  lat = np.asarray(latency, float)
+  m = lat.shape[0]
+  return topology.Topology(
+    "test",
+    np.ones(m) if speed is None else np.asarray(speed, float),
+    np.zeros(m, np.int32),
+    lat,
+    np.asarray(bandwidth, float),
+  )
+
+
+def test_two_stages_two_microbatches_by_hand():
+  # nodes A (stage 0) and B (stage 1), 0.5 s latency, no bytes; F = 1 s a stage, H = 3 x 0.5 s,
+  # B = 2 s a stage. GPipe on A: F0(0) [0,1] F0(1) [1,2]; on B: F1(0) [1.5,2.5] F1(1) [2.5,3.5];
+  # A: H(0) [3,4.5] H(1) [4.5,6]; B (after its forwards): B1(0) [5,7] B1(1) [7,9];
+  # A: B0(0) [7.5,9.5] B0(1) [9.5,11.5]  -> 11.5 s
+  topo = _topo([[0, 0.5], [0.5, 0]], [[np.inf, 1], [1, np.inf]])
+  costs = simulate.Costs(fwd_S=np.array([1.0, 1.0]), head=0.5, act_bytes=0.0)
+  routes = [simulate.Route(0, (1,), (1,))] * 2
+  for policy in simulate.POLICIES:
+    res = simulate.simulate(topo, costs, routes, policy)
+    assert res.makespan == pytest.approx(11.5), policy
+  res = simulate.simulate(topo, costs, routes, "gpipe")
+  np.testing.assert_allclose(res.start[1], [1, 2.5, 4.5, 7, 9.5])
+  assert res.order[0] == ((0, 0), (1, 0), (0, 2), (1, 2), (0, 4), (1, 4))
+
+
+def test_fill_drain_waits_where_fifo_does_not():
+  # Origins A1, A2, stage-1 node B; the A2 <-> B link has 2 s latency, the others none; F = 1 s,
+  # head 0, B = 2 s. mb 0 (from A1) is back at B for its backward at 2 s; mb 1 reaches B at 3 s.
+  # fifo:  B: F(0) [1,2] B(0) [2,4] F(1) [4,5]; mb 1: H at 7, B(1) [9,11], B0(1) [13,15]   -> 15 s
+  # gpipe: B: F(0) [1,2] F(1) [3,4] B(0) [4,6]; mb 1: H at 6, B(1) [8,10], B0(1) [12,14]   -> 14 s
+  lat = np.zeros((3, 3))
+  lat[1, 2] = lat[2, 1] = 2.0
+  topo = _topo(lat, np.full((3, 3), np.inf))
+  costs = simulate.Costs(fwd_S=np.array([1.0, 1.0]), head=0.0, act_bytes=0.0)
+  routes = [simulate.Route(0, (1,), (2,)), simulate.Route(1, (1,), (2,))]
+  fifo = simulate.simulate(topo, costs, routes, "fifo")
+  gpipe = simulate.simulate(topo, costs, routes, "gpipe")
+  assert fifo.makespan == pytest.approx(15.0)
+  assert gpipe.makespan == pytest.approx(14.0)
+  assert fifo.order[2] == ((0, 1), (0, 3), (1, 1), (1, 3))
+  assert gpipe.order[2] == ((0, 1), (1, 1), (0, 3), (1, 3))
+
+
+def test_collision_waits():
+  # two origins, one stage-1 node B, no latency, F = 1 s, head 0, B = 2 s.
+  # B: F(0) [1,2] F(1) [2,3] (waits 1 s), B(0) [3,5] B(1) [5,7]; B0(1) on A2 [7,9] -> 9 s.
+  # With a node each the microbatches never meet: 1 + 1 + 2 + 2 = 6 s.
+  topo = _topo(np.zeros((4, 4)), np.full((4, 4), np.inf))
+  costs = simulate.Costs(fwd_S=np.array([1.0, 1.0]), head=0.0, act_bytes=0.0)
+  shared = [simulate.Route(0, (1,), (2,)), simulate.Route(1, (1,), (2,))]
+  apart = [simulate.Route(0, (1,), (2,)), simulate.Route(1, (1,), (3,))]
+  assert simulate.simulate(topo, costs, shared).makespan == pytest.approx(9.0)
+  assert simulate.simulate(topo, costs, apart).makespan == pytest.approx(6.0)
+
+
+def test_slow_link_and_the_scheduler_avoids_it():
+  # 1 MB of activations. A -> B1: 1 GB/s, no latency (1 ms a hop); A -> B2: 0.1 s + 1 MB / 1 MB/s.
+  # Via B2: 1 + 1.1 + 1 + 1.1 + 0 + 1.1 + 2 + 1.1 + 2 = 10.4 s; via B1: 6 + 4 x 0.001 = 6.004 s.
+  lat = [[0, 0, 0.1], [0, 0, 0], [0.1, 0, 0]]
+  bw = [[np.inf, 1e9, 1e6], [1e9, np.inf, 1e9], [1e6, 1e9, np.inf]]
+  topo = _topo(lat, bw)
+  costs = simulate.Costs(fwd_S=np.array([1.0, 1.0]), head=0.0, act_bytes=1e6)
+  slow = simulate.simulate(topo, costs, [simulate.Route(0, (1,), (2,))]).makespan
+  fast = simulate.simulate(topo, costs, [simulate.Route(0, (1,), (1,))]).makespan
+  assert slow == pytest.approx(10.4)
+  assert fast == pytest.approx(6.004)
+  plan = schedule.schedule(topo, costs, ((0,), (1, 2)), 1, skip=0.0, swap=False, iters=20)
+  assert plan.nodes == ((1,),) and plan.makespan == pytest.approx(6.004)
+
+
+GEO = topology.preset("geo", topology.default_nodes(4), seed=0)
+COSTS = simulate.transformer_costs(4, 8, 1024, 32000, 1024, 4, 1e14)
+
+
+@pytest.fixture(scope="module")
+def partition():
+  return assign.assign(GEO, COSTS, 4, seed=0)
+
+
+def test_replay_of_the_recorded_order_reproduces_the_makespan(partition):
+  for policy, plan in [
+    ("fifo", schedule.random_plan(GEO, COSTS, partition, 8, 0.5, True, seed=1)),
+    ("gpipe", schedule.full_pipeline(GEO, COSTS, partition, 8, "gpipe")),
+    ("1f1b", schedule.full_pipeline(GEO, COSTS, partition, 8, "1f1b")),
+  ]:
+    res = simulate.replay(GEO, COSTS, plan.routes(), plan.order)
+    assert res.makespan == pytest.approx(plan.makespan), policy
+  bad = [tuple(reversed(o)) for o in plan.order]
+  with pytest.raises(ValueError, match="deadlock"):
+    simulate.replay(GEO, COSTS, plan.routes(), bad)
+
+
+def test_assignment_beats_random_and_is_seeded(partition):
+  rnd = [
+    assign.cost(GEO, COSTS, assign.random_partition(GEO.num_nodes, 4, np.random.default_rng(i)))
+    for i in range(20)
+  ]
+  best = assign.cost(GEO, COSTS, partition)
+  assert best < 0.8 * np.median(rnd), (best, np.median(rnd))
+  assert assign.assign(GEO, COSTS, 4, seed=0) == partition
+  assert [len(p) for p in partition] == assign.stage_sizes(GEO.num_nodes, 4)
+
+
+@pytest.mark.parametrize("skip,swap", [(0.0, False), (0.25, True), (0.5, False), (0.5, True)])
+def test_scheduler_beats_random_and_the_full_pipeline(partition, skip, swap):
+  n = 8
+  plan = schedule.schedule(GEO, COSTS, partition, n, skip, swap, seed=0, iters=150)
+  k = paths.path_length(4, skip)
+  c, m = schedule.limits(partition, n, k)
+  # the plan is valid: path lengths, order unless swaps, memory and balance
+  load = np.zeros(GEO.num_nodes, int)
+  visits = np.zeros(4, int)
+  for o, p, ys in zip(plan.origin, plan.paths, plan.nodes, strict=True):
+    assert len(p) == k and o in partition[0] and (swap or list(p) == sorted(p))
+    assert all(y in partition[s] for s, y in zip(p, ys, strict=True))
+    load[[o, *ys]] += 1
+    visits[list(p)] += 1
+  assert load.max() <= m and visits[1:].max() <= c
+  rnd = [
+    schedule.random_plan(GEO, COSTS, partition, n, skip, swap, seed=i).makespan for i in range(5)
+  ]
+  full = min(
+    schedule.full_pipeline(GEO, COSTS, partition, n, p).makespan for p in ("gpipe", "1f1b")
+  )
+  assert plan.makespan < min(rnd)
+  if skip == 0.0:
+    assert plan.makespan <= full * (1 + 1e-9)  # the lanes are one of its starts
+  else:
+    assert plan.makespan < 0.9 * full, (plan.makespan, full)
+
+
+def test_topology_presets_and_file(tmp_path):
+  geo = topology.preset("geo", 20, seed=3)
+  off = ~np.eye(20, dtype=bool)
+  between = geo.region_M[:, None] != geo.region_M[None, :]
+  assert 0.010 <= geo.latency_MxM[between].min() and geo.latency_MxM[between].max() <= 0.250
+  assert 0.1 * topology.GBIT * (1 - 1e-9) <= geo.bandwidth_MxM[off & between].min()  # rounding
+  assert geo.bandwidth_MxM[off & between].max() <= topology.GBIT
+  np.testing.assert_array_equal(geo.latency_MxM, topology.preset("geo", 20, seed=3).latency_MxM)
+  f = tmp_path / "mine.json"
+  f.write_text(
+    json.dumps(
+      {
+        "speed": [1, 0.5],
+        "region": ["eu", "us"],
+        "latency_ms": [[0, 80], [80, 0]],
+        "bandwidth_gbps": [[0, 1], [1, 0]],
+      }
+    )
+  )
+  topo = topology.get(str(f), 2)
+  assert topo.transfer_MxM(topology.GBIT)[0, 1] == pytest.approx(1.08)
+  f.write_text("{not json")
+  with pytest.raises(errors.UserValueError, match="does not parse as JSON"):
+    topology.get(str(f), 2)
+
+
+def test_bench_sim_smoke(tmp_path):
+  # bench/skippipe.py --part sim --smoke: the iteration-time table on one small geo case
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  repo = Path(__file__).resolve().parent.parent
+  cmd = [sys.executable, str(repo / "bench" / "skippipe.py"), "--part", "sim", "--smoke",
+         "--out", str(tmp_path)]  # fmt: skip
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  data = json.loads((tmp_path / "skippipe_sim.json").read_text())
+  assert data["benchmark"] == "skippipe_sim" and len(data["rows"]) == 4
+  for row in data["rows"]:
+    assert row["scheduler_s"] < row["random_s"]
