@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from acco_jax import losses, model
+from acco_jax import model
 
 Params = model.Params
 
@@ -126,14 +126,7 @@ def head_loss(params: Params, cfg: model.GPTConfig, x_BxLxD, batch: dict) -> tup
   Returns:
     (loss, {'tokens', 'loss_sum'}), float32 scalars.
   """
-  logits_BxLxV = head_logits(params, cfg, x_BxLxD)
-  targets_BxL = batch["targets"]
-  weights_BxL = batch.get("weights")
-  if weights_BxL is None:
-    weights_BxL = jnp.ones(targets_BxL.shape, jnp.float32)
-  loss_sum, tokens = losses.weighted_cross_entropy(logits_BxLxV, targets_BxL, weights_BxL, cfg.V)
-  loss = jnp.where(tokens > 0, loss_sum / jnp.maximum(tokens, 1e-9), 0.0)
-  return loss, {"tokens": tokens, "loss_sum": loss_sum}
+  return model.loss_from_logits(cfg, head_logits(params, cfg, x_BxLxD), batch)
 
 
 def loss_fn_ordered(params: Params, cfg: model.GPTConfig, batch: dict, order_K) -> tuple:

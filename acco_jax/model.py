@@ -326,6 +326,11 @@ def loss_fn(params: Params, cfg: GPTConfig, batch: dict[str, jax.Array], *, rng=
     so that sums over microbatches or devices give the exact global mean.
   """
   logits_BxLxV = _logits(params, cfg, batch["inputs"], rng, deterministic=rng is None)
+  return loss_from_logits(cfg, logits_BxLxV, batch)
+
+
+def loss_from_logits(cfg: GPTConfig, logits_BxLxV, batch: dict[str, jax.Array]):
+  """``loss_fn``'s loss and aux from logits over the padded vocabulary (compute dtype)."""
   targets_BxL = batch["targets"]
   weights_BxL = batch.get("weights")
   if weights_BxL is None:

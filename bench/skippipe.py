@@ -135,7 +135,7 @@ def _train(run, config, orders):
 
   train, mesh = run.train, run.mesh
   rows = mesh.size * train.num_microbatches * config.batch.microbatch_size
-  stream = trainer._stream(run, config, run.tokens.train, rows, seed=config.train.seed)
+  stream = trainer.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
   stream = orders_lib.OrderedStream(stream, orders)
   state = train.init(model.init_params(run.model_cfg, config.train.seed))
   losses = []

@@ -314,11 +314,11 @@ def saved(tmp_path_factory):
   config = tiny()
   run = trainer.build(config)
   rows = run.mesh.size * config.batch.microbatch_size
-  prime = next(trainer._stream(run, config, run.tokens.train, rows, seed=1))
+  prime = next(trainer.batch_stream(run, config, run.tokens.train, rows, seed=1))
   state = run.train.init(
     model.init_params(run.model_cfg, 0), parallel.global_batch(prime, run.mesh)
   )
-  stream = trainer._stream(run, config, run.tokens.train, rows, seed=config.train.seed)
+  stream = trainer.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
   with checkpoint.Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
     for stage in (2, 4):
       for _ in range(2):

@@ -130,8 +130,12 @@ def reference_acco(config, run, num_stages):
   n, b, k_max = run.mesh.size, config.batch.microbatch_size, max(BUDGETS)
   grad = jax.jit(jax.grad(lambda p, mb: model.loss_fn(p, run.model_cfg, mb)[0]))
   add = lambda *trees: jax.tree.map(lambda *x: sum(x[1:], x[0]), *trees)
-  prime = next(trainer._stream(run, config, run.tokens.train, n * b, seed=config.train.seed + 1))
-  stream = trainer._stream(run, config, run.tokens.train, n * k_max * b, seed=config.train.seed)
+  prime = next(
+    trainer.batch_stream(run, config, run.tokens.train, n * b, seed=config.train.seed + 1)
+  )
+  stream = trainer.batch_stream(
+    run, config, run.tokens.train, n * k_max * b, seed=config.train.seed
+  )
   theta = model.init_params(run.model_cfg, config.train.seed)
   rows = lambda batch, lo, hi: jax.tree.map(lambda x: x[lo:hi], batch)
   buf = add(*[grad(theta, rows(prime, i * b, (i + 1) * b)) for i in range(n)])

@@ -42,7 +42,7 @@ def _config(method="zero1", stages=4, skip=0.0, swap=False, **opt):
 
 def _batches(run, config, n):
   rows = run.mesh.size * run.train.num_microbatches * config.batch.microbatch_size
-  stream = trainer._stream(run, config, run.tokens.train, rows, seed=0)
+  stream = trainer.batch_stream(run, config, run.tokens.train, rows, seed=0)
   if run.orders is not None:
     stream = orders_lib.OrderedStream(stream, run.orders)
   return [next(stream) for _ in range(n)]

@@ -201,20 +201,13 @@ def _check(config, num_devices: int) -> tuple[int, int]:
 
 def build_run(config):
   """A :class:`acco_jax.run.build.Run` for ``method=pipeline`` (called by ``run.build.build``)."""
-  import os
 
-  from acco_jax import data
   from acco_jax.run import build as build_lib
   from acco_jax.run import optim, parallel
 
   devices = parallel.make_mesh(config.mesh.num_devices).devices.flatten()
   stages, lanes = _check(config, len(devices))
-  cache = config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
-  tokens = data.prepare(
-    config.data.source, config.data.tokenizer, cache_dir=cache,
-    eval_fraction=config.data.eval_fraction, seed=config.data.split_seed,
-    data_dir=config.data.data_dir or None, text_key=config.data.text_key,
-  )  # fmt: skip
+  tokens = build_lib.prepare_tokens(config)
   model_cfg = build_lib._model_config(config, tokens.tokenizer.vocab_size)
   paths_lib.check_stages(model_cfg.N, stages)
   M = int(config.batch.microbatches)

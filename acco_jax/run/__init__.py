@@ -4,7 +4,8 @@ Entry point: :func:`acco_jax.run.trainer.train_and_evaluate` (what ``train.py`` 
 :func:`acco_jax.run.build.build` turns a config into the mesh, tokens, model and a family's step.
 
 ``parallel`` (devices, meshes, ``jax.distributed``, XLA flag presets), ``optim`` (the inner optimizer
-from a config, pure optax), ``checkpoint`` and ``fingerprint`` (orbax I/O, leaf hashes), ``metrics``
+from a config, pure optax), ``report`` (held-out evaluation, the sample, a finished run's summary),
+``checkpoint`` and ``fingerprint`` (orbax I/O, leaf hashes), ``metrics``
 (accounting and writers), ``monitor`` (slow workers, the hung-collective watchdog), ``health`` (the
 verdict ``health.json`` and restarting without the processes it names). This is the only
 folder that does I/O; it owns no collective of a training step (the families' step modules do).

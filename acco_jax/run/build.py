@@ -52,6 +52,25 @@ def _model_config(config, vocab_size: int) -> model.GPTConfig:
   )  # fmt: skip
 
 
+def prepare_tokens(config) -> data.TokenData:
+  """The config's corpus, tokenized, split and cached (``data.prepare``)."""
+  cache = config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
+  return data.prepare(
+    config.data.source, config.data.tokenizer, cache_dir=cache,
+    eval_fraction=config.data.eval_fraction, seed=config.data.split_seed,
+    data_dir=config.data.data_dir or None, text_key=config.data.text_key,
+  )  # fmt: skip
+
+
+def batch_stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None):
+  """Batches of ``rows`` rows of ``tokens`` (this process's share), as the config packs them."""
+  return data.batches(
+    tokens, seq_len=config.data.seq_len, global_batch_rows=rows, seed=seed,
+    process_index=jax.process_index(), process_count=jax.process_count(),
+    shuffle=shuffle, num_epochs=epochs,
+  )  # fmt: skip
+
+
 def stage_plan(config) -> tuple[int, int, int]:
   """(microbatches per stage, stages per update, total stages) for the method in ``config``."""
   k = int(config.batch.microbatches)
@@ -98,12 +117,7 @@ def build(config) -> Run:
   mesh = parallel.make_mesh(config.mesh.num_devices)
   if is_loco:
     mesh = loco_lib.worker_mesh(config.loco.workers or mesh.size, list(mesh.devices.flat))
-  cache = config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
-  tokens = data.prepare(
-    config.data.source, config.data.tokenizer, cache_dir=cache,
-    eval_fraction=config.data.eval_fraction, seed=config.data.split_seed,
-    data_dir=config.data.data_dir or None, text_key=config.data.text_key,
-  )  # fmt: skip
+  tokens = prepare_tokens(config)
   model_cfg = _model_config(config, tokens.tokenizer.vocab_size)
   k, per_update, total = stage_plan(config)
   shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))

@@ -12,7 +12,6 @@ and checkpoint periods count updates; the checkpoint step number counts stages.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import time
@@ -22,52 +21,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from acco_jax import data, errors, layers, model
+from acco_jax import data, errors, model
 from acco_jax.dp import hetero, methods, quantize
 from acco_jax.dp import reshard as reshard_lib
 from acco_jax.loco import step as loco_lib
 from acco_jax.pipeline import orders as pipeline_orders
-from acco_jax.run import checkpoint, health, monitor, parallel
+from acco_jax.run import checkpoint, health, monitor, parallel, report
 from acco_jax.run import metrics as metrics_lib
 from acco_jax.run.build import Run as Run
+from acco_jax.run.build import batch_stream as batch_stream
 from acco_jax.run.build import build as build
 from acco_jax.run.build import check_comm, check_vocab, comm_meta, updates_done, vocab_meta
 from acco_jax.run.build import stage_plan as stage_plan
-
-
-def _stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None):
-  return data.batches(
-    tokens, seq_len=config.data.seq_len, global_batch_rows=rows, seed=seed,
-    process_index=jax.process_index(), process_count=jax.process_count(),
-    shuffle=shuffle, num_epochs=epochs,
-  )  # fmt: skip
-
-
-def eval_function(cfg: model.GPTConfig, order=None):
-  """Jitted ``(params, batch) -> aux`` of the model, or of its blocks run in ``order`` (int array of
-  block indices: a half model, a SkipPipe path; None runs every block in order)."""
-  if order is None:
-    return jax.jit(lambda p, b: model.loss_fn(p, cfg, b)[1])
-  order = jnp.asarray(order, jnp.int32)
-  return jax.jit(lambda p, b: layers.loss_fn_ordered(p, cfg, b, order)[1])
-
-
-def evaluate(run: Run, config, params, eval_fn=None, order=None) -> dict:
-  """Mean token loss and perplexity of ``params`` on the first ``eval_batches`` held-out batches.
-
-  ``eval_fn`` defaults to :func:`eval_function` of ``order`` (the full model when None).
-  """
-  if eval_fn is None:
-    eval_fn = eval_function(run.model_cfg, order)
-  rows = run.mesh.size * config.batch.microbatch_size
-  it = _stream(run, config, run.tokens.eval, rows, seed=0, shuffle=False)
-  loss_sum = tokens = 0.0
-  for _ in range(config.train.eval_batches):
-    batch = parallel.global_batch(next(it), run.mesh, run.batch_axis)
-    aux = jax.device_get(eval_fn(params, batch))
-    loss_sum, tokens = loss_sum + float(aux["loss_sum"]), tokens + float(aux["tokens"])
-  loss = loss_sum / max(tokens, 1.0)
-  return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+from acco_jax.run.report import eval_function as eval_function
+from acco_jax.run.report import evaluate as evaluate
 
 
 class _Preemption:
@@ -118,7 +85,7 @@ def train_and_evaluate(
   # microbatches one stage takes from the stream (a pipeline: M per data lane, not per device)
   mb_per_stage = getattr(train, "microbatches_per_stage", n * train.num_microbatches)
   rows_per_stage = mb_per_stage * config.batch.microbatch_size
-  stream = _stream(run, config, run.tokens.train, rows_per_stage, seed=config.train.seed)
+  stream = batch_stream(run, config, run.tokens.train, rows_per_stage, seed=config.train.seed)
   if run.orders is not None:  # SkipPipe: each microbatch's layer order rides in its batch
     stream = pipeline_orders.OrderedStream(
       stream, run.orders, jax.process_index(), jax.process_count()
@@ -178,7 +145,9 @@ def train_and_evaluate(
       state = train.init(params)
     else:
       prime_rows = n * config.batch.microbatch_size
-      prime = next(_stream(run, config, run.tokens.train, prime_rows, seed=config.train.seed + 1))
+      prime = next(
+        batch_stream(run, config, run.tokens.train, prime_rows, seed=config.train.seed + 1)
+      )
       if run.orders is not None:  # device i primes with the path of its first microbatch
         prime["order"] = pipeline_orders.prime_rows(
           run.orders, train.num_microbatches, jax.process_index(), jax.process_count()
@@ -189,13 +158,13 @@ def train_and_evaluate(
     ckpt.close()
     if on_params is not None:  # a kill may have come between the last checkpoint and this call
       on_params(train.params(state))
-    return _finished(run, config, workdir, start, float(extra.get("wire_bytes", 0.0)), lead)
+    return report.finished(run, config, workdir, start, float(extra.get("wire_bytes", 0.0)), lead)
   ckpt = ckpt or open_ckpt()
   writer = metrics_lib.MetricWriter(workdir, enabled=lead)
   for name, fields in events:
     writer.event(name, **fields)
 
-  eval_fn = eval_function(run.model_cfg)  # the full model, also after SkipPipe training
+  eval_fn = report.eval_function(run.model_cfg)  # the full model, also after SkipPipe training
   baseline = data.unigram_entropy(run.tokens.train)
   n_params = train.layout.num_params
   flops_token = model.flops_per_token(run.model_cfg)
@@ -385,7 +354,7 @@ def train_and_evaluate(
         outer_rows.clear()
       if at_update and crossed(config.train.eval_every):
         flush()
-        ev = evaluate(run, config, train.params(state), eval_fn)
+        ev = report.evaluate(run, config, train.params(state), eval_fn)
         writer.write(stage, {"update": done, **ev})
         summary.update(ev)
         evaluated_at = stage
@@ -412,19 +381,19 @@ def train_and_evaluate(
     if run.loco:
       for at, outer in jax.device_get([(at, readable(o)) for at, o in outer_rows]):
         writer.write(at, train.outer_row(outer))
-      summary.update(_loco_summary(train, wire_bytes))
+      summary.update(report.loco_summary(train, wire_bytes))
     final = train.params(state)
     if on_params is not None:
       on_params(final)
     if evaluated_at != stage:  # the last update may have been evaluated already
-      ev = evaluate(run, config, final, eval_fn)
+      ev = report.evaluate(run, config, final, eval_fn)
       writer.write(stage, {"update": updates_done(config, stage), **ev})
       summary.update(ev)
     summary.update(stages=stage, updates=updates_done(config, stage))
     if ckpt.latest_step() != stage:
       save(stage)
     if config.train.sample_tokens and lead:
-      summary["sample"] = sample(run, config, final, workdir)
+      summary["sample"] = report.sample(run, config, final, workdir)
   except Exception as e:
     if watchdog is not None and monitor.is_collective_failure(e):  # say which peer is gone
       recorder.conclude(error=e)  # health.json, after the dead peer's heartbeat has gone stale
@@ -444,38 +413,6 @@ def train_and_evaluate(
   return summary
 
 
-def _loco_summary(train, wire_bytes: float) -> dict:
-  return dict(
-    wire_bytes_per_worker=wire_bytes, peak_sync_bytes=train.peak_sync_bytes(),
-    payload_bytes_per_sync=train.payload_bytes(0), sent_density=train.density(),
-  )  # fmt: skip
-
-
-def _finished(run: Run, config, workdir: str, stage: int, wire_bytes: float, lead: bool) -> dict:
-  """The summary of a run whose checkpoint is at (or past) its last stage, from the checkpoint and
-  ``metrics.jsonl``, with the keys the run printed when it finished; no step runs."""
-  logged = metrics_lib.last_logged(workdir)
-  at = logged.pop("eval_step", None)
-  summary = {"unigram_baseline": data.unigram_entropy(run.tokens.train), **logged}
-  if run.loco:
-    summary.update(_loco_summary(run.train, wire_bytes))
-  summary.update(stages=stage, updates=updates_done(config, stage))
-  sample_path = os.path.join(workdir, "sample.txt")
-  if config.train.sample_tokens and os.path.exists(sample_path):
-    with open(sample_path) as f:
-      summary["sample"] = f.read().rstrip("\n")
-  if lead:
-    where = f"at stage {stage}/{run.total_stages}"
-    if stage > run.total_stages:
-      where = f"at stage {stage}, past this config's {run.total_stages} stages"
-    final = "no evaluation in metrics.jsonl"
-    if "eval_loss" in logged:
-      final = f"eval_loss={logged['eval_loss']:.4f} (stage {at}, metrics.jsonl)"
-    print(f"nothing to train: the run finished {where}; final evaluation {final}", flush=True)
-    print(json.dumps({k: v for k, v in summary.items() if k != "sample"}), flush=True)
-  return summary
-
-
 def _probe(train, state, batch, stage: int, slow_factor: float, writer) -> np.ndarray:
   """``[processes, 2]`` seconds per microbatch and per stage communication of every process
   (:meth:`TrainStep.probe`, gathered); logged, and slow processes named in a warning."""
@@ -489,17 +426,3 @@ def _probe(train, state, batch, stage: int, slow_factor: float, writer) -> np.nd
     if jax.process_index() == 0:
       print(warning, flush=True)
   return times
-
-
-def sample(run: Run, config, params, workdir: str) -> str:
-  tok = run.tokens.tokenizer
-  prompt = np.asarray(tok.encode(config.train.sample_prompt) or [tok.eot_id], np.int32)
-  out = model.generate(
-    params, run.model_cfg, prompt, config.train.sample_tokens, jax.random.key(config.train.seed),
-    temperature=0.8, top_k=40,
-  )  # fmt: skip
-  text = tok.decode([int(t) for t in np.asarray(out).reshape(-1)])
-  with open(os.path.join(workdir, "sample.txt"), "w") as f:
-    f.write(text + "\n")
-  print(f"sample: {text!r}", flush=True)
-  return text

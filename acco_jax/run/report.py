@@ -1,0 +1,96 @@
+"""What a run reports: held-out evaluation, the sample, and the summary of a finished run.
+
+:func:`evaluate` runs the model (or its blocks in a given layer order) on the first
+``train.eval_batches`` held-out batches; :func:`sample` writes ``sample.txt``; :func:`finished` is
+what a rerun of a finished run prints, from its checkpoint and ``metrics.jsonl``, without training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from acco_jax import data, layers, model
+from acco_jax.run import metrics as metrics_lib
+from acco_jax.run import parallel
+from acco_jax.run.build import Run, batch_stream, updates_done
+
+
+def eval_function(cfg: model.GPTConfig, order=None):
+  """Jitted ``(params, batch) -> aux`` of the model, or of its blocks run in ``order`` (int array of
+  block indices: a half model, a SkipPipe path; None runs every block in order)."""
+  if order is None:
+    return jax.jit(lambda p, b: model.loss_fn(p, cfg, b)[1])
+  order = jnp.asarray(order, jnp.int32)
+  return jax.jit(lambda p, b: layers.loss_fn_ordered(p, cfg, b, order)[1])
+
+
+def evaluate(run: Run, config, params, eval_fn=None, order=None) -> dict:
+  """Mean token loss and perplexity of ``params`` on the first ``eval_batches`` held-out batches.
+
+  ``eval_fn`` defaults to :func:`eval_function` of ``order`` (the full model when None).
+  """
+  if eval_fn is None:
+    eval_fn = eval_function(run.model_cfg, order)
+  rows = run.mesh.size * config.batch.microbatch_size
+  it = batch_stream(run, config, run.tokens.eval, rows, seed=0, shuffle=False)
+  loss_sum = tokens = 0.0
+  for _ in range(config.train.eval_batches):
+    batch = parallel.global_batch(next(it), run.mesh, run.batch_axis)
+    aux = jax.device_get(eval_fn(params, batch))
+    loss_sum, tokens = loss_sum + float(aux["loss_sum"]), tokens + float(aux["tokens"])
+  loss = loss_sum / max(tokens, 1.0)
+  return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+def sample(run: Run, config, params, workdir: str) -> str:
+  """A sample from ``params`` after the config's prompt, printed and written to sample.txt."""
+  tok = run.tokens.tokenizer
+  prompt = np.asarray(tok.encode(config.train.sample_prompt) or [tok.eot_id], np.int32)
+  out = model.generate(
+    params, run.model_cfg, prompt, config.train.sample_tokens, jax.random.key(config.train.seed),
+    temperature=0.8, top_k=40,
+  )  # fmt: skip
+  text = tok.decode([int(t) for t in np.asarray(out).reshape(-1)])
+  with open(os.path.join(workdir, "sample.txt"), "w") as f:
+    f.write(text + "\n")
+  print(f"sample: {text!r}", flush=True)
+  return text
+
+
+def loco_summary(train, wire_bytes: float) -> dict:
+  """A LoCo run's communication figures for its summary."""
+  return dict(
+    wire_bytes_per_worker=wire_bytes, peak_sync_bytes=train.peak_sync_bytes(),
+    payload_bytes_per_sync=train.payload_bytes(0), sent_density=train.density(),
+  )  # fmt: skip
+
+
+def finished(run: Run, config, workdir: str, stage: int, wire_bytes: float, lead: bool) -> dict:
+  """The summary of a run whose checkpoint is at (or past) its last stage, from the checkpoint and
+  ``metrics.jsonl``, with the keys the run printed when it finished; no step runs."""
+  logged = metrics_lib.last_logged(workdir)
+  at = logged.pop("eval_step", None)
+  summary = {"unigram_baseline": data.unigram_entropy(run.tokens.train), **logged}
+  if run.loco:
+    summary.update(loco_summary(run.train, wire_bytes))
+  summary.update(stages=stage, updates=updates_done(config, stage))
+  sample_path = os.path.join(workdir, "sample.txt")
+  if config.train.sample_tokens and os.path.exists(sample_path):
+    with open(sample_path) as f:
+      summary["sample"] = f.read().rstrip("\n")
+  if lead:
+    where = f"at stage {stage}/{run.total_stages}"
+    if stage > run.total_stages:
+      where = f"at stage {stage}, past this config's {run.total_stages} stages"
+    final = "no evaluation in metrics.jsonl"
+    if "eval_loss" in logged:
+      final = f"eval_loss={logged['eval_loss']:.4f} (stage {at}, metrics.jsonl)"
+    print(f"nothing to train: the run finished {where}; final evaluation {final}", flush=True)
+    print(json.dumps({k: v for k, v in summary.items() if k != "sample"}), flush=True)
+  return summary
