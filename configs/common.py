@@ -20,7 +20,8 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
     raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
   c = ml_collections.ConfigDict()
   c.method = method  # acco | zero1 | ddp | dpu | wp | diloco | streaming_diloco | noloco |
-  #                    sparseloco | demo | hdee (an expert ensemble: configs/hdee.py)
+  #                    sparseloco | demo | hdee (an expert ensemble: configs/hdee.py) |
+  #                    pipeline (blocks over a 'stage' mesh axis: configs/gpt2_pipeline.py)
   c.comm_dtype = "bfloat16"  # dtype of the reduce-scatter / all-gather / all-reduce
   c.dpu_warmup_updates = 0  # dpu only: synchronous updates before the delay starts
 

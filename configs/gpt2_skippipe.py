@@ -2,6 +2,8 @@ r"""GPT-2 trained with SkipPipe paths (acco_jax.pipeline) on the `zero1` method.
 
   python train.py --config configs/gpt2_skippipe.py --workdir runs/skippipe            # CPU
   python train.py --config configs/gpt2_skippipe.py:gpt2 --workdir runs/skippipe-124m  # GPUs
+  python train.py --config configs/gpt2_skippipe.py --workdir runs/skippipe-pipe \
+    --config.method=pipeline   # the same kind of paths on a 'stage' mesh axis (gpt2_pipeline.py)
 
 Every microbatch runs stage 0's blocks and then a scheduled path through the other stages, with a
 quarter of the stages left out and swaps allowed; the path scheduler plans for the geo preset.
@@ -19,4 +21,5 @@ def get_config(arg: str = "cpu"):
   c.pipeline.stages = {"cpu": 4, "tiny": 4, "gpt2": 6, "gpt2-medium": 8}[arg or "cpu"]
   c.pipeline.skip = 0.25
   c.pipeline.swap = True
+  c.pipeline.schedule = "skippipe"  # used with method=pipeline: paths on a 'stage' mesh axis
   return c
