@@ -27,6 +27,7 @@ import pytest
 
 from acco_jax import errors
 from acco_jax.run import health, monitor
+from tests import health_test
 from tests.multiprocess_test import free_port, worker_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -343,26 +344,12 @@ def test_faulty_process_is_named_and_the_run_resumes_without_it(tmp_path):
 def test_slow_worker_is_excluded_after_a_checkpoint(tmp_path):
   """2 processes x 1 device; process 1 sleeps 20 ms per microbatch. With on_slow=exclude and a
   patience of 2 probes (every 4 stages), both hold a checkpoint at the second probe, write a
-  `slow` verdict naming process 1 and exit 75 together: the restart loses no stage. The flags
-  are tests/health_test.py's but for the policy and no watchdog (a probe's compilation on a
-  loaded machine outlasted its 6 s), so one of the two compiles for the other."""
-  workdir, port = tmp_path / "run", free_port()
+  `slow` verdict naming process 1 and exit 75 together: the restart loses no stage. The launch is
+  tests/health_test.py's but for the policy and no watchdog (a probe's compilation on a loaded
+  machine outlasted its 6 s), so one of the two compiles for the other."""
+  workdir = tmp_path / "run"
   workdir.mkdir()
-  procs = []
-  for i in range(2):
-    cmd = [sys.executable, str(REPO / "train.py"), "--config", "configs/gpt2_acco.py:tiny",
-           "--workdir", str(workdir), f"--config.dist.coordinator_address=127.0.0.1:{port}",
-           "--config.dist.num_processes=2", f"--config.dist.process_id={i}",
-           "--config.mesh.cpu_devices=1", "--config.train.num_updates=16",
-           "--config.train.log_every=1", "--config.train.eval_every=0",
-           "--config.train.sample_tokens=0", "--config.ckpt.every=2",
-           "--config.ckpt.async_save=False", "--config.health.hang_timeout_s=0",
-           "--config.health.probe_every=4", "--config.hetero.slowdown=1:0.02",
-           "--config.health.on_slow=exclude", "--config.health.slow_patience=2",
-           f"--config.data.cache_dir={CACHE}"]  # fmt: skip
-    log = open(tmp_path / f"slow-p{i}.log", "w")
-    procs.append(subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=log,
-                                  stderr=subprocess.STDOUT))  # fmt: skip
+  procs = health_test.launch(workdir, "slow", hang_timeout_s=0, on_slow="exclude", slow_patience=2)
   try:
     codes = [p.wait(timeout=240) for p in procs]
   finally:

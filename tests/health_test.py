@@ -85,7 +85,10 @@ def test_watchdog_names_the_silent_peer_only_after_progress_stops():
 TIMEOUT_S = 6
 
 
-def launch(workdir: Path, tag: str) -> list[subprocess.Popen]:
+def launch(workdir: Path, tag: str, **health) -> list[subprocess.Popen]:
+  """Two processes of the tiny ACCO run, process 1 slowed; ``health``: health.* fields to change
+  (the defaults: the watchdog at TIMEOUT_S, slow workers kept)."""
+  health = {"hang_timeout_s": TIMEOUT_S, "on_slow": "keep", **health}
   port, procs = free_port(), []
   for i in range(2):
     cmd = [sys.executable, str(REPO / "train.py"), "--config", "configs/gpt2_acco.py:tiny",
@@ -94,9 +97,9 @@ def launch(workdir: Path, tag: str) -> list[subprocess.Popen]:
            "--config.mesh.cpu_devices=1", "--config.train.num_updates=16",
            "--config.train.log_every=1", "--config.train.eval_every=0",
            "--config.train.sample_tokens=0", "--config.ckpt.every=2",
-           "--config.ckpt.async_save=False", f"--config.health.hang_timeout_s={TIMEOUT_S}",
-           "--config.health.probe_every=4", "--config.hetero.slowdown=1:0.02",
-           "--config.health.on_slow=keep",
+           "--config.ckpt.async_save=False", "--config.health.probe_every=4",
+           "--config.hetero.slowdown=1:0.02",
+           *(f"--config.health.{k}={v}" for k, v in health.items()),
            f"--config.data.cache_dir={REPO / '.pytest_cache' / 'acco_data'}"]  # fmt: skip
     log = open(workdir.parent / f"{tag}-p{i}.log", "w")
     procs.append(subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=log, stderr=log))
