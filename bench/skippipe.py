@@ -162,7 +162,8 @@ def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None
       evals[key] = trainer.eval_function(run.model_cfg, order)
     return trainer.evaluate(run, config, params, evals[key])["eval_loss"]
 
-  results, runs = [], {}
+  results, runs = _done_runs(out, conv), {}
+  done = {(r["seed"], r["skip"], r["swap"]) for r in results}
   for seed in seeds:  # seed-major: a cut-off benchmark still has whole seeds
     rng = np.random.default_rng(100 + seed)
     half_random = [
@@ -175,6 +176,8 @@ def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None
       run = runs[skip]
       num_mb = run.mesh.size * run.train.num_microbatches
       for swap in ([None] if skip == 0.0 else []) + [False, True]:
+        if (seed, None if swap is None else skip, bool(swap)) in done:
+          continue  # written by an earlier, cut-off invocation with the same setting
         config = _config(seed, None if swap is None else skip, bool(swap), conv)
         t0 = time.perf_counter()
         if swap is None:
@@ -194,7 +197,21 @@ def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None
         common.log(f"  seed {seed} skip={row['skip']} swap={swap}: eval {full:.4f} "
                    f"({row['wall_s']} s)")  # fmt: skip
         results.append(row)
-        common.write_json(out, {"rows": results})
+        common.write_json(out, {"setting": conv, "rows": results})
+
+
+def _done_runs(out: str, conv: dict) -> list[dict]:
+  """The runs an earlier invocation wrote with this same setting; the benchmark goes on from them."""
+  from pathlib import Path
+
+  path = Path(out)
+  if not path.exists():
+    return []
+  data = json.loads(path.read_text())
+  if data.get("setting") != conv:
+    sys.exit(f"error: {path} holds runs of another setting ({data.get('setting')}); "
+             f"pass --out to another folder, or move it away to start over")  # fmt: skip
+  return data["rows"]
 
 
 def summarise(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -276,7 +293,8 @@ def main() -> None:
       conv.update(num_updates=2, D=32)
       seeds = seeds[:1]
   if args.part == "collect":  # the table of the seeds whose runs are all written so far
-    rows = json.loads((out / "skippipe_convergence_runs.json").read_text())["rows"]
+    data = json.loads((out / "skippipe_convergence_runs.json").read_text())
+    rows, conv = data["rows"], data["setting"]
     per_seed = {s: sum(r["seed"] == s for r in rows) for s in {r["seed"] for r in rows}}
     whole = {s for s, n in per_seed.items() if n == 2 * len(SKIPS) + 1}
     common.log(f"seeds with every run: {sorted(whole)}; left out (incomplete): "
@@ -291,6 +309,7 @@ def main() -> None:
            "--worker-args", wargs]  # fmt: skip
     subprocess.run(cmd, env=common.cpu_env(8), check=True)
     rows = json.loads(runs_json.read_text())["rows"]
+    rows = [r for r in rows if r["seed"] in seeds]
   if args.part in ("convergence", "collect", "all"):
     conv_rows, omit_rows = summarise(rows)
     print("\n## Convergence (eval loss of the full model)\n")
