@@ -77,6 +77,7 @@ def test_measured_difficulty_regroups_by_seed_loss():
     ("sizes", 45.0, r"expert 'hard' of size 'L' needs 50 FLOPs for one step of 10 tokens, more "
      r"than hdee.budget_flops=45"),
   ],
+  ids=["unknown-mode", "budget-below-one-step", "expert-larger-than-budget"],
 )  # fmt: skip
 def test_bad_budgets_are_one_line_errors(mode, budget, match):
   with pytest.raises(ValueError, match=match) as info:
@@ -92,6 +93,7 @@ def test_bad_budgets_are_one_line_errors(mode, budget, match):
     ("hard:x:a", r"'hard:x:a' is not group:iteration:name"),
     ("hard:1:a,easy:1:a", r"domain names must be unique"),
   ],
+  ids=["missing-iteration", "group-without-expert", "not-group-iteration-name", "duplicate-name"],
 )
 def test_bad_domain_lists(spec, match):
   with pytest.raises(ValueError, match=match):
@@ -126,7 +128,16 @@ def test_domain_with_no_text(tmp_path):
     ({"hdee.domains": "hard:1:nope,easy:1:kjv_law"}, r"'nope' is not a built-in domain"),
     ({"data.tokenizer": "bpe:512"}, r"experts would not share a vocabulary"),
     ({"hdee.mixing": "simple_avg,max"}, r"unknown rule 'max'"),
-    ({"hdee.experts": "hard:XL,easy:S"}, r"size 'XL' .* is not a class of hdee.sizes"),
+    ({"hdee.experts": "hard:XL,easy:S"}, r"size 'XL' .* not a class of hdee.sizes .* add a class"),
+  ],
+  ids=[
+    "budget-below-one-step",
+    "expert-larger-than-budget",
+    "unknown-mode",
+    "unknown-domain",
+    "per-corpus-bpe",
+    "unknown-rule",
+    "unknown-size",
   ],
 )
 def test_bad_recipe_configs(overrides, match, tmp_path):

@@ -132,7 +132,8 @@ def make_plan(config) -> Plan:
     if size not in sizes:
       raise errors.UserValueError(
         f"size {size!r} (hdee.experts / hdee.homogeneous_size) is not a class of hdee.sizes "
-        f"({', '.join(sizes) or 'none'})"
+        f"({', '.join(sizes) or 'none'}): use one of them, or add a class such as "
+        f"{size}:F=<width> (fields D, N, H, F) to hdee.sizes"
       )
   weights = budgets.parse_weights(h.step_weights, groups)
   doms = budgets.parse_domains(h.domains, groups)
