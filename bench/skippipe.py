@@ -45,14 +45,17 @@ TOPOLOGIES = ("single-cluster", "multi-cluster", "geo")
 SKIPS = (0.0, 0.25, 0.33, 0.5)
 
 
-def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draws=5, iters=400):
+def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draws=5, iters=400,
+              swaps=(False, True), grad_bytes=0):  # fmt: skip
+  """The iteration-time table; ``grad_bytes`` > 0 adds each stage's gradient all-reduce (bytes per
+  gradient value) to every makespan, and the scheduler's objective."""
   from acco_jax.pipeline import assign, paths, schedule, simulate, topology
 
   rows = []
   for name in topologies:
     for s in stages:
       topo = topology.preset(name, topology.default_nodes(s), seed=0)
-      costs = simulate.transformer_costs(s, 24, 2048, 32000, 1024, 4, 1e14)
+      costs = simulate.transformer_costs(s, 24, 2048, 32000, 1024, 4, 1e14, grad_bytes)
       t0 = time.perf_counter()
       part = assign.assign(topo, costs, s, seed=0)
       rnd_part = [
@@ -64,7 +67,7 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
       gpipe = schedule.full_pipeline(topo, costs, part, num_mb, "gpipe").makespan
       f1b1 = schedule.full_pipeline(topo, costs, part, num_mb, "1f1b").makespan
       for skip in skips:
-        for swap in (False, True):
+        for swap in swaps:
           rnd = statistics.median(
             schedule.random_plan(topo, costs, part, num_mb, skip, swap, seed=i).makespan
             for i in range(draws)
@@ -82,9 +85,26 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
               random_assign_cost_s=round(statistics.median(rnd_part), 3),
             )
           )  # fmt: skip
+          if grad_bytes:
+            pipe = simulate.simulate(topo, costs, sched.routes(), partition=part).pipeline_s
+            rows[-1].update(
+              scheduler_pipeline_s=round(pipe, 3),
+              allreduce_share=f"{(sched.makespan - pipe) / sched.makespan:.0%}",
+              stage_allreduce_s=[
+                round(simulate.ring_allreduce_s(topo, nodes, costs.grad_bytes_S[i]), 3)
+                for i, nodes in enumerate(part)
+              ],
+            )  # fmt: skip
       common.log(f"  {name} S={s}: {time.perf_counter() - t0:.1f} s")
   return rows
 
+
+SIM_ALLREDUCE_COLUMNS = [
+  ("topology", "topology"), ("stages", "S"), ("skip", "skip"), ("gpipe_s", "GPipe s"),
+  ("f1b1_s", "1F1B s"), ("random_s", "random s"), ("scheduler_s", "scheduler s"),
+  ("scheduler_pipeline_s", "of which pipeline s"), ("allreduce_share", "all-reduce tail"),
+  ("vs_full", "vs best full"), ("vs_random", "vs random"),
+]  # fmt: skip
 
 SIM_COLUMNS = [
   ("topology", "topology"), ("stages", "S"), ("skip", "skip"), ("k", "stages visited"),
@@ -258,7 +278,9 @@ OMIT_COLUMNS = [
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--part", choices=("sim", "convergence", "collect", "all"), default="all")
+  ap.add_argument(
+    "--part", choices=("sim", "sim-allreduce", "convergence", "collect", "all"), default="all"
+  )
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   ap.add_argument("--updates", type=int, default=CONV["num_updates"])
   ap.add_argument("--out", default=str(common.RESULTS))
@@ -286,6 +308,20 @@ def main() -> None:
       out / "skippipe_sim.json",
       {"benchmark": "skippipe_sim", "machine": common.machine(), "wall_s": wall, "rows": rows},
     )
+  if args.part in ("sim-allreduce", "all"):
+    t0 = time.perf_counter()
+    kw = dict(skips=(0.0, 0.5), swaps=(True,), grad_bytes=2)
+    if args.smoke:
+      kw.update(stages=(4,), topologies=("geo",), num_mb=8, iters=50)
+    rows = sim_table(**kw)
+    wall = time.perf_counter() - t0
+    print("\n## Iteration time with each stage's gradient all-reduce (simulated)\n")
+    print(common.format_table(rows, SIM_ALLREDUCE_COLUMNS))
+    common.write_json(
+      out / "skippipe_sim_allreduce.json",
+      {"benchmark": "skippipe_sim_allreduce", "machine": common.machine(), "wall_s": wall,
+       "grad_bytes_per_value": 2, "rows": rows},
+    )  # fmt: skip
   if args.part in ("convergence", "collect", "all"):
     conv = dict(CONV, num_updates=args.updates)
     seeds = args.seeds

@@ -72,6 +72,39 @@ def test_collision_waits():
   assert simulate.simulate(topo, costs, apart).makespan == pytest.approx(6.0)
 
 
+def test_stage_allreduce_by_hand():
+  # Collision case's nodes: origins A1, A2 (stage 0), B1, B2 (stage 1); no latency inside stage 0,
+  # B1 <-> B2 0.5 s latency and 4 MB/s; 8 MB of stage-1 gradients, 2 MB of stage 0's.
+  # Pipeline as in test_collision_waits. apart: each B node runs F [1,2] B [2,4], each origin ends
+  # at 6 s. shared: B1 runs F(0) [1,2] F(1) [2,3] B(0) [3,5] B(1) [5,7], A2 ends at 9 s, B2 idle.
+  # Ring of k = 2: 2 (k-1) (latency + bytes / k / bandwidth): stage 1 2 (0.5 + 4 MB / 4 MB/s) = 3 s,
+  # stage 0 (infinite bandwidth, no latency) 0 s; a stage starts when all its nodes are done.
+  # apart: max(6 + 0, 4 + 3) = 7 s; shared: max(9 + 0, 7 + 3) = 10 s.
+  lat = np.zeros((4, 4))
+  lat[2, 3] = lat[3, 2] = 0.5
+  bw = np.full((4, 4), np.inf)
+  bw[2, 3] = bw[3, 2] = 4e6
+  topo = _topo(lat, bw)
+  costs = simulate.Costs(
+    fwd_S=np.array([1.0, 1.0]), head=0.0, act_bytes=0.0, grad_bytes_S=np.array([2e6, 8e6])
+  )
+  part = [[0, 1], [2, 3]]
+  assert simulate.ring_allreduce_s(topo, [2, 3], 8e6) == pytest.approx(3.0)
+  assert simulate.ring_allreduce_s(topo, [2], 8e6) == 0.0
+  shared = [simulate.Route(0, (1,), (2,)), simulate.Route(1, (1,), (2,))]
+  apart = [simulate.Route(0, (1,), (2,)), simulate.Route(1, (1,), (3,))]
+  res = simulate.simulate(topo, costs, apart, partition=part)
+  assert (res.pipeline_s, res.makespan) == (pytest.approx(6.0), pytest.approx(7.0))
+  res = simulate.simulate(topo, costs, shared, partition=part)
+  assert (res.pipeline_s, res.makespan) == (pytest.approx(9.0), pytest.approx(10.0))
+  assert simulate.simulate(topo, costs, apart).makespan == pytest.approx(6.0)  # no partition
+  order = simulate.simulate(topo, costs, apart, partition=part).order
+  assert simulate.replay(topo, costs, apart, order, part).makespan == pytest.approx(7.0)
+  # The scheduler, with the all-reduce in its objective, finds the 7 s plan
+  plan = schedule.schedule(topo, costs, part, 2, 0.0, False, seed=0, iters=50)
+  assert plan.makespan == pytest.approx(7.0)
+
+
 def test_slow_link_and_the_scheduler_avoids_it():
   # 1 MB of activations. A -> B1: 1 GB/s, no latency (1 ms a hop); A -> B2: 0.1 s + 1 MB / 1 MB/s.
   # Via B2: 1 + 1.1 + 1 + 1.1 + 0 + 1.1 + 2 + 1.1 + 2 = 10.4 s; via B1: 6 + 4 x 0.001 = 6.004 s.
@@ -175,17 +208,23 @@ def test_topology_presets_and_file(tmp_path):
 
 
 def test_bench_sim_smoke(tmp_path):
-  # bench/skippipe.py --part sim --smoke: the iteration-time table on one small geo case
+  # bench/skippipe.py --part sim (and sim-allreduce) --smoke: the iteration-time tables on one
+  # small geo case
   import subprocess
   import sys
   from pathlib import Path
 
   repo = Path(__file__).resolve().parent.parent
-  cmd = [sys.executable, str(repo / "bench" / "skippipe.py"), "--part", "sim", "--smoke",
-         "--out", str(tmp_path)]  # fmt: skip
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-2000:]
+  for part in ("sim", "sim-allreduce"):
+    cmd = [sys.executable, str(repo / "bench" / "skippipe.py"), "--part", part, "--smoke",
+           "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
   data = json.loads((tmp_path / "skippipe_sim.json").read_text())
   assert data["benchmark"] == "skippipe_sim" and len(data["rows"]) == 4
   for row in data["rows"]:
     assert row["scheduler_s"] < row["random_s"]
+  data = json.loads((tmp_path / "skippipe_sim_allreduce.json").read_text())
+  assert len(data["rows"]) == 2  # skip 0 and 0.5, swaps on
+  for row in data["rows"]:  # the all-reduce follows the pipeline: it lengthens the iteration
+    assert row["scheduler_pipeline_s"] < row["scheduler_s"] <= row["random_s"]

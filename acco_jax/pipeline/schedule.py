@@ -12,7 +12,8 @@ and a node of each visited stage's partition. The constraints:
   collisions a node computes one step at a time; waiting is priced by the simulator's 'fifo'
              policy (:mod:`acco_jax.pipeline.simulate`).
 
-The objective is the simulated makespan. :func:`schedule` starts from the best of a few plans:
+The objective is the simulated makespan (with each stage's gradient all-reduce when the costs give
+gradient sizes: a stage whose all-reduce is slow should finish its last backward early). :func:`schedule` starts from the best of a few plans:
 greedy ones, in order and (with swaps) swapped, where each microbatch in turn takes the
 least-loaded origin, the least-visited stages and at each hop the nearest node with room, weighed
 by the work queued on it; and the full pipeline's lanes with stages left out in rotation. It then
@@ -48,7 +49,8 @@ class Plan:
     order: per node, the ``(microbatch, step)`` pairs it runs, in the order the simulator assumed;
       steps are numbered as in :mod:`acco_jax.pipeline.simulate` (0 = stage 0 forward on the
       origin, 1..K the path forward, K+1 head, K+2..2K+1 the path backward, 2K+2 stage 0 backward).
-    makespan: the simulated iteration time [s] of this order.
+    makespan: the simulated iteration time [s] of this order (all-reduces included when the costs
+      give gradient sizes).
   """
 
   origin: tuple[int, ...]
@@ -72,9 +74,9 @@ class Plan:
     }
 
 
-def plan_of(topo, costs, routes, policy: str = "fifo") -> Plan:
+def plan_of(topo, costs, routes, policy: str = "fifo", partition=None) -> Plan:
   """Simulates ``routes`` under ``policy`` and packs them with the order it assumed."""
-  res = simulate.simulate(topo, costs, routes, policy)
+  res = simulate.simulate(topo, costs, routes, policy, partition)
   return Plan(
     tuple(r.origin for r in routes),
     tuple(r.path for r in routes),
@@ -271,7 +273,7 @@ def schedule(
   lane = _lanes(topo, costs, partition, num_mb, k, c, m)
   if lane is not None:
     starts.append(lane)
-  made = [simulate.simulate(topo, costs, r).makespan for r in starts]
+  made = [simulate.simulate(topo, costs, r, partition=partition).makespan for r in starts]
   routes, best = list(starts[int(np.argmin(made))]), min(made)
   st = _State(partition, num_mb, c, m)
   for r in routes:
@@ -288,14 +290,14 @@ def schedule(
     )
     if ok:
       routes[b] = new
-      t = simulate.simulate(topo, costs, routes).makespan
+      t = simulate.simulate(topo, costs, routes, partition=partition).makespan
       if t <= best + 1e-12:
         best = t
         st.add(new.origin, new.path, new.nodes)
         continue
       routes[b] = old
     st.add(old.origin, old.path, old.nodes)
-  return plan_of(topo, costs, routes)
+  return plan_of(topo, costs, routes, partition=partition)
 
 
 def random_plan(
@@ -329,13 +331,13 @@ def random_plan(
       st.add(o, p, tuple(nodes))
       routes.append(simulate.Route(o, p, tuple(nodes)))
     if len(routes) == num_mb and max(st.visits[1:] or [0]) <= c:
-      return plan_of(topo, costs, routes)
+      return plan_of(topo, costs, routes, partition=partition)
   raise RuntimeError("no random plan met the memory and balance constraints in 10000 draws")
 
 
 def full_pipeline(topo, costs, partition, num_mb: int, policy: str) -> Plan:
   """The full pipeline on fixed lanes (``simulate.lanes``) under 'gpipe' or '1f1b'."""
-  return plan_of(topo, costs, simulate.lanes(topo, costs, partition, num_mb), policy)
+  return plan_of(topo, costs, simulate.lanes(topo, costs, partition, num_mb), policy, partition)
 
 
 def gap(a: float, b: float) -> float:

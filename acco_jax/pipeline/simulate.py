@@ -15,8 +15,15 @@ Step ``j`` may start once step ``j - 1`` has ended and its activations (forward)
 (backward) have crossed the link, ``latency + bytes / bandwidth`` with ``bytes = tokens x d_model x
 2`` (bf16), and once its node is free: a node computes one step at a time (*node serialisation*);
 links carry transfers concurrently. Durations on a node of speed ``v``: F = ``fwd_S[s] / v``,
-B = ``backward * fwd_S[s] / v``, H = ``(1 + backward) * head / v``. The makespan is the time the
-last step ends; the gradient all-reduce inside each stage that follows it is not simulated.
+B = ``backward * fwd_S[s] / v``, H = ``(1 + backward) * head / v``. The pipeline ends when its
+last step ends.
+
+Then each stage all-reduces its gradients among the nodes that hold it, when ``costs.grad_bytes_S``
+is given and the stage assignment is passed (``partition``): stage s starts once every node of
+``partition[s]`` has finished its last step, and a ring over its ``k`` nodes (in partition order)
+takes ``2 (k - 1) (latency + grad_bytes_S[s] / k / bandwidth)`` with the ring's slowest hop's
+latency and bandwidth (:func:`ring_allreduce_s`). The makespan is then the time the last stage's
+all-reduce ends; without them it is the pipeline's end.
 
 Which waiting step a free node runs next is the *policy*:
 
@@ -62,22 +69,27 @@ class Costs:
     head: forward seconds of the final LayerNorm, head and loss.
     act_bytes: bytes of one microbatch's activations (tokens x d_model x 2 for bf16).
     backward: backward / forward time ratio.
+    grad_bytes_S: bytes of each stage's gradients, all-reduced among the stage's nodes after the
+      pipeline (stage 0 includes the embedding and head); None leaves the all-reduce out.
   """
 
   fwd_S: np.ndarray
   head: float
   act_bytes: float
   backward: float = 2.0
+  grad_bytes_S: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class SimResult:
-  """Makespan [s]; per microbatch the start and end of each step; per node its processing order."""
+  """Makespan [s] (all-reduces included when simulated); per microbatch the start and end of each
+  step; per node its processing order; the pipeline's end [s], before any all-reduce."""
 
   makespan: float
   start: tuple[np.ndarray, ...]
   end: tuple[np.ndarray, ...]
   order: tuple[tuple[tuple[int, int], ...], ...]
+  pipeline_s: float = 0.0
 
 
 def _chains(topo: Topology, costs: Costs, routes: Sequence[Route]):
@@ -107,13 +119,18 @@ def _chains(topo: Topology, costs: Costs, routes: Sequence[Route]):
 
 
 def simulate(
-  topo: Topology, costs: Costs, routes: Sequence[Route], policy: str = "fifo"
+  topo: Topology,
+  costs: Costs,
+  routes: Sequence[Route],
+  policy: str = "fifo",
+  partition: Sequence[Sequence[int]] | None = None,
 ) -> SimResult:
   """Runs one iteration under ``policy`` (see the module docstring) and returns its makespan.
 
   Each event chooses, over all microbatches, the waiting step with the earliest possible start
   ``max(ready, node free, policy gate)``; no later choice can start earlier, so the schedule is
-  causal and non-delay.
+  causal and non-delay. With ``partition`` (the nodes of each stage) and ``costs.grad_bytes_S``,
+  each stage's gradient all-reduce follows its nodes' last steps.
   """
   if policy not in POLICIES:
     raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
@@ -173,11 +190,36 @@ def simulate(
     if j + 1 < len(node):
       ready[b] = end[b][j] + xfer[x, node[j + 1]]
     remaining -= 1
+  pipeline_s = float(max(float(e[-1]) for e in end)) if n else 0.0
   return SimResult(
-    float(max(float(e[-1]) for e in end)) if n else 0.0,
+    max(pipeline_s, allreduce_end_s(topo, costs, partition, free)),
     tuple(start),
     tuple(end),
     tuple(tuple(o) for o in order),
+    pipeline_s,
+  )
+
+
+def ring_allreduce_s(topo: Topology, nodes: Sequence[int], num_bytes: float) -> float:
+  """Seconds of a ring all-reduce of ``num_bytes`` among ``nodes`` (in this order): ``2 (k - 1)``
+  steps of ``num_bytes / k`` each, every step paced by the ring's slowest hop."""
+  k = len(nodes)
+  if k < 2 or num_bytes <= 0:
+    return 0.0
+  hops = [(nodes[i], nodes[(i + 1) % k]) for i in range(k)]
+  latency = max(topo.latency_MxM[a, b] for a, b in hops)
+  bandwidth = min(topo.bandwidth_MxM[a, b] for a, b in hops)
+  return 2 * (k - 1) * (latency + num_bytes / k / bandwidth)
+
+
+def allreduce_end_s(topo: Topology, costs: Costs, partition, node_free) -> float:
+  """When the last stage's gradient all-reduce ends, given when each node ran its last step
+  (0 when there is no partition or no gradient sizes)."""
+  if partition is None or costs.grad_bytes_S is None:
+    return 0.0
+  return max(
+    max(float(node_free[x]) for x in nodes) + ring_allreduce_s(topo, nodes, costs.grad_bytes_S[s])
+    for s, nodes in enumerate(partition)
   )
 
 
@@ -186,9 +228,10 @@ def replay(
   costs: Costs,
   routes: Sequence[Route],
   order: Sequence[Sequence[tuple[int, int]]],
+  partition: Sequence[Sequence[int]] | None = None,
 ) -> SimResult:
   """Runs a static schedule: node ``x`` runs the steps ``order[x]`` in that order, each as soon as
-  its input has arrived and the previous step on ``x`` has ended.
+  its input has arrived and the previous step on ``x`` has ended (all-reduces as in :func:`simulate`).
 
   Raises:
     ValueError: when the order misses a step, or deadlocks (a node waits on a step that waits on it).
@@ -223,11 +266,13 @@ def replay(
         progress = True
   if any(p < len(o) for p, o in zip(ptr, order, strict=True)):
     raise ValueError("the order deadlocks: a node waits on a step that waits on it")
+  pipeline_s = float(max(float(e[-1]) for e in end)) if n else 0.0
   return SimResult(
-    float(max(float(e[-1]) for e in end)) if n else 0.0,
+    max(pipeline_s, allreduce_end_s(topo, costs, partition, free)),
     tuple(start),
     tuple(end),
     tuple(tuple(o) for o in order),
+    pipeline_s,
   )
 
 
@@ -269,9 +314,12 @@ def transformer_costs(
   seq_len: int,
   mb_size: int,
   flops_per_s: float,
+  grad_bytes: int = 0,
 ) -> Costs:
   """Costs of a decoder-only transformer: ``24 T D^2 + 4 T L D`` forward FLOPs per layer and
   ``2 T D V`` for the head, ``T = mb_size x seq_len`` tokens; bf16 activations of ``2 T D`` bytes.
+  ``grad_bytes`` > 0 (2 for bf16) adds gradient sizes: ``12 D^2`` values per layer, and the tied
+  embedding's ``V D`` on stage 0.
   """
   tokens = mb_size * seq_len
   layer = (24 * tokens * d_model**2 + 4 * tokens * seq_len * d_model) / flops_per_s
@@ -280,4 +328,10 @@ def transformer_costs(
     fwd_S=np.full(num_stages, per_stage * layer),
     head=2 * tokens * d_model * vocab / flops_per_s,
     act_bytes=2.0 * tokens * d_model,
+    grad_bytes_S=None
+    if not grad_bytes
+    else grad_bytes
+    * (
+      np.full(num_stages, per_stage * 12.0 * d_model**2) + np.eye(num_stages)[0] * vocab * d_model
+    ),
   )
