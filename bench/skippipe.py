@@ -1,6 +1,6 @@
 """SkipPipe at CPU scale: simulated iteration time, convergence, and layer omission.
 
-Three tables (``--part``):
+Four tables (``--part``):
 
 * ``sim``: the iteration time the discrete-event simulator (:mod:`acco_jax.pipeline.simulate`) gives
   for the topology presets single-cluster, multi-cluster and geo, S = 6 and 8 stages, skip ratios
@@ -10,6 +10,10 @@ Three tables (``--part``):
   tokens, nodes of 100 TFLOP/s effective (scaled by each node's speed), bf16 activations; 16
   microbatches per iteration; nodes 2 per stage and 4 on stage 0 (``topology.default_nodes``).
   Seconds of host time, no device.
+* ``sim-allreduce``: the same at skip 0 and 0.5 with swaps, each stage's bf16 gradient all-reduce
+  among its nodes added after the pipeline (and to the scheduler's objective), under two stage
+  assignments: priced by a microbatch's round trip only, and by the round trip plus the slowest
+  stage's all-reduce.
 * ``convergence``: a small GPT (8 blocks) trained with SkipPipe paths on 8 simulated devices
   (zero1, every worker holds the whole model), scheduled on the geo preset with S = 8, for each
   skip ratio with and without swaps, against normal training; equal iterations, final eval loss of
@@ -23,15 +27,19 @@ Three tables (``--part``):
 Usage::
 
   python bench/skippipe.py --part sim                        # seconds to a minute
-  python bench/skippipe.py --part convergence --seeds 0 1 2  # also writes the omission table
+  python bench/skippipe.py --part sim-allreduce              # about a minute
+  python bench/skippipe.py --part convergence --seeds 0 1 2  # also writes the omission table;
+                                                             # rerun: goes on from written runs
   python bench/skippipe.py --smoke --out /tmp/sp             # CI: a sliver of each part
 
-Writes ``bench/results/skippipe_sim.json`` and ``bench/results/skippipe_convergence.json``.
+Writes ``bench/results/skippipe_sim.json``, ``skippipe_sim_allreduce.json`` and
+``skippipe_convergence.json`` (with ``skippipe_convergence_runs.json``, the runs so far).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -46,9 +54,10 @@ SKIPS = (0.0, 0.25, 0.33, 0.5)
 
 
 def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draws=5, iters=400,
-              swaps=(False, True), grad_bytes=0):  # fmt: skip
+              swaps=(False, True), grad_bytes=0, assign_allreduce=True):  # fmt: skip
   """The iteration-time table; ``grad_bytes`` > 0 adds each stage's gradient all-reduce (bytes per
-  gradient value) to every makespan, and the scheduler's objective."""
+  gradient value) to every makespan and the scheduler's objective, and, with
+  ``assign_allreduce``, to the stage assignment's cost."""
   from acco_jax.pipeline import assign, paths, schedule, simulate, topology
 
   rows = []
@@ -57,7 +66,8 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
       topo = topology.preset(name, topology.default_nodes(s), seed=0)
       costs = simulate.transformer_costs(s, 24, 2048, 32000, 1024, 4, 1e14, grad_bytes)
       t0 = time.perf_counter()
-      part = assign.assign(topo, costs, s, seed=0)
+      priced = costs if assign_allreduce else dataclasses.replace(costs, grad_bytes_S=None)
+      part = assign.assign(topo, priced, s, seed=0)
       rnd_part = [
         assign.cost(
           topo, costs, assign.random_partition(topo.num_nodes, s, np.random.default_rng(i))
@@ -88,6 +98,7 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
           if grad_bytes:
             pipe = simulate.simulate(topo, costs, sched.routes(), partition=part).pipeline_s
             rows[-1].update(
+              assignment="round trip + all-reduce" if assign_allreduce else "round trip",
               scheduler_pipeline_s=round(pipe, 3),
               allreduce_share=f"{(sched.makespan - pipe) / sched.makespan:.0%}",
               stage_allreduce_s=[
@@ -100,7 +111,8 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
 
 
 SIM_ALLREDUCE_COLUMNS = [
-  ("topology", "topology"), ("stages", "S"), ("skip", "skip"), ("gpipe_s", "GPipe s"),
+  ("topology", "topology"), ("stages", "S"), ("assignment", "assignment priced by"),
+  ("skip", "skip"), ("gpipe_s", "GPipe s"),
   ("f1b1_s", "1F1B s"), ("random_s", "random s"), ("scheduler_s", "scheduler s"),
   ("scheduler_pipeline_s", "of which pipeline s"), ("allreduce_share", "all-reduce tail"),
   ("vs_full", "vs best full"), ("vs_random", "vs random"),
@@ -313,7 +325,8 @@ def main() -> None:
     kw = dict(skips=(0.0, 0.5), swaps=(True,), grad_bytes=2)
     if args.smoke:
       kw.update(stages=(4,), topologies=("geo",), num_mb=8, iters=50)
-    rows = sim_table(**kw)
+    rows = [r for aware in (False, True) for r in sim_table(**kw, assign_allreduce=aware)]
+    rows.sort(key=lambda r: (TOPOLOGIES.index(r["topology"]), r["stages"], r["assignment"]))
     wall = time.perf_counter() - t0
     print("\n## Iteration time with each stage's gradient all-reduce (simulated)\n")
     print(common.format_table(rows, SIM_ALLREDUCE_COLUMNS))

@@ -153,6 +153,32 @@ def test_assignment_beats_random_and_is_seeded(partition):
   assert [len(p) for p in partition] == assign.stage_sizes(GEO.num_nodes, 4)
 
 
+def test_assignment_prices_the_stage_allreduce():
+  # Regions {0, 1} and {2, 3}: 0.1 s and 10 MB/s between them, free inside. Two stages of two
+  # nodes. By round trip alone each stage spans both regions (lanes 0 -> 1 and 2 -> 3 never cross:
+  # cost 0), and each stage's 100 MB ring crosses: 2 (0.1 + 50 MB / 10 MB/s) = 10.2 s. Priced with
+  # the all-reduce, each stage stays in a region: every round trip crosses twice, 2 x (0.1 + 1 MB /
+  # 10 MB/s) = 0.4 s, and the rings are free.
+  far = np.array([[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]], bool)
+  topo = _topo(np.where(far, 0.1, 0.0), np.where(far, 1e7, np.inf))
+  costs = simulate.Costs(fwd_S=np.array([1.0, 1.0]), head=0.0, act_bytes=1e6)
+  priced = simulate.Costs(costs.fwd_S, 0.0, 1e6, grad_bytes_S=np.array([1e8, 1e8]))
+  split = assign.assign(topo, costs, 2, seed=0)
+  whole = assign.assign(topo, priced, 2, seed=0)
+  assert sorted(split) == [(0, 2), (1, 3)] or sorted(split) == [(0, 3), (1, 2)], split
+  assert sorted(whole) == [(0, 1), (2, 3)], whole
+  assert assign.cost(topo, costs, split) == 0.0
+  assert assign.cost(topo, priced, split) == pytest.approx(10.2)
+  assert assign.cost(topo, priced, whole) == pytest.approx(0.4)
+  routes = simulate.lanes(topo, priced, whole, 2)
+  assert (
+    simulate.simulate(topo, priced, routes, partition=whole).makespan
+    < simulate.simulate(
+      topo, priced, simulate.lanes(topo, priced, split, 2), partition=split
+    ).makespan
+  )
+
+
 @pytest.mark.parametrize("skip,swap", [(0.0, False), (0.25, True), (0.5, False), (0.5, True)])
 def test_scheduler_beats_random_and_the_full_pipeline(partition, skip, swap):
   n = 8
@@ -225,6 +251,6 @@ def test_bench_sim_smoke(tmp_path):
   for row in data["rows"]:
     assert row["scheduler_s"] < row["random_s"]
   data = json.loads((tmp_path / "skippipe_sim_allreduce.json").read_text())
-  assert len(data["rows"]) == 2  # skip 0 and 0.5, swaps on
+  assert len(data["rows"]) == 4  # skip 0 and 0.5, swaps on; two assignments
   for row in data["rows"]:  # the all-reduce follows the pipeline: it lengthens the iteration
     assert row["scheduler_pipeline_s"] < row["scheduler_s"] <= row["random_s"]

@@ -10,7 +10,10 @@ has room (:func:`acco_jax.pipeline.simulate.lanes`), and returns to its origin:
 
   cost(P) = mean over lanes l of  sum_{s=0}^{S-1} transfer(y_l[s], y_l[s+1 mod S])
 
-with ``transfer = latency + activation bytes / bandwidth``. :func:`assign` minimises it by local
+with ``transfer = latency + activation bytes / bandwidth``. When the costs give gradient sizes
+(``costs.grad_bytes_S``), the slowest stage's gradient all-reduce among its nodes is added,
+``max_s simulate.ring_allreduce_s(P[s])``: a stage whose nodes sit far apart pays for it once an
+iteration, where a lane pays per microbatch. :func:`assign` minimises it by local
 search from seeded random starts: move one node to another partition by swapping it with a node
 there, keep the swap when the cost falls, restart a few times and keep the best (a simpler
 relative of the genetic algorithm GCMA that SkipPipe borrows from DT-FM). It is deterministic given
@@ -40,14 +43,21 @@ def stage_sizes(num_nodes: int, num_stages: int) -> list[int]:
 
 
 def cost(topo: Topology, costs: simulate.Costs, partition: Partition) -> float:
-  """Mean round-trip transfer time [s] of a microbatch on the partition's lanes (one direction)."""
+  """Mean round-trip transfer time [s] of a microbatch on the partition's lanes, plus the slowest
+  stage's gradient all-reduce when ``costs.grad_bytes_S`` is given."""
   xfer = topo.transfer_MxM(costs.act_bytes)
   routes = simulate.lanes(topo, costs, partition, len(partition[0]))
   total = 0.0
   for r in routes:
     hops = (r.origin, *r.nodes, r.origin)
     total += sum(xfer[a, b] for a, b in zip(hops[:-1], hops[1:], strict=True))
-  return total / len(routes)
+  allreduce = 0.0
+  if costs.grad_bytes_S is not None:
+    allreduce = max(
+      simulate.ring_allreduce_s(topo, nodes, costs.grad_bytes_S[s])
+      for s, nodes in enumerate(partition)
+    )
+  return total / len(routes) + allreduce
 
 
 def random_partition(num_nodes: int, num_stages: int, rng: np.random.Generator) -> Partition:
