@@ -47,6 +47,10 @@ def get_config(preset: str = "cpu") -> ml_collections.ConfigDict:
   h.prior_decay = 0.3  # the cached prior's decay
   h.eval_sequences = 64  # evaluation rows per domain
   h.max_domain_chars = 300_000  # cap of each built-in domain's text
+  # this run's share of the jobs, comma-separated globs over job names ('' = all): runs on other
+  # processes or hosts share the workdir, e.g. 'seed-*', then 'steps/hard-*' on one host and
+  # 'steps/easy-*' on another; a run without it trains what is left and evaluates
+  h.jobs = ""
 
   c.model.dtype = "float32"
   c.mesh.num_devices = 1  # each expert on one device; the jobs are independent runs

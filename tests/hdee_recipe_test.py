@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from acco_jax.ensemble import budgets, mixing, recipe
+from acco_jax.ensemble import budgets, jobs, mixing, recipe
 from acco_jax.run import trainer
 from configs import hdee
 
@@ -124,13 +124,46 @@ def test_a_job_starts_from_its_parents_parameters(straight, tmp_path):
   workdir, _ = straight
   plan = recipe.make_plan(tiny())
   cfg = plan.model_cfgs["M"]
-  start = jax.tree.map(lambda x: 2 * x, recipe.load_params(f"{workdir}/seed-M/params.npz", cfg))
+  start = jax.tree.map(lambda x: 2 * x, jobs.load_params(f"{workdir}/seed-M/params.npz", cfg))
   job = budgets.Job("one", "M", "kjv_law", 1, 0.0, "seed-M")
   got = []
   trainer.train_and_evaluate(
-    recipe.job_config(tiny(), job, plan.source_of["kjv_law"], plan.sizes["M"]),
+    jobs.job_config(tiny(), job, plan.source_of["kjv_law"], plan.sizes["M"]),
     str(tmp_path / "one"), init_params=start, on_params=got.append,
   )  # fmt: skip
   sq = lambda t: sum(float(np.sum(np.square(x))) for x in jax.tree.leaves(t))  # noqa: E731
   moved = sq(jax.tree.map(lambda a, b: np.asarray(a) - b, got[0], start)) / sq(start)
   assert moved < 1e-3, moved  # one AdamW step of lr <= 2e-3 per weight
+
+
+def test_jobs_split_over_runs_sharing_a_workdir(straight, tmp_path, capsys):
+  """hdee.jobs: the seed, then the hard chain, then the rest, as three runs (processes or hosts
+  sharing the workdir would do the same); the last one evaluates, with the straight run's numbers
+  (the same programs on the same states, in this process)."""
+  _, expected = straight
+  workdir = str(tmp_path / "split")
+  assert recipe.run(tiny(**{"hdee.jobs": "seed-*"}), workdir) == {}
+  assert "2 job(s) of the recipe are not: steps/hard-1, steps/easy-1" in capsys.readouterr().out
+  assert not os.path.exists(os.path.join(workdir, "steps"))
+  assert recipe.run(tiny(**{"hdee.jobs": "steps/hard-*"}), workdir) == {}
+  out = capsys.readouterr().out
+  assert "hdee: seed-M" not in out and "1 job(s) of the recipe are not: steps/easy-1" in out
+  assert os.path.isfile(os.path.join(workdir, "steps", "hard-1", "params.npz"))
+  results = recipe.run(tiny(), workdir)
+  assert "hdee: steps/easy-1" in capsys.readouterr().out
+  assert results["ppl"] == expected["ppl"]  # same programs, same states: bit for bit
+
+
+@pytest.mark.parametrize(
+  "selection,match",
+  [
+    ("steps/hard-*,stepz/*", r"^hdee.jobs: 'stepz/\*' matches no job of this recipe \(seed-M, "),
+    ("steps/easy-*", r"^hdee.jobs: job 'steps/easy-1' starts from 'seed-M', which is neither done"),
+  ],
+  ids=["glob-matching-nothing", "parent-not-done"],
+)
+def test_bad_job_selection_writes_nothing(selection, match, tmp_path):
+  with pytest.raises(ValueError, match=match) as info:
+    recipe.run(tiny(**{"hdee.jobs": selection}), str(tmp_path / "W"))
+  assert "\n" not in str(info.value)
+  assert not (tmp_path / "W").exists()

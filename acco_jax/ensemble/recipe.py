@@ -5,7 +5,9 @@ model, one expert on one domain, the dense reference) is an ordinary run of the 
 trainer in its own sub-workdir, ``<workdir>/<job>``: its checkpoints, metrics and resume are the
 trainer's. A finished job leaves ``params.npz`` (its final parameters), which the next iteration
 of the same expert starts from. Rerunning the command skips finished jobs, resumes the one in
-progress from its checkpoint, and evaluates at the end.
+progress from its checkpoint, and evaluates at the end. ``hdee.jobs`` (globs over job names) gives
+a run a share of the jobs: runs on other processes or hosts share the workdir (a shared
+filesystem), each trains its share, and the run that finds every job done evaluates.
 
 Why a run per job rather than the experts as device groups of one job: the experts share nothing
 while they train, so separate runs are the simplest form of that independence. A job needs only
@@ -34,8 +36,10 @@ import numpy as np
 from acco_jax import data, errors, model
 from acco_jax.data import sources as sources_lib
 from acco_jax.ensemble import budgets, domains, infer, mixing
+from acco_jax.ensemble import jobs as jobs_lib
 
 _FIXED = ("hdee",)  # groups whose change would make the workdir's jobs inconsistent
+_PER_RUN = ("jobs",)  # hdee fields each process may set differently (its share of the jobs)
 
 
 @dataclasses.dataclass
@@ -174,58 +178,6 @@ def expert_jobs(plan: Plan, mode: str, doms: list[budgets.Domain]) -> list[budge
   )  # fmt: skip
 
 
-# -- parameters on disk ----------------------------------------------------------------------------
-
-
-def save_params(path: str, params) -> None:
-  leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(jax.device_get(params))]
-  tmp = f"{path}.{uuid.uuid4().hex}.npz"
-  np.savez(tmp, *leaves)
-  os.replace(tmp, path)  # a kill leaves no half-written params.npz
-
-
-def load_params(path: str, cfg: model.GPTConfig):
-  shapes = jax.eval_shape(lambda: model.init_params(cfg, 0))
-  with np.load(path) as f:
-    leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
-  return jax.tree.unflatten(jax.tree.structure(shapes), leaves)
-
-
-# -- jobs ------------------------------------------------------------------------------------------
-
-
-def job_config(config, job: budgets.Job, source: str, overrides: dict[str, int]):
-  """The trainer config of one job: the recipe's, with its data, size and steps."""
-  c = ml_collections.ConfigDict(config.to_dict())
-  c.method = config.hdee.method
-  c.data.source = source
-  for k, v in overrides.items():
-    c.model[k] = v
-  c.train.num_updates = job.steps
-  c.opt.warmup_updates = min(config.opt.warmup_updates, job.steps // 10)
-  c.train.eval_every, c.train.sample_tokens = 0, 0
-  return c
-
-
-def _run_job(plan: Plan, workdir: str, job: budgets.Job, source: str, max_stages=None) -> bool:
-  """Trains ``job`` unless done; True once its ``params.npz`` exists."""
-  from acco_jax.run import trainer  # the shell: orbax, TFDS
-
-  jobdir = os.path.join(workdir, job.name)
-  out = os.path.join(jobdir, "params.npz")
-  if os.path.isfile(out):
-    return True
-  cfg = plan.model_cfgs[job.size]
-  init = load_params(os.path.join(workdir, job.init, "params.npz"), cfg) if job.init else None
-  print(f"hdee: {job.name}: size {job.size}, {job.steps} steps on {job.domain}, "
-        f"{job.flops:.3g} FLOPs", flush=True)  # fmt: skip
-  trainer.train_and_evaluate(
-    job_config(plan.config, job, source, plan.sizes[job.size]), jobdir, max_stages=max_stages,
-    init_params=init, on_params=lambda p: save_params(out, p),
-  )  # fmt: skip
-  return os.path.isfile(out)
-
-
 def _check_recipe(config, workdir: str) -> None:
   path = os.path.join(workdir, "recipe.json")
   if not os.path.isfile(path):
@@ -237,7 +189,7 @@ def _check_recipe(config, workdir: str) -> None:
     f"{g}.{k}"
     for g in _FIXED
     for k in set(saved.get(g, {})) | set(now.get(g, {}))
-    if saved.get(g, {}).get(k) != now.get(g, {}).get(k)
+    if k not in _PER_RUN and saved.get(g, {}).get(k) != now.get(g, {}).get(k)
   )
   for g in ("model", "data", "batch", "opt", "mesh"):
     diff += [f"{g}.{k}" for k in now.get(g, {}) if saved.get(g, {}).get(k) != now[g][k]]
@@ -273,6 +225,9 @@ def run(config, workdir: str, *, interrupt: tuple[str, int] | None = None) -> di
   _check_recipe(config, workdir)
   plan = make_plan(config)
   h = config.hdee
+  every = plan.seeds + [j for m in plan.modes for j in expert_jobs(plan, m, plan.domains)]
+  every += [plan.dense] if plan.dense else []  # names do not depend on difficulty=measured
+  mine = jobs_lib.selector(_list(h.jobs), every, workdir)  # before anything is written
   os.makedirs(workdir, exist_ok=True)
   mixture = os.path.join(workdir, "mixture.txt")
   if not os.path.isfile(mixture):  # training documents only: the eval splits stay unseen
@@ -294,21 +249,30 @@ def run(config, workdir: str, *, interrupt: tuple[str, int] | None = None) -> di
 
   def train(job: budgets.Job) -> bool:
     stop = interrupt[1] if interrupt and interrupt[0] == job.name else None
-    return _run_job(plan, workdir, job, plan.source_of[job.domain], stop)
+    return jobs_lib.run_job(plan, workdir, job, plan.source_of[job.domain], stop)
 
+  pending = []  # jobs left to other runs (hdee.jobs)
   for job in plan.seeds:
-    if not train(job):
+    if not mine(job):
+      pending += [] if jobs_lib.done(workdir, job) else [job.name]
+    elif not train(job):
       return {}
   recipe = os.path.join(workdir, "recipe.json")  # once a job has run with this config
   if not os.path.isfile(recipe):
     _write_json(recipe, json.loads(config.to_json_best_effort()))
   doms = plan.domains
   if h.difficulty == "measured":
+    if pending:
+      return jobs_lib.left_to_others(pending, "the seeds rank the domains (difficulty=measured)")
     doms = _measured(plan, workdir)
   jobs = [j for m in plan.modes for j in expert_jobs(plan, m, doms)]
   for job in jobs + ([plan.dense] if plan.dense else []):
-    if not train(job):
+    if not mine(job):
+      pending += [] if jobs_lib.done(workdir, job) else [job.name]
+    elif not train(job):
       return {}
+  if pending:
+    return jobs_lib.left_to_others(pending, "evaluation runs once every job is done")
   results = evaluate(plan, workdir, doms, jobs)
   _write_json(os.path.join(workdir, "results.json"), results)
   table = results_table(results)
@@ -328,7 +292,9 @@ def _measured(plan: Plan, workdir: str) -> list[budgets.Domain]:
       losses = json.load(f)["seed_loss"]
   else:
     size = plan.config.hdee.homogeneous_size
-    params = load_params(os.path.join(workdir, f"seed-{size}", "params.npz"), plan.model_cfgs[size])
+    params = jobs_lib.load_params(
+      os.path.join(workdir, f"seed-{size}", "params.npz"), plan.model_cfgs[size]
+    )
     losses = {}
     for d in plan.domains:
       if d.iteration:
@@ -349,7 +315,9 @@ def evaluate(plan: Plan, workdir: str, doms, jobs) -> dict:
   dev_rows = {d.name: _rows(plan.tokens[d.name].train, seq, h.prior_sequences) for d in doms}
 
   def score(job_name: str, size: str):
-    params = load_params(os.path.join(workdir, job_name, "params.npz"), plan.model_cfgs[size])
+    params = jobs_lib.load_params(
+      os.path.join(workdir, job_name, "params.npz"), plan.model_cfgs[size]
+    )
     cfg = plan.model_cfgs[size]
     ev = {n: infer.token_log_probs(params, cfg, r) for n, r in eval_rows.items()}
     dev = {n: infer.token_log_probs(params, cfg, r).sum(-1) for n, r in dev_rows.items()}
@@ -410,7 +378,7 @@ def _samples(plan: Plan, workdir: str, jobs) -> None:
   for mode in plan.modes:
     finals = [j for j in jobs if j.name.startswith(f"{mode}/") and j.name.endswith(f"-{iters}")]
     experts = [
-      (load_params(os.path.join(workdir, j.name, "params.npz"), plan.model_cfgs[j.size]),
+      (jobs_lib.load_params(os.path.join(workdir, j.name, "params.npz"), plan.model_cfgs[j.size]),
        plan.model_cfgs[j.size])
       for j in finals
     ]  # fmt: skip
