@@ -100,5 +100,6 @@ def selector(globs: list[str], jobs: list[budgets.Job], workdir: str):
 
 def left_to_others(pending: list[str], why: str) -> dict:
   print(f"hdee: this run's jobs are done; {len(pending)} job(s) of the recipe are not: "
-        f"{', '.join(pending)}; {why} (rerun with their hdee.jobs, or without it)", flush=True)  # fmt: skip
+        f"{', '.join(pending)}; {why} (rerun with their hdee.jobs, or without it)",
+        flush=True)  # fmt: skip
   return {}

@@ -13,13 +13,14 @@ and a node of each visited stage's partition. The constraints:
              policy (:mod:`acco_jax.pipeline.simulate`).
 
 The objective is the simulated makespan (with each stage's gradient all-reduce when the costs give
-gradient sizes: a stage whose all-reduce is slow should finish its last backward early). :func:`schedule` starts from the best of a few plans:
-greedy ones, in order and (with swaps) swapped, where each microbatch in turn takes the
-least-loaded origin, the least-visited stages and at each hop the nearest node with room, weighed
-by the work queued on it; and the full pipeline's lanes with stages left out in rotation. It then
-improves the plan by local search: a random move (another node for one hop, two hops of one path
-swapped, a visited stage exchanged for an unvisited one, another origin, a path's hops moved to
-their nearest nodes) is kept when the simulated makespan does not grow. Seeded and deterministic.
+gradient sizes: a stage whose all-reduce is slow should finish its last backward early).
+:func:`schedule` starts from the best of a few plans: greedy ones, in order and (with swaps)
+swapped, where each microbatch in turn takes the least-loaded origin, the least-visited stages and
+at each hop the nearest node with room, weighed by the work queued on it; and the full pipeline's
+lanes with stages left out in rotation. It then improves the plan by local search: a random move
+(another node for one hop, two hops of one path swapped, a visited stage exchanged for an unvisited
+one, another origin, a path's hops moved to their nearest nodes) is kept when the simulated makespan
+does not grow. Seeded and deterministic.
 
 The result is a :class:`Plan`: plain data a pipeline runtime builds its tick tables from.
 """

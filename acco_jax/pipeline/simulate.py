@@ -231,7 +231,8 @@ def replay(
   partition: Sequence[Sequence[int]] | None = None,
 ) -> SimResult:
   """Runs a static schedule: node ``x`` runs the steps ``order[x]`` in that order, each as soon as
-  its input has arrived and the previous step on ``x`` has ended (all-reduces as in :func:`simulate`).
+  its input has arrived and the previous step on ``x`` has ended; all-reduces as in
+  :func:`simulate`.
 
   Raises:
     ValueError: when the order misses a step, or deadlocks (a node waits on a step that waits on it).
