@@ -87,13 +87,13 @@ def test_recipe_resumes_after_a_kill(straight, tmp_path):
   _, expected = straight
   workdir = tmp_path / "killed"
   job = workdir / "steps" / "hard-1"
-  log = open(tmp_path / "killed.log", "w")
-  proc = subprocess.Popen(_command(workdir), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-  deadline = time.time() + 300
-  while proc.poll() is None and time.time() < deadline and not _saved_stages(job / "checkpoints"):
-    time.sleep(0.05)
-  proc.kill()  # no handler runs: whatever the job was writing stays half-done
-  proc.wait()
+  with open(tmp_path / "killed.log", "w") as log:
+    proc = subprocess.Popen(_command(workdir), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and not _saved_stages(job / "checkpoints"):
+      time.sleep(0.05)
+    proc.kill()  # no handler runs: whatever the job was writing stays half-done
+    proc.wait()
   assert _saved_stages(job / "checkpoints"), (tmp_path / "killed.log").read_text()[-3000:]
   assert (workdir / "seed-M" / "params.npz").is_file()
   assert not (job / "params.npz").exists() and not (workdir / "results.json").exists()
