@@ -2,6 +2,7 @@
 
   python bench/hdee.py                    # configs/hdee.py:cpu, 3 training seeds
   python bench/hdee.py --seeds 0 --smoke  # the tiny preset, one seed (a minute)
+  python bench/hdee.py --compare bench/results/hdee.json bench/results/hdee_measured.json
 
 For each training seed, runs the whole recipe (acco_jax.ensemble.recipe) with ``hdee.dense=True``
 in ``<workdir>/seed<s>``: seed models, then M_Ho-I_Ho, M_Ho-I_He and M_He-I_Ho (3 experts x 3
@@ -108,6 +109,31 @@ def figure(summary: dict, path: Path) -> str:
   return str(path)
 
 
+def compare(base: dict, other: dict) -> str:
+  """Per domain: the lowest ensemble's perplexity (any ensemble, any rule) in each seed of two
+  benchmark results (e.g. configured and measured difficulty), its median over seeds, the change
+  of the medians and of each seed."""
+
+  def best(result: dict, domain: str) -> float:
+    return min(v[domain] for lab in LABELS for v in result["ppl"][lab].values())
+
+  lines = ["| domain | group -> other's group (iteration) | base | other | change | per seed |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+  a_seeds, b_seeds = base["per_seed"], other["per_seed"]
+  for name in a_seeds[0]["domains"]:
+    a = [best(r, name) for r in a_seeds]
+    b = [best(r, name) for r in b_seeds]
+    ga, gb = a_seeds[0]["domains"][name], b_seeds[0]["domains"][name]
+    it = gb["iteration"] or "held-out"
+    per = " ".join(f"{y / x - 1:+.1%}" for x, y in zip(a, b, strict=True))
+    lines.append(
+      f"| {name} | {ga['group']} -> {gb['group']} ({it}) | {statistics.median(a):.3f} | "
+      f"{statistics.median(b):.3f} | {statistics.median(b) / statistics.median(a) - 1:+.1%} | "
+      f"{per} |"
+    )
+  return "\n".join(lines)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--seeds", default="0,1,2", help="training seeds (comma separated)")
@@ -116,7 +142,15 @@ def main():
   ap.add_argument("--out", default=str(common.RESULTS / "hdee.json"))
   ap.add_argument("--figure", default=str(common.REPO / "docs" / "figures" / "hdee.png"))
   ap.add_argument("--set", action="append", default=[], help="config override key=value")
+  ap.add_argument("--compare", nargs=2, metavar=("BASE", "OTHER"),
+                  help="print the per-domain comparison of two result files and exit")  # fmt: skip
   args = ap.parse_args()
+  if args.compare:
+    import json
+
+    base, other = (json.loads(Path(p).read_text()) for p in args.compare)
+    print(compare(base, other))
+    return
 
   import jax
 

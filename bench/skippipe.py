@@ -250,15 +250,19 @@ def summarise(rows: list[dict]) -> tuple[list[dict], list[dict]]:
   conv, omit = [], []
   keys = sorted({(r["skip"] is not None, r["skip"] or 0.0, r["swap"]) for r in rows})
   base = [r["eval_loss"] for r in rows if r["skip"] is None]
+  normal = {r["seed"]: r["eval_loss"] for r in rows if r["skip"] is None}
   for has, skip, swap in keys:
     sel = [r for r in rows if (r["skip"] is not None) == has and (r["skip"] or 0.0) == skip
            and r["swap"] == swap]  # fmt: skip
     vals = [r["eval_loss"] for r in sel]
+    ratios = [r["eval_loss"] / normal[r["seed"]] - 1 for r in sorted(sel, key=lambda r: r["seed"])]
     conv.append(
       dict(
         run="normal" if not has else f"skip {skip}", swap=swap if has else "",
         eval_loss=f"{statistics.mean(vals):.4f} ± {statistics.pstdev(vals):.4f}",
         vs_normal=f"{statistics.mean(vals) / statistics.mean(base) - 1:+.1%}",
+        per_seed=" ".join(f"{100 * x:+.1f}" for x in ratios) if has else "",
+        median=f"{statistics.median(ratios):+.1%}" if has else "",
         seeds=len(vals),
       )
     )  # fmt: skip
@@ -280,7 +284,8 @@ def summarise(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 CONV_COLUMNS = [("run", "run"), ("swap", "swap"), ("eval_loss", "eval loss (full model)"),
-                ("vs_normal", "vs normal"), ("seeds", "seeds")]  # fmt: skip
+                ("vs_normal", "vs normal"), ("per_seed", "per seed, % (by seed)"),
+                ("median", "median"), ("seeds", "seeds")]  # fmt: skip
 OMIT_COLUMNS = [
   ("trained", "trained"), ("full", "full"), ("half_every_other", "half (every other stage)"),
   ("ppl_rel", "ppl vs full"), ("half_random", "random half-paths (mean of 5)"),
