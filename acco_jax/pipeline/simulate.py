@@ -190,9 +190,15 @@ def simulate(
     if j + 1 < len(node):
       ready[b] = end[b][j] + xfer[x, node[j + 1]]
     remaining -= 1
-  pipeline_s = float(max(float(e[-1]) for e in end)) if n else 0.0
+  return _result(topo, costs, partition, start, end, order, free)
+
+
+def _result(topo: Topology, costs: Costs, partition, start, end, order, node_free) -> SimResult:
+  """Packs one simulated iteration: the pipeline ends with its last step, the iteration with the
+  last stage's all-reduce (:func:`allreduce_end_s`)."""
+  pipeline_s = max((float(e[-1]) for e in end), default=0.0)
   return SimResult(
-    max(pipeline_s, allreduce_end_s(topo, costs, partition, free)),
+    max(pipeline_s, allreduce_end_s(topo, costs, partition, node_free)),
     tuple(start),
     tuple(end),
     tuple(tuple(o) for o in order),
@@ -267,14 +273,7 @@ def replay(
         progress = True
   if any(p < len(o) for p, o in zip(ptr, order, strict=True)):
     raise ValueError("the order deadlocks: a node waits on a step that waits on it")
-  pipeline_s = float(max(float(e[-1]) for e in end)) if n else 0.0
-  return SimResult(
-    max(pipeline_s, allreduce_end_s(topo, costs, partition, free)),
-    tuple(start),
-    tuple(end),
-    tuple(tuple(o) for o in order),
-    pipeline_s,
-  )
+  return _result(topo, costs, partition, start, end, order, free)
 
 
 def lanes(topo: Topology, costs: Costs, partition: Sequence[Sequence[int]], num_mb: int):
