@@ -13,7 +13,7 @@ sqrt(2N)), biases 0, LayerNorm scales 1. Parameters are float32 "master" weights
 The head returns logits in `cfg.dtype` (so its backward GEMMs stay there too); `loss_fn` takes the
 log-softmax in float32 in a fused cross-entropy (`acco_jax.losses`). `vocab_multiple` pads the
 embedding/head rows to `padded_vocab`: zero rows, ignored by the loss, never returned by `apply` or
-sampled by `generate` (docs/design.md, "The head, the loss and the data feed").
+sampled by `acco_jax.sampling.generate` (docs/design.md, "The head, the loss and the data feed").
 
 Sizes (`SIZES`, parameter counts with tied embeddings):
   tiny             V=256   L=64   D=64   H=4  N=2   120,576  (CPU tests)
@@ -228,7 +228,7 @@ class GPT(nnx.Module):
     return jnp.einsum("bld,vd->blv", x_BxLxD, wte_VxD)
 
 
-def _to_key(seed_or_key) -> jax.Array:
+def to_key(seed_or_key) -> jax.Array:
   """Typed PRNG key from an int seed (also traced), a typed key or a raw uint32[2] key."""
   x = seed_or_key
   if isinstance(x, int | np.integer):
@@ -252,7 +252,7 @@ def init_params(cfg: GPTConfig, seed_or_key) -> Params:
   Returns:
     A pure pytree of float32 arrays; the layout is given in the module docstring.
   """
-  model = GPT(cfg, rngs=nnx.Rngs(params=_to_key(seed_or_key)))
+  model = GPT(cfg, rngs=nnx.Rngs(params=to_key(seed_or_key)))
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
@@ -285,7 +285,7 @@ def _logits(params: Params, cfg: GPTConfig, tokens_BxL, rng=None, deterministic:
     raise ValueError("apply(deterministic=False) with cfg.dropout > 0 needs an rng key")
   dt = jnp.dtype(cfg.dtype)
   model = nnx.merge(graphdef, jax.tree.map(lambda p: jnp.asarray(p).astype(dt), params))
-  return model(tokens_BxL, _to_key(rng) if use_dropout else None, not use_dropout)
+  return model(tokens_BxL, to_key(rng) if use_dropout else None, not use_dropout)
 
 
 def apply(params: Params, cfg: GPTConfig, tokens_BxL, *, rng=None, deterministic: bool = True):
@@ -379,52 +379,3 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
   seq_len = cfg.L if seq_len is None else seq_len
   matmul_weights = cfg.N * (4 * cfg.D**2 + 2 * cfg.D * cfg.mlp_dim) + cfg.V * cfg.D
   return float(6 * matmul_weights + 12 * cfg.N * cfg.D * seq_len)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "top_k", "greedy"))
-def _sample_next(params, cfg, window_BxL, last, key, temperature, top_k, greedy):
-  logits_BxV = apply(params, cfg, window_BxL)[:, last]
-  if greedy:
-    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-  logits_BxV = logits_BxV / temperature
-  if top_k is not None:
-    kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
-    logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
-  return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
-
-
-def generate(params, cfg, prompt_tokens, num_new, key, temperature=1.0, top_k=None):
-  """Samples `num_new` tokens after a prompt (full context re-run each step; for short samples).
-
-  Each step runs one jitted forward over a fixed [B, cfg.L] window (the last cfg.L tokens, padded on
-  the right while shorter; causality makes the padding irrelevant), so it compiles once.
-
-  Args:
-    params: parameter dict.
-    cfg: model config.
-    prompt_tokens: int token ids, shape [T] or [B, T] with T >= 1.
-    num_new: number of tokens to sample.
-    key: PRNG key (or int seed); the same key gives the same sample.
-    temperature: softmax temperature; <= 0 means greedy (argmax) decoding.
-    top_k: if set, sample only among the top_k most likely tokens.
-
-  Returns:
-    int32 array [T + num_new] or [B, T + num_new] (prompt followed by the sampled tokens).
-  """
-  prompt = np.asarray(prompt_tokens, np.int32)
-  tokens_BxT = prompt[None] if prompt.ndim == 1 else prompt
-  B, T = tokens_BxT.shape
-  if T < 1:
-    raise ValueError("generate needs a prompt of at least one token")
-  out_BxS = np.zeros((B, T + num_new), np.int32)
-  out_BxS[:, :T] = tokens_BxT
-  key = _to_key(key)
-  for i in range(num_new):
-    n = T + i
-    window = out_BxS[:, max(0, n - cfg.L) : n]
-    padded_BxL = np.pad(window, ((0, 0), (0, cfg.L - window.shape[1])))
-    step_key = jax.random.fold_in(key, i)
-    out_BxS[:, n] = _sample_next(
-      params, cfg, padded_BxL, window.shape[1] - 1, step_key, temperature, top_k, temperature <= 0
-    )
-  return jnp.asarray(out_BxS[0] if prompt.ndim == 1 else out_BxS)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from acco_jax import model
+from acco_jax import model, sampling
 from acco_jax.ensemble import infer, mixing
 
 # float32 JAX against float64 NumPy loops: agreement to float32 rounding of sums over <= 24 terms
@@ -143,7 +143,7 @@ def test_token_log_probs_match_the_models_loss(tiny_gpt):
 def test_generate_from_identical_experts_is_that_experts_greedy_sample(tiny_gpt):
   params, other, cfg = tiny_gpt
   prompt = np.array([1, 2, 3], np.int32)
-  single = np.asarray(model.generate(params, cfg, prompt, 6, jax.random.key(0), temperature=0))
+  single = np.asarray(sampling.generate(params, cfg, prompt, 6, jax.random.key(0), temperature=0))
   for rule in ("uniform_prior", "simple_avg"):
     both = infer.generate([(params, cfg), (params, cfg)], prompt, 6, 0, rule=rule, temperature=0)
     np.testing.assert_array_equal(both, single)  # argmax of the same distribution (no near-ties)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from acco_jax import errors, losses, model
+from acco_jax import errors, losses, model, sampling
 
 
 def ref_token_loss(logits, targets, num_classes):
@@ -187,8 +187,8 @@ def test_apply_and_generate_never_expose_padded_ids():
   params = _pad_wte(model.init_params(CFG32, 0), 53, value=5.0)  # padded logits would win
   prompt = np.arange(4, dtype=np.int32)
   assert model.apply(params, PADDED, prompt[None]).shape == (1, 4, 203)
-  greedy = model.generate(params, PADDED, prompt, 6, 0, temperature=0)
-  sampled = model.generate(params, PADDED, prompt, 6, 1, temperature=1.0, top_k=5)
+  greedy = sampling.generate(params, PADDED, prompt, 6, 0, temperature=0)
+  sampled = sampling.generate(params, PADDED, prompt, 6, 1, temperature=1.0, top_k=5)
   assert int(greedy.max()) < 203 and int(sampled.max()) < 203
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from acco_jax import model
+from acco_jax import model, sampling
 
 TINY = model.get_config("tiny")
 TINY_F32 = model.get_config("tiny", dtype="float32")
@@ -241,17 +241,17 @@ def test_flops_per_token_matches_6n_rule():
 def test_generate():
   params = _perturbed_params()
   prompt_BxT = np.asarray(_tokens(12, (2, 60)))  # 60 + 8 > L = 64: exercises the cropping
-  out = model.generate(params, TINY, prompt_BxT, 8, jax.random.key(0), top_k=20)
+  out = sampling.generate(params, TINY, prompt_BxT, 8, jax.random.key(0), top_k=20)
   assert out.shape == (2, 68) and out.dtype == jnp.int32
   np.testing.assert_array_equal(out[:, :60], prompt_BxT)
   assert int(out.min()) >= 0 and int(out.max()) < TINY.V
-  again = model.generate(params, TINY, prompt_BxT, 8, jax.random.key(0), top_k=20)
+  again = sampling.generate(params, TINY, prompt_BxT, 8, jax.random.key(0), top_k=20)
   np.testing.assert_array_equal(out, again)
-  other = model.generate(params, TINY, prompt_BxT, 8, jax.random.key(1), top_k=20)
+  other = sampling.generate(params, TINY, prompt_BxT, 8, jax.random.key(1), top_k=20)
   assert not np.array_equal(out, other)
 
   # Greedy decoding agrees with argmax of the full forward pass, also after cropping to L tokens.
-  greedy = model.generate(params, TINY_F32, prompt_BxT[0], 6, 0, temperature=0.0)
+  greedy = sampling.generate(params, TINY_F32, prompt_BxT[0], 6, 0, temperature=0.0)
   assert greedy.shape == (66,)
   for n in (60, 65):
     window = greedy[None, max(0, n - TINY.L) : n]

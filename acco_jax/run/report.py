@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acco_jax import data, layers, model
+from acco_jax import data, layers, model, sampling
 from acco_jax.run import metrics as metrics_lib
 from acco_jax.run import parallel
 from acco_jax.run.build import Run, batch_stream, updates_done
@@ -52,7 +52,7 @@ def sample(run: Run, config, params, workdir: str) -> str:
   """A sample from ``params`` after the config's prompt, printed and written to sample.txt."""
   tok = run.tokens.tokenizer
   prompt = np.asarray(tok.encode(config.train.sample_prompt) or [tok.eot_id], np.int32)
-  out = model.generate(
+  out = sampling.generate(
     params, run.model_cfg, prompt, config.train.sample_tokens, jax.random.key(config.train.seed),
     temperature=0.8, top_k=40,
   )  # fmt: skip

@@ -1,0 +1,62 @@
+"""Sampling from the GPT of :mod:`acco_jax.model`: :func:`generate` (the run's ``sample.txt``).
+
+Padded vocabulary rows (``vocab_multiple``) are never sampled: :func:`acco_jax.model.apply` does not
+return them.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from acco_jax import model
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "top_k", "greedy"))
+def _sample_next(params, cfg, window_BxL, last, key, temperature, top_k, greedy):
+  logits_BxV = model.apply(params, cfg, window_BxL)[:, last]
+  if greedy:
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  logits_BxV = logits_BxV / temperature
+  if top_k is not None:
+    kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
+    logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
+  return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+
+
+def generate(params, cfg, prompt_tokens, num_new, key, temperature=1.0, top_k=None):
+  """Samples `num_new` tokens after a prompt (full context re-run each step; for short samples).
+
+  Each step runs one jitted forward over a fixed [B, cfg.L] window (the last cfg.L tokens, padded on
+  the right while shorter; causality makes the padding irrelevant), so it compiles once.
+
+  Args:
+    params: parameter dict.
+    cfg: model config.
+    prompt_tokens: int token ids, shape [T] or [B, T] with T >= 1.
+    num_new: number of tokens to sample.
+    key: PRNG key (or int seed); the same key gives the same sample.
+    temperature: softmax temperature; <= 0 means greedy (argmax) decoding.
+    top_k: if set, sample only among the top_k most likely tokens.
+
+  Returns:
+    int32 array [T + num_new] or [B, T + num_new] (prompt followed by the sampled tokens).
+  """
+  prompt = np.asarray(prompt_tokens, np.int32)
+  tokens_BxT = prompt[None] if prompt.ndim == 1 else prompt
+  B, T = tokens_BxT.shape
+  if T < 1:
+    raise ValueError("generate needs a prompt of at least one token")
+  out_BxS = np.zeros((B, T + num_new), np.int32)
+  out_BxS[:, :T] = tokens_BxT
+  key = model.to_key(key)
+  for i in range(num_new):
+    n = T + i
+    window = out_BxS[:, max(0, n - cfg.L) : n]
+    padded_BxL = np.pad(window, ((0, 0), (0, cfg.L - window.shape[1])))
+    step_key = jax.random.fold_in(key, i)
+    out_BxS[:, n] = _sample_next(
+      params, cfg, padded_BxL, window.shape[1] - 1, step_key, temperature, top_k, temperature <= 0
+    )
+  return jnp.asarray(out_BxS[0] if prompt.ndim == 1 else out_BxS)
