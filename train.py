@@ -132,13 +132,12 @@ def main(argv):
     _user_error(str(e))
   import jax
 
-  from acco_jax.run import trainer
+  from acco_jax.run import registry, trainer
 
   try:
-    if config.method == "hdee":  # an ensemble of independent experts, each its own trainer run
-      from acco_jax.ensemble import recipe
-
-      recipe.run(config, flags.FLAGS.workdir)
+    family = registry.lookup(config.method)
+    if family.run is not None:  # runs itself (hdee: one trainer run per expert)
+      family.run(config, flags.FLAGS.workdir)
     else:
       trainer.train_and_evaluate(config, flags.FLAGS.workdir, launch=launch)
   except errors.UserError as e:

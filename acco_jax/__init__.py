@@ -1,5 +1,6 @@
 """acco_jax: ACCO (Accumulate while you Communicate) and low-communication training in JAX."""
 
+from acco_jax import families as families
 from acco_jax.dp.flat import FlatLayout as FlatLayout
 from acco_jax.dp.methods import METHODS as METHODS
 from acco_jax.dp.methods import AccoState as AccoState
@@ -12,11 +13,11 @@ from acco_jax.dp.methods import committed_params as committed_params
 from acco_jax.dp.methods import ddp as ddp
 from acco_jax.dp.methods import dpu as dpu
 from acco_jax.dp.methods import get_method as get_method
-from acco_jax.dp.methods import hyperparams as hyperparams
 from acco_jax.dp.methods import wp as wp
 from acco_jax.dp.methods import zero1 as zero1
 from acco_jax.dp.step import TrainState as TrainState
 from acco_jax.dp.step import TrainStep as TrainStep
 from acco_jax.dp.step import make_train_step as make_train_step
+from acco_jax.run.optim import hyperparams as hyperparams
 
 __version__ = "0.1.0"

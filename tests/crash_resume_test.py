@@ -28,6 +28,7 @@ import jax
 import numpy as np
 import pytest
 
+from acco_jax.dp.updates import stage_plan
 from acco_jax.run import trainer
 from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_acco, gpt2_zero1
@@ -220,7 +221,7 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   # Kill 1: a random time after stage 2u+1..2u+4 of the first run (u stages per update), when its
   # first checkpoint is complete (the second save waits for it). Then, in random order, one kill at
   # once when a checkpoint write appears and one at a random point (never past the end).
-  spu, total = trainer.stage_plan(config_for(method))[1:]
+  spu, total = stage_plan(config_for(method))[1:]
   plan = [("rows", rng.randint(2 * spu + 1, 2 * spu + 4), rng.uniform(0, 0.25))]
   plan += rng.sample([("ckpt", rng.randint(1, 2), 0.0), ("rows", None, rng.uniform(0, 0.25))], 2)
   kills = []

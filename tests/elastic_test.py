@@ -16,7 +16,6 @@ import pytest
 
 import acco_jax
 from acco_jax import data
-from acco_jax.dp import reshard
 from acco_jax.run import fingerprint
 from acco_jax.run.checkpoint import Checkpointer
 from tests.methods_test import B, K, N, as_f32, first_microbatch, init_params, loss_fn, make_batches
@@ -223,7 +222,7 @@ def test_data_position_carries_over_by_rows():
   saved = it.get_state()
   for g, first in ((4, 24), (12, 24), (16, 32), (7, 28)):  # 16, 7: skip to the next boundary
     new = make(g)
-    new.set_state(reshard.data_state(saved, g))
+    new.set_state(data.data_state(saved, g))
     reference = make(1)  # one row per batch: the row sequence itself
     reference.set_state({**reference.get_state(), "step": first})
     expected = np.concatenate([next(reference)["inputs"] for _ in range(g)])

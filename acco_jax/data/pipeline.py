@@ -227,6 +227,20 @@ class BatchIterator:
     self._step = int(state["step"])
 
 
+def data_state(saved: dict, global_batch_rows: int) -> dict:
+  """A data-iterator position (``BatchIterator.get_state``) carried over to another global batch.
+
+  Global batch ``s`` is positions ``[s*G, (s+1)*G)`` of the seeded, shuffled, repeated sequence of
+  rows (:func:`batches`), so the saved position has consumed ``step * G_old`` rows.
+  The new iterator continues with the same shuffle at the first batch of ``G_new`` rows that starts
+  at or after that position: exactly there when ``G_new`` divides it (e.g. halving the devices),
+  otherwise it skips fewer than ``G_new`` rows; no row is seen twice within an epoch.
+  """
+  consumed = int(saved["step"]) * int(saved["global_batch_rows"])
+  rows = int(global_batch_rows)
+  return {**saved, "step": -(-consumed // rows), "global_batch_rows": rows}
+
+
 def batches(
   tokens: np.ndarray,
   *,

@@ -7,5 +7,6 @@ Pure (no collective, no Flax): ``methods`` (optax transforms plus a communicatio
 (the shard-major flat layout), ``microbatch`` (the per-device gradient loops), ``quantize`` (the
 int8/int4 block format), ``hetero`` (per-worker microbatch budgets) and ``reshard`` (elastic
 restore, on the host). Own every collective over the ``data`` axis: ``step`` (state, programs,
-API), ``stage`` (one stage's per-device blocks), ``quantized_comm`` and ``probe``.
+API), ``stage`` (one stage's per-device blocks), ``quantized_comm`` and ``probe``. For the run
+shell: ``family`` (the registry entry), ``updates`` (stages per update) and ``build`` (a config's run).
 """

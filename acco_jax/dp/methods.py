@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from acco_jax.dp import quantize as quantize_lib
+from acco_jax.run.optim import find_state
 
 PyTree = Any
 
@@ -70,6 +71,10 @@ class CommPlan(NamedTuple):
   block: int = 256
   error_feedback: bool = True
   node_size: int = 1
+
+  def wire_bytes(self, values: int) -> int:
+    """Bytes of ``values`` values in this plan's quantized format (integers and block scales)."""
+    return quantize_lib.wire_bytes(values, self.quantize, self.block)
 
 
 class MethodTransformation(optax.GradientTransformationExtraArgs):
@@ -382,32 +387,7 @@ def check_elementwise(tx, plan: CommPlan, params_like, layout) -> None:
 # -- State inspection -----------------------------------------------------------------------------
 
 
-def _find(state, predicate):
-  if predicate(state):
-    return state
-  if isinstance(state, tuple | list):
-    for s in state:
-      found = _find(s, predicate)
-      if found is not None:
-        return found
-  if isinstance(state, dict):
-    for s in state.values():
-      found = _find(s, predicate)
-      if found is not None:
-        return found
-  return None
-
-
 def committed_params(opt_state, params: PyTree) -> PyTree:
   """The committed parameters θ: ``params`` unless the method keeps them apart (ACCO, WP)."""
-  found = _find(opt_state, lambda s: isinstance(s, AccoState | WpState))
+  found = find_state(opt_state, lambda s: isinstance(s, AccoState | WpState))
   return params if found is None else found.committed
-
-
-def hyperparams(opt_state) -> dict:
-  """The ``hyperparams`` dict of the first ``optax.inject_hyperparams`` state inside ``opt_state``.
-
-  For ACCO these are the values of the last commit. Returns ``{}`` when nothing is injected.
-  """
-  found = _find(opt_state, lambda s: hasattr(s, "hyperparams") and isinstance(s.hyperparams, dict))
-  return {} if found is None else dict(found.hyperparams)

@@ -30,8 +30,9 @@ target's as host numpy arrays and hands them to a ``reshard`` callable, normally
 Nothing has to divide: every ``N >= 1`` has its own padding. A checkpoint of another model or
 optimizer (other parameter shapes, other state) is a one-line ``ValueError``.
 
-The data position is :func:`data_state`. Everything runs on numpy on every process (the whole state
-in host memory): fine for the models here, not for a multi-host restore of a very large model.
+The data position is :func:`acco_jax.data.pipeline.data_state`. Everything runs on numpy on every
+process (the whole state in host memory): fine for the models here, not for a multi-host restore of
+a very large model.
 """
 
 from __future__ import annotations
@@ -150,17 +151,3 @@ def reshard_state(saved, layout: FlatLayout, tx):
     rest, _ = _merge_rows(rest, np.zeros(rest.shape[:1], np.int32), old, layout)
     out = out._replace(residual=rest)
   return out
-
-
-def data_state(saved: dict, global_batch_rows: int) -> dict:
-  """A data-iterator position (``BatchIterator.get_state``) carried over to another global batch.
-
-  Global batch ``s`` is positions ``[s*G, (s+1)*G)`` of the seeded, shuffled, repeated sequence of
-  rows (:func:`acco_jax.data.batches`), so the saved position has consumed ``step * G_old`` rows.
-  The new iterator continues with the same shuffle at the first batch of ``G_new`` rows that starts
-  at or after that position: exactly there when ``G_new`` divides it (e.g. halving the devices),
-  otherwise it skips fewer than ``G_new`` rows; no row is seen twice within an epoch.
-  """
-  consumed = int(saved["step"]) * int(saved["global_batch_rows"])
-  rows = int(global_batch_rows)
-  return {**saved, "step": -(-consumed // rows), "global_batch_rows": rows}

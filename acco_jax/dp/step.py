@@ -23,10 +23,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.dp import methods
+from acco_jax.dp import methods, quantize
 from acco_jax.dp.flat import FlatLayout
 from acco_jax.dp.quantized_comm import QuantizedComm
-from acco_jax.dp.reshard import reshard_state
+from acco_jax.dp.reshard import reshard_state, saved_num_devices
 from acco_jax.dp.stage import StageProgram
 
 PyTree = Any
@@ -267,6 +267,14 @@ class TrainStep:
     :mod:`acco_jax.dp.reshard`).
     """
     return reshard_state(saved, self.layout, self.tx)
+
+  def saved_num_devices(self, saved: TrainState) -> int:
+    """The device count ``saved`` (host numpy leaves) was written on."""
+    return saved_num_devices(saved)
+
+  def describe(self) -> str:
+    """One line on the quantized communication ('' when the plan quantizes nothing)."""
+    return quantize.describe(self.plan, self.num_devices, self.layout.shard_size)
 
   # -- input placement ----------------------------------------------------------------------------
 

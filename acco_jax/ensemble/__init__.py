@@ -6,5 +6,6 @@ offline built-in domains as text files. ``infer`` scores rows with each expert a
 the mixture (uses the model). ``recipe`` and ``jobs`` are the shell: ``jobs`` runs one job through
 the project's trainer (``acco_jax.run.trainer``) in its own sub-workdir and picks a run's share of
 the jobs (``hdee.jobs``); ``recipe`` plans, runs the jobs in order, then evaluates. No module here
-owns a collective: the experts never communicate.
+owns a collective: the experts never communicate. ``family`` registers ``method=hdee`` with the run
+shell (:mod:`acco_jax.run.registry`).
 """

@@ -4,7 +4,8 @@ A method is one pure file (``diloco``, ``streaming``, ``noloco``, ``sparseloco``
 fills the slots of one outer step (``base``), with ``compress/`` for its codecs; none of them holds a
 collective. The runtime runs them over a ``('replica', 'data')`` mesh: ``step`` (workers, state,
 schedule, API: :class:`acco_jax.loco.step.LocoStep`), ``programs`` (the outer-step programs),
-``accounting`` (the bytes of a sync) and ``replica``, which owns every collective between workers.
+``accounting`` (the bytes of a sync) and ``replica``, which owns every collective between workers;
+``build`` makes a config's run and ``family`` registers it with the run shell.
 Entry points: the method factories re-exported here (``acco_jax.loco.diloco`` and the rest).
 """
 

@@ -264,6 +264,11 @@ class LocoStep(SyncAccounting):
     copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=NamedSharding(self.mesh, P()))
     return copy(x)
 
+  def reshard(self, saved: LocoState):
+    """Refuses a checkpoint of another mesh: workers hold diverged copies, no rule splits or
+    merges them (the trainer's ``reshard=`` hook)."""
+    raise errors.UserValueError(mesh_mismatch(saved, self.mesh))
+
   def worker_params(self, state: LocoState) -> PyTree:
     """Every worker's ``θ_m``, a tree of ``[M, ...]`` float32 arrays of the original shapes."""
     fn = lambda s: jax.vmap(self.layout.from_shards)(s.inner.params)

@@ -18,4 +18,5 @@ The pipeline over a ``stage`` (or ``('data', 'stage')``) mesh:
 
   step.py       the only module with ``shard_map`` and collectives (``ppermute``, ``psum``, ``pmean``)
   train.py      the training step the trainer drives (``method=pipeline``) and its build from a config
+  family.py     ``method=pipeline`` for the run shell's registry (:mod:`acco_jax.run.registry`)
 """

@@ -91,6 +91,14 @@ class LayerOrders:
   def order_rows(self, step: int) -> np.ndarray:
     return self.rows_for(self.paths(step))
 
+  def stream(self, stream, process_index: int = 0, process_count: int = 1) -> OrderedStream:
+    """``stream`` with each batch's layer orders (:class:`OrderedStream`)."""
+    return OrderedStream(stream, self, process_index, process_count)
+
+  def prime_rows(self, k: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+    """The priming batch's orders (:func:`prime_rows`)."""
+    return prime_rows(self, k, process_index, process_count)
+
 
 class OrderedStream:
   """A batch stream whose batches carry ``'order'``, this process's rows of the global orders.

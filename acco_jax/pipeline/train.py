@@ -32,6 +32,8 @@ from acco_jax import errors, model
 from acco_jax.pipeline import paths as paths_lib
 from acco_jax.pipeline import step as pipe
 from acco_jax.pipeline import ticks
+from acco_jax.run import build as build_lib
+from acco_jax.run import parallel
 
 SCHEDULES = ("gpipe", "1f1b", "skippipe")
 
@@ -199,16 +201,13 @@ def _check(config, num_devices: int) -> tuple[int, int]:
   return stages, num_devices // stages
 
 
-def build_run(config):
-  """A :class:`acco_jax.run.build.Run` for ``method=pipeline`` (called by ``run.build.build``)."""
-
-  from acco_jax.run import build as build_lib
-  from acco_jax.run import optim, parallel
-
+def build_run(config) -> build_lib.Run:
+  """A :class:`acco_jax.run.build.Run` for ``method=pipeline`` (through
+  :mod:`acco_jax.pipeline.family`)."""
   devices = parallel.make_mesh(config.mesh.num_devices).devices.flatten()
   stages, lanes = _check(config, len(devices))
   tokens = build_lib.prepare_tokens(config)
-  model_cfg = build_lib._model_config(config, tokens.tokenizer.vocab_size)
+  model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
   paths_lib.check_stages(model_cfg.N, stages)
   M = int(config.batch.microbatches)
   p = config.pipeline
@@ -216,10 +215,7 @@ def build_run(config):
   schedule = ticks.build(paths, stages, policy)
   mesh = pipe.make_mesh(stages, lanes, devices)
   shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
-  if config.opt.decay not in ("matrices", "all"):
-    raise errors.UserValueError(f"opt.decay={config.opt.decay!r}: choose 'matrices' or 'all'")
-  mask = decay_mask(shapes) if config.opt.decay == "matrices" else None
-  tx = optim.inner_optimizer(config.opt, config.train.num_updates, mask)
+  tx = build_lib.inner_optimizer(config, shapes, decay_mask)
   train = PipelineTrainStep(model_cfg, tx, mesh, schedule, shapes)
   axis = pipe.DATA if lanes > 1 else None
   return build_lib.Run(

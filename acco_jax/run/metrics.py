@@ -14,8 +14,6 @@ import time
 
 import jax
 
-from acco_jax.dp import quantize as quantize_lib
-
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (vendor datasheets, no sparsity).
 PEAK_FLOPS = {
   "H100": 989e12,
@@ -62,7 +60,7 @@ def quantized_bytes_per_stage(plan, padded_size: int, num_devices: int) -> int:
   """
   n, size = num_devices, plan.node_size
   shard, nodes = padded_size // n, n // size
-  wire = quantize_lib.wire_bytes(shard, plan.quantize, plan.block)
+  wire = plan.wire_bytes(shard)
   itemsize = jax.numpy.dtype(plan.comm_dtype).itemsize
   intra = (size - 1) * padded_size * itemsize // size if nodes > 1 else 0
   if nodes == 1:  # the gradients never leave the node: an unquantized reduce-scatter

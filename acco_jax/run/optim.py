@@ -68,3 +68,32 @@ def inner_optimizer(opt, num_updates: int, decay_mask=None) -> optax.GradientTra
   if opt.clip_norm and opt.clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(opt.clip_norm), base)
   return base
+
+
+def find_state(state, predicate):
+  """The first node of an optax state (tuples, lists and dicts, depth first) that ``predicate``
+  accepts, or None."""
+  if predicate(state):
+    return state
+  if isinstance(state, tuple | list):
+    for s in state:
+      found = find_state(s, predicate)
+      if found is not None:
+        return found
+  if isinstance(state, dict):
+    for s in state.values():
+      found = find_state(s, predicate)
+      if found is not None:
+        return found
+  return None
+
+
+def hyperparams(opt_state) -> dict:
+  """The ``hyperparams`` dict of the first ``optax.inject_hyperparams`` state inside ``opt_state``.
+
+  For ACCO these are the values of the last commit. Returns ``{}`` when nothing is injected.
+  """
+  found = find_state(
+    opt_state, lambda s: hasattr(s, "hyperparams") and isinstance(s.hyperparams, dict)
+  )
+  return {} if found is None else dict(found.hyperparams)

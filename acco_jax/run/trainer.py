@@ -22,17 +22,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from acco_jax import data, errors, model
-from acco_jax.dp import hetero, methods, quantize
-from acco_jax.dp import reshard as reshard_lib
-from acco_jax.loco import step as loco_lib
-from acco_jax.pipeline import orders as pipeline_orders
-from acco_jax.run import checkpoint, health, monitor, parallel, report
+from acco_jax.run import checkpoint, health, monitor, optim, parallel, report
 from acco_jax.run import metrics as metrics_lib
 from acco_jax.run.build import Run as Run
 from acco_jax.run.build import batch_stream as batch_stream
 from acco_jax.run.build import build as build
 from acco_jax.run.build import check_comm, check_vocab, comm_meta, updates_done, vocab_meta
-from acco_jax.run.build import stage_plan as stage_plan
 from acco_jax.run.report import eval_function as eval_function
 from acco_jax.run.report import evaluate as evaluate
 
@@ -87,9 +82,7 @@ def train_and_evaluate(
   rows_per_stage = mb_per_stage * config.batch.microbatch_size
   stream = batch_stream(run, config, run.tokens.train, rows_per_stage, seed=config.train.seed)
   if run.orders is not None:  # SkipPipe: each microbatch's layer order rides in its batch
-    stream = pipeline_orders.OrderedStream(
-      stream, run.orders, jax.process_index(), jax.process_count()
-    )
+    stream = run.orders.stream(stream, jax.process_index(), jax.process_count())
 
   # -- restore or initialise ----------------------------------------------------------------------
   # Nothing is written to the workdir until this is done: a config that cannot resume the run
@@ -104,14 +97,13 @@ def train_and_evaluate(
     # A checkpoint written on another device count is resharded (acco_jax.dp.reshard): weights and
     # optimizer state exactly, gradient buffers by their sums. The stage count, hence the schedule,
     # carries over; the global batch is now n/n_old times as large, and the data continues from
-    # the same number of consumed rows (reshard_lib.data_state).
+    # the same number of consumed rows (data.data_state).
     saved_n = []
 
     def reshard(saved):
-      if run.loco:  # workers hold diverged copies: no rule to split or merge them
-        raise errors.UserValueError(loco_lib.mesh_mismatch(saved, run.mesh))
-      saved_n.append(reshard_lib.saved_num_devices(saved))
-      return train.reshard(saved)
+      state = train.reshard(saved)  # LoCo and pipeline steps refuse another mesh
+      saved_n.append(train.saved_num_devices(saved))
+      return state
 
     def check(extra):  # before any array is read: the clearest message for a config change
       check_vocab(extra, run.model_cfg)
@@ -124,7 +116,7 @@ def train_and_evaluate(
       start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
       position = extra["data"]
       if saved_n:
-        position = reshard_lib.data_state(position, rows_per_stage)
+        position = data.data_state(position, rows_per_stage)
       stream.set_state(position)
     except BaseException:
       ckpt.close()
@@ -149,8 +141,8 @@ def train_and_evaluate(
         batch_stream(run, config, run.tokens.train, prime_rows, seed=config.train.seed + 1)
       )
       if run.orders is not None:  # device i primes with the path of its first microbatch
-        prime["order"] = pipeline_orders.prime_rows(
-          run.orders, train.num_microbatches, jax.process_index(), jax.process_count()
+        prime["order"] = run.orders.prime_rows(
+          train.num_microbatches, jax.process_index(), jax.process_count()
         )
       state = train.init(params, parallel.global_batch(prime, mesh))
     events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
@@ -181,14 +173,9 @@ def train_and_evaluate(
     if run.loco:
       print(train.describe(), flush=True)
     elif train.quantized:
-      print(quantize.describe(train.plan, n, train.layout.shard_size), flush=True)
+      print(train.describe(), flush=True)
 
-  budgets, policy = run.budgets, None
-  if config.hetero.adaptive:
-    policy = hetero.BudgetPolicy(
-      n, base=run.base_microbatches, k_max=train.num_microbatches,
-      policy=config.hetero.adaptive, hysteresis=config.hetero.hysteresis,
-    )  # fmt: skip
+  budgets, policy = run.budgets, run.policy
   if budgets is not None:
     writer.event("budgets", stage=start, budgets=budgets.tolist())
   rows_per_microbatch = config.batch.microbatch_size
@@ -343,7 +330,7 @@ def train_and_evaluate(
       logged = stage // config.train.log_every != (stage - stages_run) // config.train.log_every
       if logged or stage == run.total_stages:
         opt_state = state.inner.opt_state if run.loco else state.opt_state
-        lr = methods.hyperparams(opt_state).get("learning_rate", float("nan"))
+        lr = optim.hyperparams(opt_state).get("learning_rate", float("nan"))
         m, outer = readable(m), [(at, readable(o)) for at, o in outer_rows]
         pending = {
           "stage": stage, "update": done, "metrics": m, "nonfinite": nonfinite,

@@ -1,0 +1,114 @@
+"""A data-parallel run from a config: ACCO, DDP, ZeRO-1, DPU or WP over a ``data`` mesh.
+
+:func:`build_run` is what :func:`acco_jax.run.build.build` calls for these methods (through
+:mod:`acco_jax.dp.family`): the method's transform with its communication format (``comm``), the
+per-device microbatch budgets (``hetero``), SkipPipe's layer orders (``pipeline.stages > 0``) and
+the compiled :class:`acco_jax.dp.step.TrainStep`. Values that cannot work are one-line
+:class:`acco_jax.errors.UserError` s.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from acco_jax import errors, model
+from acco_jax.dp import hetero, methods, quantize
+from acco_jax.dp.flat import FlatLayout
+from acco_jax.dp.step import make_train_step
+from acco_jax.dp.updates import stage_plan
+from acco_jax.pipeline import orders as pipeline_orders
+from acco_jax.run import build as build_lib
+from acco_jax.run import health, parallel
+
+
+def build_run(config) -> build_lib.Run:
+  """The :class:`acco_jax.run.build.Run` of a data-parallel method."""
+  health.check_config(config)
+  skippipe = config.get("pipeline") is not None and config.pipeline.stages != 0
+  mesh = parallel.make_mesh(config.mesh.num_devices)
+  tokens = build_lib.prepare_tokens(config)
+  model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
+  k, per_update, total = stage_plan(config)
+  shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
+  inner = build_lib.inner_optimizer(config, shapes)
+  kwargs = {"comm_dtype": jnp.dtype(config.comm_dtype), **comm_args(config, mesh.size, shapes)}
+  if config.method == "dpu":
+    kwargs["warmup_steps"] = int(config.dpu_warmup_updates)
+  tx = methods.get_method(config.method, inner, **kwargs)
+  loss = lambda p, b: model.loss_fn(p, model_cfg, b)
+  budgets, k_max = _budgets(config, mesh.size, k)
+  orders = None
+  if skippipe:  # a layer order per microbatch, in the batch (acco_jax.pipeline.orders)
+    orders = pipeline_orders.LayerOrders(
+      config.pipeline, model_cfg, mesh.size * k_max, config.batch.microbatch_size
+    )
+    loss = pipeline_orders.ordered_loss(model_cfg)
+  if config.hetero.slowdown:
+    delays = hetero.parse_slowdown(config.hetero.slowdown, mesh.size)
+    loss = hetero.slowed(loss, delays, tx.plan.axis_name)
+  train = make_train_step(
+    loss, tx, mesh, num_microbatches=k_max, params=shapes, has_aux=True,
+    skip_nonfinite=config.train.on_nonfinite == "skip",
+  )  # fmt: skip
+  policy = None
+  if config.hetero.adaptive:
+    policy = hetero.BudgetPolicy(
+      mesh.size, base=k, k_max=train.num_microbatches, policy=config.hetero.adaptive,
+      hysteresis=config.hetero.hysteresis,
+    )  # fmt: skip
+  return build_lib.Run(
+    mesh, tokens, model_cfg, shapes, train, per_update, total, k, budgets, orders=orders,
+    policy=policy,
+  )  # fmt: skip
+
+
+def comm_args(config, n: int, shapes) -> dict:
+  """The method's quantization arguments from the ``comm`` group (none for ``comm.quantize=none``);
+  one-line errors for values that cannot work."""
+  c = config.get("comm")
+  if c is None or c.quantize == "none":
+    return {}
+  if config.method not in ("acco", "zero1"):
+    raise errors.UserValueError(
+      f"comm.quantize={c.quantize!r} applies to method acco or zero1, not {config.method}; set "
+      "comm.quantize=none"
+    )
+  size = c.node_size or (jax.local_device_count() if jax.process_count() > 1 else 1)
+  out = dict(quantize=c.quantize, block=c.block, error_feedback=c.error_feedback, node_size=size)
+  try:
+    quantize.check(**out)
+    plan = methods.CommPlan(config.method, **out)
+    quantize.check_plan(plan, n, FlatLayout(shapes, n).shard_size)
+  except ValueError as e:  # name the config keys
+    message = re.sub(r"\b(quantize|block|error_feedback|node_size)=", r"comm.\1=", str(e))
+    raise errors.UserValueError(message) from None
+  return out
+
+
+def _budgets(config, n: int, k: int) -> tuple[np.ndarray | None, int]:
+  """(fixed per-device budgets or None, the step's block of microbatches per device)."""
+  h = config.hetero
+  if h.budgets and h.adaptive:
+    raise errors.UserValueError(
+      "hetero.budgets and hetero.adaptive are exclusive: set one of them to ''"
+    )
+  if h.budgets:
+    budgets = hetero.parse_budgets(h.budgets, n)
+    return budgets, int(budgets.max())
+  if h.adaptive:
+    if h.adaptive not in hetero.POLICIES:
+      raise errors.UserValueError(
+        f"hetero.adaptive={h.adaptive!r}: choose one of {', '.join(hetero.POLICIES)} (or '')"
+      )
+    k_max = int(h.max_microbatches) or 4 * k
+    if k_max < k or h.adapt_every < 1:
+      raise errors.UserValueError(
+        f"hetero.max_microbatches={k_max} must be >= the base budget {k} per stage and "
+        f"hetero.adapt_every={h.adapt_every} >= 1"
+      )
+    return None, k_max
+  return None, k

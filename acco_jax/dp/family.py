@@ -1,0 +1,16 @@
+"""The data-parallel family as the run shell sees it (:mod:`acco_jax.run.registry`): its methods,
+their update count (:mod:`acco_jax.dp.updates`) and the builder (:mod:`acco_jax.dp.build`, imported
+on call)."""
+
+from acco_jax.dp.methods import METHODS
+from acco_jax.dp.updates import updates_done
+from acco_jax.run import registry
+
+
+def _build(config):
+  from acco_jax.dp import build
+
+  return build.build_run(config)
+
+
+FAMILY = registry.Family("dp", METHODS, build=_build, updates_done=updates_done)

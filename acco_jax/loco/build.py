@@ -1,0 +1,113 @@
+"""A low-communication run from a config: DiLoCo, Streaming DiLoCo, NoLoCo, SparseLoCo or DeMo.
+
+:func:`build_run` is what :func:`acco_jax.run.build.build` calls for these methods (through
+:mod:`acco_jax.loco.family`): the method from the ``loco`` group (:func:`loco_method`), the workers'
+``(replica, data)`` mesh and the :class:`acco_jax.loco.step.LocoStep`. Values that cannot work are
+one-line :class:`acco_jax.errors.UserError` s.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from acco_jax import errors, loco, model
+from acco_jax.dp import build as dp_build
+from acco_jax.dp import methods
+from acco_jax.loco import step as loco_lib
+from acco_jax.run import build as build_lib
+from acco_jax.run import health, optim, parallel
+
+
+def build_run(config) -> build_lib.Run:
+  """The :class:`acco_jax.run.build.Run` of a low-communication method (``Run.loco`` set)."""
+  health.check_config(config)
+  if config.get("pipeline") is not None and config.pipeline.stages != 0:
+    raise errors.UserValueError(
+      f"pipeline.stages={config.pipeline.stages}: SkipPipe paths run with the data-parallel "
+      f"methods (ddp, zero1, acco, dpu, wp), not {config.method}; set pipeline.stages=0"
+    )
+  method = _check_loco(config)
+  mesh = parallel.make_mesh(config.mesh.num_devices)
+  mesh = loco_lib.worker_mesh(config.loco.workers or mesh.size, list(mesh.devices.flat))
+  tokens = build_lib.prepare_tokens(config)
+  model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
+  k = int(config.batch.microbatches)
+  shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
+  inner = build_lib.inner_optimizer(config, shapes)
+  if config.method == "demo":  # no inner optimizer: the inner step only keeps the gradient
+    clip = [optax.clip_by_global_norm(config.opt.clip_norm)] if config.opt.clip_norm > 0 else []
+    inner = optax.chain(*clip, loco.keep_gradient())
+  dp_build.comm_args(config, mesh.size, shapes)  # refuses comm.quantize: LoCo syncs its own way
+  inner_tx = methods.get_method(config.loco.inner, inner, comm_dtype=jnp.dtype(config.comm_dtype))
+  loss = lambda p, b: model.loss_fn(p, model_cfg, b)
+  try:
+    train = loco_lib.make_loco_step(
+      loss, inner_tx, method, mesh, num_microbatches=k, params=shapes, has_aux=True,
+      skip_nonfinite=config.train.on_nonfinite == "skip",
+    )  # fmt: skip
+  except ValueError as e:  # a fragment layout the model cannot take
+    raise errors.UserValueError(str(e)) from None
+  total = config.train.num_updates
+  axes = tuple(mesh.axis_names)
+  return build_lib.Run(mesh, tokens, model_cfg, shapes, train, 1, total, k, None, axes, True)
+
+
+def loco_method(config) -> loco.LocoMethod:
+  """The low-communication method of ``config.method`` from the ``loco`` group (one-line errors)."""
+  c = config.loco
+  outer = loco.default_outer(c.outer_lr, c.outer_momentum)
+  try:
+    if config.method == "diloco":
+      return loco.diloco(c.sync_every, outer)
+    if config.method == "noloco":
+      return loco.noloco(
+        c.sync_every, outer_lr=c.outer_lr, momentum=c.outer_momentum, pairings=c.pairings,
+        seed=c.pairing_seed,
+      )  # fmt: skip
+    sparse = dict(topk=c.topk, chunk=c.chunk, decay=c.ef_decay, aggregate=c.aggregate)
+    if config.method == "sparseloco":
+      return loco.sparseloco(c.sync_every, bits=c.bits, outer_lr=c.outer_lr, **sparse)
+    if config.method == "demo":
+      lr = optim.schedule(config.opt, config.train.num_updates)
+      return loco.demo(lr, weight_decay=config.opt.weight_decay, **sparse)
+    return loco.streaming_diloco(
+      c.sync_every, c.fragments, layout=c.layout, overlap_steps=c.overlap_steps, alpha=c.alpha,
+      quantize=c.quantize, block=c.quantize_block, outer=outer,
+    )  # fmt: skip
+  except ValueError as e:
+    raise errors.UserValueError(str(e).replace("the FP4 block", "loco.quantize_block")) from None
+
+
+def _check_loco(config) -> loco.LocoMethod:
+  """The config's low-communication method; one-line errors for values that cannot work."""
+  c = config.loco
+  if c.workers < 0:
+    raise errors.UserValueError(f"loco.workers={c.workers} must be >= 0 (0 = one per device)")
+  if config.method != "streaming_diloco" and (c.fragments != 1 or c.overlap_steps or c.alpha):
+    raise errors.UserValueError(
+      f"{config.method} syncs every parameter at once (loco.fragments=1, overlap_steps=0, "
+      "alpha=0); use method=streaming_diloco for fragments, overlap or alpha"
+    )
+  if config.method == "demo" and c.sync_every != 1:
+    raise errors.UserValueError(
+      f"demo updates every step: loco.sync_every={c.sync_every} must be 1"
+    )
+  if config.hetero.budgets or config.hetero.adaptive or config.hetero.slowdown:
+    raise errors.UserValueError(
+      f"hetero.* (per-worker microbatch budgets) applies to ACCO and its baselines, not to "
+      f"method={config.method}; set hetero.budgets, hetero.adaptive and hetero.slowdown to ''"
+    )
+  if c.inner not in ("zero1", "ddp"):
+    raise errors.UserValueError(f"loco.inner={c.inner!r}: choose 'zero1' or 'ddp'")
+  if c.outer_lr <= 0 or not 0 <= c.outer_momentum < 1:
+    raise errors.UserValueError(
+      f"loco.outer_lr={c.outer_lr} must be > 0 and loco.outer_momentum={c.outer_momentum} in [0, 1)"
+    )
+  if config.method == "sparseloco" and c.outer_momentum:
+    raise errors.UserValueError(
+      f"loco.outer_momentum={c.outer_momentum}: sparseloco's outer step is plain SGD (its error "
+      "feedback replaces the momentum); set loco.outer_momentum=0"
+    )
+  return loco_method(config)

@@ -1,0 +1,63 @@
+"""The families the run shell dispatches to, by ``config.method``: filled by the families.
+
+The run shell never imports a family (``dp``, ``loco``, ``pipeline``, ``ensemble``): each family's
+``family.py`` describes itself as a :class:`Family`, and :mod:`acco_jax.families` registers them
+all when the package is imported. A new family is one folder plus one line there.
+
+A family either builds a :class:`acco_jax.run.build.Run` that the trainer drives (``build``), or
+runs a config itself (``run``: HDEE trains its experts as trainer runs of their own). The trainer
+reaches a family only through what its build returns: ``Run.train``, the step object (``init``,
+``step`` or under ``Run.loco`` ``plan`` and ``run``, ``params``, ``abstract_state``, ``reshard``,
+``probe``, ``describe``...), and ``Run.orders`` / ``Run.policy`` when set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from acco_jax import errors
+
+
+def one_update_per_stage(config, stage: int) -> int:
+  """Optimizer updates completed after ``stage`` stages, when every stage is one update."""
+  return stage
+
+
+class Family(NamedTuple):
+  """One family as the run shell sees it; the callables import the family's heavy modules on call,
+  so that registering every family costs no import."""
+
+  name: str  # its folder under acco_jax/
+  methods: tuple[str, ...]  # the values of config.method it runs
+  build: Callable[[Any], Any] | None = None  # config -> acco_jax.run.build.Run
+  run: Callable[[Any, str], Any] | None = None  # (config, workdir): runs it instead of the trainer
+  updates_done: Callable[[Any, int], int] = one_update_per_stage  # (config, stages) -> updates
+
+
+_BY_METHOD: dict[str, Family] = {}  # in registration order
+
+
+def register(family: Family) -> Family:
+  """Adds ``family``'s methods (each method belongs to one family)."""
+  for method in family.methods:
+    owner = _BY_METHOD.get(method)
+    if owner is not None and owner.name != family.name:
+      raise ValueError(f"method {method!r} is registered by family {owner.name!r} already")
+  _BY_METHOD.update(dict.fromkeys(family.methods, family))
+  return family
+
+
+def methods() -> tuple[str, ...]:
+  """Every registered method, in registration order."""
+  return tuple(_BY_METHOD)
+
+
+def lookup(method: str) -> Family:
+  """The family that runs ``method``, or the one-line error that lists the methods."""
+  family = _BY_METHOD.get(method)
+  if family is None:
+    raise errors.UserValueError(
+      f"method={method!r} is unknown: choose one of {', '.join(methods())}"
+    )
+  return family

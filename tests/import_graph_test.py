@@ -1,0 +1,89 @@
+"""One-way imports: the run shell imports no family, and the package's import graph has no cycle.
+
+Every ``import`` statement counts, also one inside a function (a lazy import is still an edge).
+The implicit import of a module's parent packages does not: ``acco_jax/__init__`` registers the
+families (:mod:`acco_jax.families`), which every module of the package would otherwise reach.
+"""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FAMILIES = ("dp", "loco", "pipeline", "ensemble")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  out = {}
+  for path in (ROOT / "acco_jax").rglob("*.py"):
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return out
+
+
+def import_graph() -> dict[str, set[str]]:
+  """Module -> the acco_jax modules it imports (``from pkg import sub`` names the submodule)."""
+  modules = _modules()
+  graph = {}
+  for name, path in modules.items():
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    edges = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        edges.update(a.name for a in node.names if a.name in modules)
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          up = package.split(".")[: len(package.split(".")) - node.level + 1]
+          base = ".".join(up + ([base] if base else []))
+        for alias in node.names:
+          sub = f"{base}.{alias.name}"
+          edges.add(sub if sub in modules else base)
+    graph[name] = {e for e in edges if e in modules and e != name}
+  return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One cycle of ``graph`` as a list of modules (first == last), or None."""
+  state: dict[str, int] = {}  # 1: on the current path, 2: done
+  path: list[str] = []
+
+  def visit(node):
+    state[node] = 1
+    path.append(node)
+    for nxt in sorted(graph[node]):
+      if state.get(nxt) == 1:
+        return path[path.index(nxt) :] + [nxt]
+      if nxt not in state:
+        found = visit(nxt)
+        if found:
+          return found
+    path.pop()
+    state[node] = 2
+    return None
+
+  for node in sorted(graph):
+    if node not in state:
+      found = visit(node)
+      if found:
+        return found
+  return None
+
+
+def test_the_run_shell_imports_no_family():
+  upward = {
+    name: sorted(e for e in edges if e.split(".")[1:2] and e.split(".")[1] in FAMILIES)
+    for name, edges in import_graph().items()
+    if name.startswith("acco_jax.run")
+  }
+  assert not {k: v for k, v in upward.items() if v}, (
+    "acco_jax/run reaches the families only through acco_jax.run.registry"
+  )
+
+
+def test_the_import_graph_has_no_cycle():
+  assert find_cycle(import_graph()) is None
+
+
+def test_find_cycle_sees_one():
+  assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert find_cycle({"a": {"b"}, "b": set()}) is None
