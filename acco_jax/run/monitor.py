@@ -12,17 +12,22 @@ In the spirit of C4 (collective timings expose slow or dead ranks), with what a 
   heartbeat, names the processes that went silent, and ends this process with
   :data:`HANG_EXIT_CODE` (the main thread is stuck inside the collective, so nothing can be saved;
   rerunning resumes from the last checkpoint).
+* **Preemption.** :class:`Preemption` turns SIGTERM/SIGINT into a request the loop reads at the next
+  stage boundary, where it checkpoints and stops.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 HANG_EXIT_CODE = 75  # EX_TEMPFAIL: the run can be retried (it resumes from its last checkpoint)
 _PREFIX = "acco_jax/heartbeat/"
@@ -55,6 +60,21 @@ def slow_message(mb_time_s, factor: float, stage: int) -> str | None:
   )
 
 
+def probe(train, state, batch, stage: int, slow_factor: float, writer) -> np.ndarray:
+  """``[processes, 2]`` seconds per microbatch and per stage communication of every process
+  (:meth:`TrainStep.probe`, gathered); logged, and slow processes named in a warning."""
+  mb_s, comm_s = train.probe(state, batch)
+  times = np.asarray(multihost_utils.process_allgather(np.array([mb_s, comm_s]))).reshape(-1, 2)
+  writer.event("probe", stage=stage, mb_time_s=times[:, 0].tolist(),
+               comm_time_s=times[:, 1].tolist())  # fmt: skip
+  warning = slow_message(times[:, 0], slow_factor, stage)
+  if warning:
+    writer.event("slow_workers", stage=stage, message=warning)
+    if jax.process_index() == 0:
+      print(warning, flush=True)
+  return times
+
+
 class SlowStreak:
   """Processes slower than ``factor`` times the others in ``patience`` consecutive probes.
 
@@ -75,6 +95,27 @@ class SlowStreak:
 
 _TRANSPORT_ERRORS = ("Gloo", "NCCL", "onnection", "coordination service", "UNAVAILABLE",
                      "DEADLINE_EXCEEDED")  # fmt: skip
+
+
+class Preemption:
+  """SIGTERM/SIGINT ask the training loop to checkpoint at the next stage boundary and stop
+  (``requested``: the signal's name); ``restore`` puts the previous handlers back."""
+
+  def __init__(self):
+    self.requested = None
+    self._old = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._old[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread
+        pass
+
+  def _handle(self, signum, frame):
+    self.requested = signal.Signals(signum).name
+
+  def restore(self):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
 
 
 def is_collective_failure(error: BaseException) -> bool:

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from acco_jax import data, errors, model
 from acco_jax.run import checkpoint, health, monitor, optim, parallel, report
@@ -30,26 +28,6 @@ from acco_jax.run.build import build as build
 from acco_jax.run.build import check_comm, check_vocab, comm_meta, updates_done, vocab_meta
 from acco_jax.run.report import eval_function as eval_function
 from acco_jax.run.report import evaluate as evaluate
-
-
-class _Preemption:
-  """SIGTERM/SIGINT ask the loop to checkpoint at the next stage boundary and stop."""
-
-  def __init__(self):
-    self.requested = None
-    self._old = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      try:
-        self._old[sig] = signal.signal(sig, self._handle)
-      except ValueError:  # not the main thread
-        pass
-
-  def _handle(self, signum, frame):
-    self.requested = signal.Signals(signum).name
-
-  def restore(self):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
 
 
 def train_and_evaluate(
@@ -192,7 +170,7 @@ def train_and_evaluate(
       slow = monitor.SlowStreak(config.health.slow_factor, config.health.slow_patience)
     if config.health.hang_timeout_s > 0:
       watchdog = dog.start()
-  preempt = _Preemption()
+  preempt = monitor.Preemption()
   progress = metrics_lib.Progress(run.total_stages, start, enabled=lead)
   t_start = time.time()
   last = {"time": t_start, "tokens": tokens_seen}
@@ -275,7 +253,7 @@ def train_and_evaluate(
       batch, consumed_next = batches[0], positions[-1]
       adapt = policy is not None and (stage == start or stage % config.hetero.adapt_every == 0)
       if adapt or (config.health.probe_every and stage % config.health.probe_every == 0):
-        times = _probe(train, state, batch, stage, config.health.slow_factor, writer)
+        times = monitor.probe(train, state, batch, stage, config.health.slow_factor, writer)
         if recorder is not None:
           recorder.probed(stage, times)
           excluded = slow.observe(times[:, 0]) if slow is not None else []
@@ -398,18 +376,3 @@ def train_and_evaluate(
   if lead:
     print(json.dumps({k: v for k, v in summary.items() if k != "sample"}), flush=True)
   return summary
-
-
-def _probe(train, state, batch, stage: int, slow_factor: float, writer) -> np.ndarray:
-  """``[processes, 2]`` seconds per microbatch and per stage communication of every process
-  (:meth:`TrainStep.probe`, gathered); logged, and slow processes named in a warning."""
-  mb_s, comm_s = train.probe(state, batch)
-  times = np.asarray(multihost_utils.process_allgather(np.array([mb_s, comm_s]))).reshape(-1, 2)
-  writer.event("probe", stage=stage, mb_time_s=times[:, 0].tolist(),
-               comm_time_s=times[:, 1].tolist())  # fmt: skip
-  warning = monitor.slow_message(times[:, 0], slow_factor, stage)
-  if warning:
-    writer.event("slow_workers", stage=stage, message=warning)
-    if jax.process_index() == 0:
-      print(warning, flush=True)
-  return times
