@@ -174,6 +174,12 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.dist.process_id = -1
   c.dist.timeout_s = 300  # how long processes wait for each other at start-up
 
+  # Persistent XLA compilation cache (acco_jax.run.compile_cache): a restarted or resumed run loads
+  # the programs compiled before instead of compiling them again. auto = $JAX_COMPILATION_CACHE_DIR
+  # or ~/.cache/acco_jax/xla ($XDG_CACHE_HOME); a path; '' = off. Shared by the processes of a host.
+  c.compile = ml_collections.ConfigDict()
+  c.compile.cache_dir = "auto"
+
   if preset == "cpu":
     c.model.size, c.model.D, c.model.N, c.model.H = "tiny", 256, 4, 4
   elif preset == "tiny":

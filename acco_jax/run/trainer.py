@@ -26,7 +26,7 @@ from acco_jax.dp import hetero, methods, quantize
 from acco_jax.dp import reshard as reshard_lib
 from acco_jax.loco import step as loco_lib
 from acco_jax.pipeline import orders as pipeline_orders
-from acco_jax.run import checkpoint, health, monitor, parallel, report
+from acco_jax.run import checkpoint, compile_cache, health, monitor, parallel, report
 from acco_jax.run import metrics as metrics_lib
 from acco_jax.run.build import Run as Run
 from acco_jax.run.build import batch_stream as batch_stream
@@ -80,6 +80,7 @@ def train_and_evaluate(
     raise errors.UserValueError(
       f"workdir {workdir!r} is a file: pass --workdir a directory (new or a run's)"
     )
+  compile_cache.configure(config.compile.cache_dir)
   run = build(config)
   train, mesh, n = run.train, run.mesh, run.mesh.size
   # microbatches one stage takes from the stream (a pipeline: M per data lane, not per device)
