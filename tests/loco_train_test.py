@@ -42,6 +42,7 @@ def _final_state(workdir, config):
   return jax.device_get(state), extra
 
 
+@pytest.mark.slow  # three runs of Streaming DiLoCo (diloco's e2e runs in the fast set)
 def test_streaming_resume_from_a_checkpoint_with_a_fragment_in_flight(tmp_path):
   # H = 4, 2 fragments, tau = 1: fragment 0 is sent after step 1 and applied at step 2, so a
   # stop at stage 2 leaves it in flight in the checkpoint

@@ -18,6 +18,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from acco_jax import model
 from acco_jax.pipeline import orders as orders_lib
@@ -131,6 +132,7 @@ def test_random_paths_follow_the_batch_index():
   assert (a[:, 0] == 0).all() and set(np.unique(a[:, 1])) <= {1, 2, 3}
 
 
+@pytest.mark.slow  # two runs with paths (resume itself: train_test, pipeline_train_test)
 def test_a_resumed_run_draws_the_same_paths(tmp_path):
   """Stopped after 3 of 8 stages and rerun, ACCO with random paths (new ones every iteration) ends
   where an uninterrupted run ends, bit for bit: resume reruns the same programs, so only the
