@@ -126,9 +126,13 @@ def np_tree(tree):
 # -- the references ---------------------------------------------------------------------------------
 
 
-def ref_sparseloco(batches, H, topk, chunk, nbits, decay, lr=1.0, mode="mean_contributors"):
-  """loco-family.md §4, per device row: e ← βe + Δ; top-k per chunk; quantise; e ← e − ê; all
-  workers' ê scatter-averaged; θ_g ← θ_g − α D; θ_r ← θ_g."""
+def ref_sparseloco(
+  batches, H, topk, chunk, bits, decay, outer_lr=1.0, ef_scale="one", mode="mean_contributors"
+):
+  """loco-family.md §4, per device row: e ← βe + cΔ (c = 1, or α with ef_scale="outer_lr"); top-k
+  per chunk; quantise; e ← e − ê; all workers' ê scatter-averaged; θ_g ← θ_g − α D; θ_r ← θ_g."""
+  lr, nbits = outer_lr, bits
+  c = {"one": 1.0, "outer_lr": lr}[ef_scale]
   params = toy_params()
   leaves, treedef = jax.tree.flatten(params)
   plans = [compress.plan_chunks(x.shape, D, chunk=chunk, topk=topk) for x in leaves]
@@ -146,7 +150,7 @@ def ref_sparseloco(batches, H, topk, chunk, nbits, decay, lr=1.0, mode="mean_con
         sent = []
         for m in range(M):
           delta = leaf_rows(g)[d] - leaf_rows(jax.tree.leaves(theta[m])[li])[d]
-          ef[m][li][d] = decay * ef[m][li][d] + delta
+          ef[m][li][d] = decay * ef[m][li][d] + c * delta
           tiles = chunks(ef[m][li][d], plan)
           pos = top(tiles, plan.k)
           vals = np.take_along_axis(tiles, pos, -1)
@@ -264,7 +268,9 @@ def worker(tree, m):
   return jax.tree.map(lambda x: x[m], tree)
 
 
-SPARSE = dict(topk=3, chunk=4, bits=2, decay=0.95)  # 3 of 16 per 4 x 4 tile, a few 1-D chunks
+# 3 of 16 per 4 x 4 tile, a few 1-D chunks; an outer lr other than 1, so the reference test sees
+# where α applies (the outer step, not the error feedback: ef_scale="one")
+SPARSE = dict(topk=3, chunk=4, bits=2, decay=0.95, outer_lr=0.5)
 DEMO = dict(topk=4, chunk=4, decay=0.9)
 
 
@@ -300,9 +306,7 @@ def demo_run(batches):
 
 def test_sparseloco_matches_reference(sparseloco_run, batches):
   train, state, logged = sparseloco_run
-  glob, ef, plans = ref_sparseloco(
-    batches, 2, SPARSE["topk"], SPARSE["chunk"], SPARSE["bits"], SPARSE["decay"]
-  )
+  glob, ef, plans = ref_sparseloco(batches, 2, **SPARSE)
   assert 0 < train.density() < 0.4  # a real top-k
   got = outer_params(train, state)
   for m in range(M):
@@ -313,6 +317,39 @@ def test_sparseloco_matches_reference(sparseloco_run, batches):
       np.testing.assert_allclose(np.asarray(x)[m], ef[m][li], rtol=1e-4, atol=1e-5)
   outer = [r for r in logged if "outer_fragment" in r]
   assert len(outer) == 3
+
+
+def max_gap(a, b):
+  return max(
+    float(np.abs(np.asarray(x) - np.asarray(y)).max())
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  )
+
+
+@pytest.mark.parametrize("lr", [1.0, 0.5])
+def test_sparseloco_ef_scale_conventions(batches, lr):
+  """ef_scale="outer_lr" (e ← βe + αΔ, the reference code) against the reference: the same as the
+  default e ← βe + Δ at α = 1 (the published setting), another run at α = 0.5."""
+  bs = batches[:4]  # two syncs: the second sees the first's residual
+  train, state, _ = run(
+    loco.sparseloco(2, **{**SPARSE, "outer_lr": lr, "ef_scale": "outer_lr"}), M, D, bs
+  )
+  got = worker(outer_params(train, state), 0)
+  scaled, ef, _ = ref_sparseloco(bs, 2, **{**SPARSE, "outer_lr": lr, "ef_scale": "outer_lr"})
+  plain, _, _ = ref_sparseloco(bs, 2, **{**SPARSE, "outer_lr": lr, "ef_scale": "one"})
+  assert_trees_close(got, scaled, rtol=1e-4, atol=1e-5)
+  for li, x in enumerate(jax.tree.leaves(jax.device_get(state.comp))):
+    for m in range(M):
+      np.testing.assert_allclose(np.asarray(x)[m], ef[m][li], rtol=1e-4, atol=1e-5)
+  if lr == 1.0:
+    assert_trees_close(got, plain, rtol=1e-4, atol=1e-5)
+  else:
+    assert max_gap(got, plain) > 1e-2  # the two conventions part
+
+
+def test_sparseloco_ef_scale_must_be_known():
+  with pytest.raises(ValueError, match=r"loco.ef_scale='lr': choose 'one' .* or 'outer_lr'"):
+    loco.sparseloco(2, ef_scale="lr")
 
 
 def test_sparseloco_workers_stay_bit_identical(sparseloco_run):
