@@ -213,7 +213,9 @@ def ref_noloco(batches, H, gamma=0.7, beta=0.5, count=16, seed=0):
 
 def ref_demo(batches, lr, topk, chunk, decay, wd=0.0, workers=M, devices=D):
   """loco-family.md §5 per device row: m ← βm + ηg; DCT tiles; top-k; m ← m − IDCT(sent); the
-  workers' coefficients averaged over contributors; p ← p (1 − ηλ) − η sign(IDCT(mean))."""
+  workers' coefficients averaged over contributors; p ← p (1 − ηλ) − η sign(IDCT(mean)). ``lr``:
+  η, or one η per step."""
+  lrs = list(lr) if np.ndim(lr) else [lr] * len(batches)
   params = toy_params()
   leaves, treedef = jax.tree.flatten(params)
   plans = [
@@ -221,7 +223,7 @@ def ref_demo(batches, lr, topk, chunk, decay, wd=0.0, workers=M, devices=D):
   ]
   p = [np.asarray(x, np.float32) for x in leaves]
   mom = [[np.zeros_like(leaf_rows(x, devices)) for x in leaves] for _ in range(workers)]
-  for batch in batches:
+  for batch, lr in zip(batches, lrs, strict=True):
     tree = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in p])
     grads = []
     for m in range(workers):
@@ -272,6 +274,9 @@ def worker(tree, m):
 # where α applies (the outer step, not the error feedback: ef_scale="one")
 SPARSE = dict(topk=3, chunk=4, bits=2, decay=0.95, outer_lr=0.5)
 DEMO = dict(topk=4, chunk=4, decay=0.9)
+# DeMo's reference run: η falls linearly from 1e-2 to 4e-3 over 4 steps (so a step that read the
+# schedule at the wrong count would show), with decoupled weight decay λ = 0.1
+DEMO_LRS, DEMO_WD = [1e-2 - 1.5e-3 * t for t in range(4)], 0.1
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +303,8 @@ def noloco_run(batches):
 
 @pytest.fixture(scope="module")
 def demo_run(batches):
-  return run(loco.demo(1e-2, **DEMO), M, D, batches[:4], demo_tx())
+  lr = optax.linear_schedule(1e-2, 4e-3, 4)
+  return run(loco.demo(lr, weight_decay=DEMO_WD, **DEMO), M, D, batches[:4], demo_tx())
 
 
 # -- SparseLoCo ------------------------------------------------------------------------------------
@@ -462,7 +468,7 @@ def test_noloco_with_all_workers_as_one_group_is_heavy_ball_diloco(batches):
 
 def test_demo_matches_reference(demo_run, batches):
   train, state, logged = demo_run
-  params, mom = ref_demo(batches[:4], 1e-2, DEMO["topk"], DEMO["chunk"], DEMO["decay"])
+  params, mom = ref_demo(batches[:4], DEMO_LRS, **DEMO, wd=DEMO_WD)
   got = outer_params(train, state)
   local = train.worker_params(state)
   for m in range(M):
