@@ -98,6 +98,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.loco.chunk = 64  # largest tile side of 2-D leaves / length of 1-D chunks
   c.loco.bits = 2  # sparseloco value quantiser: 2 | 4 | 8 bits (shift + lookup) | 32 (float32)
   c.loco.ef_decay = 0.95  # error-feedback decay (sparseloco) / momentum decay (demo: 0.999)
+  c.loco.ef_scale = "one"  # sparseloco: e <- b e + delta (one, the paper) | + outer_lr delta (code)
   c.loco.aggregate = "mean_contributors"  # mean_contributors | mean_R (divide by all workers)
   # noloco: each worker averages with one random peer
   c.loco.pairings = 16  # K random perfect matchings drawn once; one is picked per sync
