@@ -135,7 +135,11 @@ def scenario(name: str, tmp: Path, fault: tuple[int, int, float], timeout_s: flo
     deadline = time.time() + 600
     while last_stage(workdir) < target:
       if time.time() > deadline or any(p.poll() is not None for p in procs.values()):
-        raise RuntimeError(f"{name}: the run did not reach stage {target}")
+        tails = "\n".join(
+          f"--- process {i}\n" + (workdir.parent / f"{name}-first-p{i}.log").read_text()[-1500:]
+          for i in procs
+        )
+        raise RuntimeError(f"{name}: the run did not reach stage {target}\n{tails}")
       time.sleep(0.05)
     time.sleep(delay)  # anywhere within a stage
     t_fault, fault_stage = time.time(), last_stage(workdir)
