@@ -101,7 +101,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:  # keep the terminal to progress lines and results
     logging.set_verbosity(logging.WARNING)
   from acco_jax import errors
-  from acco_jax.run import health, monitor, parallel  # jax is imported, its backend not started
+  from acco_jax.run import compile_cache, health, monitor, parallel  # backend not started yet
 
   known = {f.split("=")[0] for f in parallel.GPU_OVERLAP_FLAGS}
   _check_xla_flags(known | {"--xla_force_host_platform_device_count"})
@@ -128,6 +128,7 @@ def main(argv):
         f"JAX has no usable backend for JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}: install "
         "its plugin (e.g. pip install 'jax[cuda12]') or unset JAX_PLATFORMS to use the devices here"
       ) from None
+    compile_cache.configure(config.compile.cache_dir)  # before the first compilation
   except errors.UserError as e:
     _user_error(str(e))
   import jax

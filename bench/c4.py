@@ -24,12 +24,17 @@ heartbeat timeout (100 s by default in jax 0.10.2), unless the gloo operation's 
 Nothing names the faulty process, so no restart without it is automatic: those rows stop at the
 exit. A run still waiting after ``--cap`` seconds is ended and reported as capped.
 
-No persistent compilation cache: every launch compiles, as a restart on a new device count would.
+Each scenario runs twice, side by side (``--cache``): ``off`` (``compile.cache_dir=''``: every launch
+compiles) and ``on`` (a persistent compilation cache, empty when the scenario starts: the first
+launch fills it, the restart loads what it can). The restart runs on one device fewer, so its
+training step is a new program either way; what the cache saves there is every program that does
+not depend on the device count. ``warm`` gives the restart a cache in which that restart's own
+programs already are (a second fault of the same kind, or a cache shared with an earlier run).
 
 Usage::
 
-  python bench/c4.py                   # all scenarios, seed 0, watchdog timeout 10 s
-  python bench/c4.py --scenarios dead hung --seed 1 --timeout 6
+  python bench/c4.py                   # all scenarios, seed 0, watchdog timeout 10 s, cache off and on
+  python bench/c4.py --scenarios dead hung --cache off on warm --seed 1 --timeout 6
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ BASE = {"model.D": 16, "model.N": 1, "model.H": 1, "data.seq_len": 8, "train.num
 
 def env(xla_flag: str) -> dict[str, str]:
   e = common.cpu_env(1)
-  e.pop("JAX_COMPILATION_CACHE_DIR", None)
+  e.pop("JAX_COMPILATION_CACHE_DIR", None)  # the cache is the launch's compile.cache_dir
   e["XLA_FLAGS"] = " ".join(
     f for f in [*e["XLA_FLAGS"].split(), xla_flag] if f and "device_count" not in f
   )
@@ -72,12 +77,15 @@ def env(xla_flag: str) -> dict[str, str]:
   return e
 
 
-def launch(workdir: Path, pids, port: int, timeout_s: float, xla_flag: str, tag: str) -> dict:
+def launch(
+  workdir: Path, pids, port: int, timeout_s: float, xla_flag: str, tag: str, cache: str
+) -> dict:
   procs = {}
   for i in pids:
     flags = {**BASE, "dist.coordinator_address": f"127.0.0.1:{port}",
              "dist.num_processes": PROCESSES, "dist.process_id": i,
-             "health.hang_timeout_s": timeout_s, "health.exclude": "auto"}  # fmt: skip
+             "health.hang_timeout_s": timeout_s, "health.exclude": "auto",
+             "compile.cache_dir": cache}  # fmt: skip
     cmd = [sys.executable, str(common.REPO / "train.py"), "--config", "configs/gpt2_acco.py:tiny",
            "--workdir", str(workdir), *(f"--config.{k}={v}" for k, v in flags.items())]  # fmt: skip
     log = open(workdir.parent / f"{tag}-p{i}.log", "w")
@@ -112,21 +120,28 @@ def stop(procs: dict) -> None:
     p.wait(timeout=30)
 
 
-def scenario(name: str, tmp: Path, rng: random.Random, timeout_s: float, cap: float) -> dict:
+def scenario(name: str, tmp: Path, fault: tuple[int, int, float], timeout_s: float, cap: float,
+             cache: str, cache_dir: str) -> dict:  # fmt: skip
+  """One ``fault`` (stage, victim, delay within the stage); ``cache``: its label, ``cache_dir``:
+  the launches' compile.cache_dir."""
   sig, watchdog, xla_flag = SCENARIOS[name]
-  workdir = tmp / name / "run"
+  target, victim, delay = fault
+  workdir = tmp / f"{name}-{cache}" / "run"
   workdir.mkdir(parents=True)
-  target, victim = rng.randrange(8, 20), rng.randrange(1, PROCESSES)
   procs = launch(workdir, range(PROCESSES), free_port(), timeout_s if watchdog else 0, xla_flag,
-                 f"{name}-first")  # fmt: skip
-  out = {"scenario": name, "victim": victim, "signal": signal.Signals(sig).name}
+                 f"{name}-first", cache_dir)  # fmt: skip
+  out = {"scenario": name, "cache": cache, "victim": victim, "signal": signal.Signals(sig).name}
   try:
     deadline = time.time() + 600
     while last_stage(workdir) < target:
       if time.time() > deadline or any(p.poll() is not None for p in procs.values()):
-        raise RuntimeError(f"{name}: the run did not reach stage {target}")
+        tails = "\n".join(
+          f"--- process {i}\n" + (workdir.parent / f"{name}-first-p{i}.log").read_text()[-1500:]
+          for i in procs
+        )
+        raise RuntimeError(f"{name}: the run did not reach stage {target}\n{tails}")
       time.sleep(0.05)
-    time.sleep(rng.uniform(0, 0.5))  # anywhere within a stage
+    time.sleep(delay)  # anywhere within a stage
     t_fault, fault_stage = time.time(), last_stage(workdir)
     os.kill(procs[victim].pid, sig)
     exits, codes = {}, {}
@@ -163,7 +178,7 @@ def scenario(name: str, tmp: Path, rng: random.Random, timeout_s: float, cap: fl
   restored_before = sum(r.get("event") == "restored" for r in rows(workdir))
   t_launch = time.time()
   procs = launch(workdir, [i for i in range(PROCESSES) if i != victim], free_port(), timeout_s,
-                 "", f"{name}-restart")  # fmt: skip
+                 "", f"{name}-restart", cache_dir)  # fmt: skip
   try:
     deadline = t_launch + 600
     while True:
@@ -196,30 +211,41 @@ def main() -> None:
   ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
   ap.add_argument("--timeout", type=float, default=10.0, help="health.hang_timeout_s (watchdog)")
   ap.add_argument("--cap", type=float, default=240.0, help="seconds to wait without a watchdog")
+  ap.add_argument("--cache", nargs="+", default=["off", "on"], choices=["off", "on", "warm"])
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default=str(common.RESULTS / "c4.json"))
   args = ap.parse_args()
   rng = random.Random(args.seed)
   results = []
   with tempfile.TemporaryDirectory(prefix="c4_bench_") as tmp:
+    warm = str(Path(tmp) / "xla-warm")
+    if "warm" in args.cache:  # the restart's programs: one untimed fault and restart on 3 devices
+      common.log("warming the cache with one restart ...")
+      scenario("dead", Path(tmp) / "warm-up", (8, 1, 0.0), args.timeout, args.cap, "warm", warm)
     for name in args.scenarios:
-      common.log(f"{name} ...")
-      results.append(scenario(name, Path(tmp), rng, args.timeout, args.cap))
-      common.log(json.dumps(results[-1]))
+      fault = (rng.randrange(8, 20), rng.randrange(1, PROCESSES), rng.uniform(0, 0.5))
+      for cache in args.cache:  # the same fault with each cache
+        common.log(f"{name}, cache {cache} ...")
+        cache_dir = {"off": "", "on": str(Path(tmp) / f"xla-{name}"), "warm": warm}[cache]
+        results.append(scenario(name, Path(tmp), fault, args.timeout, args.cap, cache, cache_dir))
+        common.log(json.dumps(results[-1]))
   table = [{
-    "scenario": r["scenario"], "ended": r["ended"], "detection": fmt(r.get("detection_s")),
+    "scenario": r["scenario"], "cache": r["cache"], "ended": r["ended"],
+    "detection": fmt(r.get("detection_s")),
     "exit": fmt(r.get("exit_s")), "restart": fmt(r.get("restart_s")),
     "restore": fmt(r.get("restore_s"), 2), "first": fmt(r.get("first_step_s")),
     "total": fmt(r.get("total_s")),
     "lost": "-" if "lost_stages" not in r else f"{r['lost_stages']} ({r['lost_s']:.1f} s)",
   } for r in results]  # fmt: skip
   print(common.format_table(table, [
-    ("scenario", "fault"), ("ended", "how the survivors ended"), ("detection", "detection s"),
+    ("scenario", "fault"), ("cache", "cache"), ("ended", "how the survivors ended"),
+    ("detection", "detection s"),
     ("exit", "exit s"), ("restart", "restart s"), ("restore", "restore s"),
     ("first", "first step s"), ("total", "fault -> training s"), ("lost", "stages lost (s)"),
   ]))  # fmt: skip
   path = common.write_json(Path(args.out), {
     "machine": common.machine(), "timeout_s": args.timeout, "cap_s": args.cap, "seed": args.seed,
+    "cache": args.cache,
     "command": "python bench/c4.py " + " ".join(sys.argv[1:]), "results": results,
   })  # fmt: skip
   common.log(f"wrote {path}")

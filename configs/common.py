@@ -98,6 +98,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.loco.chunk = 64  # largest tile side of 2-D leaves / length of 1-D chunks
   c.loco.bits = 2  # sparseloco value quantiser: 2 | 4 | 8 bits (shift + lookup) | 32 (float32)
   c.loco.ef_decay = 0.95  # error-feedback decay (sparseloco) / momentum decay (demo: 0.999)
+  c.loco.ef_scale = "one"  # sparseloco: e <- b e + delta (one, the paper) | + outer_lr delta (code)
   c.loco.aggregate = "mean_contributors"  # mean_contributors | mean_R (divide by all workers)
   # noloco: each worker averages with one random peer
   c.loco.pairings = 16  # K random perfect matchings drawn once; one is picked per sync
@@ -173,6 +174,12 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.dist.num_processes = 0
   c.dist.process_id = -1
   c.dist.timeout_s = 300  # how long processes wait for each other at start-up
+
+  # Persistent XLA compilation cache (acco_jax.run.compile_cache): a restarted or resumed run loads
+  # the programs compiled before instead of compiling them again. auto = $JAX_COMPILATION_CACHE_DIR
+  # or ~/.cache/acco_jax/xla ($XDG_CACHE_HOME); a path; '' = off. Shared by the processes of a host.
+  c.compile = ml_collections.ConfigDict()
+  c.compile.cache_dir = "auto"
 
   if preset == "cpu":
     c.model.size, c.model.D, c.model.N, c.model.H = "tiny", 256, 4, 4

@@ -228,7 +228,10 @@ UPDATES = 8  # 16 ACCO stages
 SMALL = {"model.D": 16, "model.N": 1, "model.H": 1, "data.seq_len": 8, "model.dtype": "float32",
          "comm_dtype": "float32", "train.num_updates": UPDATES, "train.log_every": 1,
          "train.eval_every": 0, "train.eval_batches": 1, "train.sample_tokens": 0,
-         "ckpt.every": 2, "ckpt.async_save": False, "data.cache_dir": str(CACHE)}  # fmt: skip
+         "ckpt.every": 2, "ckpt.async_save": False, "data.cache_dir": str(CACHE),
+         "opt.name": "sgd"}  # fmt: skip
+# SGD: the resumed runs are compared with another program (gloo across processes, XLA within one);
+# AdamW would turn a last-bit difference in a near-zero gradient into an lr-sized step.
 
 
 def command(workdir: Path, port: int, pid: int, exclude: str) -> list[str]:

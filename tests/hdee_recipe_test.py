@@ -82,6 +82,7 @@ def _saved_stages(checkpoints: pathlib.Path) -> list[int]:
   return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow  # a SIGKILLed train.py and its rerun (the recipe's e2e runs in the fast set)
 def test_recipe_resumes_after_a_kill(straight, tmp_path):
   """SIGKILL train.py inside the first expert's job; the same command finishes the recipe."""
   _, expected = straight

@@ -80,6 +80,71 @@ def test_watchdog_names_the_silent_peer_only_after_progress_stops():
   assert "process 0" not in hangs[0].split("peer(s) stopped:")[1]  # its own heartbeat is fresh
 
 
+class StoppedClock:
+  """A CompileClock that says what the test sets."""
+
+  def __init__(self):
+    self.compiling_since = None
+
+  def since(self):
+    return self.compiling_since
+
+  def close(self):
+    pass
+
+
+def test_a_peer_that_compiles_is_waited_for_and_then_named():
+  store, hangs, clock = FakeStore(), [], StoppedClock()
+  dog = monitor.Watchdog(
+    0.4, process_index=0, process_count=2, interval_s=0.05, on_hang=hangs.append, client=store,
+    compile_clock=clock,
+  )  # fmt: skip
+  beat = lambda since=None: store.key_value_set(  # process 1's heartbeat thread
+    "acco_jax/heartbeat/1", f"3 {time.time():.3f}" + (f" {since:.3f}" if since else "")
+  )
+  beat(time.time())
+  dog.start()
+  try:
+    dog.progress(3)
+    for _ in range(12):  # 1.2 s idle here, three times the timeout: process 1 compiles
+      beat(time.time() - 1)
+      time.sleep(0.1)
+    assert not hangs
+    clock.compiling_since = time.time()  # then this process compiles
+    for _ in range(8):
+      beat()
+      time.sleep(0.1)
+    assert not hangs
+    clock.compiling_since = None  # nobody compiles: the timeout runs from here
+    for _ in range(14):
+      beat()
+      time.sleep(0.1)
+  finally:
+    dog.stop()
+  assert len(hangs) == 1 and "no progress for" in hangs[0], hangs
+  assert dog.heartbeats(compiling=True)[1][2] is None  # the last beat: not compiling
+
+
+def test_compile_clock_follows_jax_compilations():
+  import jax
+  import jax.numpy as jnp
+
+  clock = monitor.CompileClock(cap_s=60)
+  try:
+    assert clock.since() is None
+    f = jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.25)
+    f.lower(jnp.ones(7)).as_text()  # lowered, never compiled: counts until a compilation ends
+    assert clock.since() is not None and time.time() - clock.since() < 30
+    f(jnp.ones(5))  # a compilation ends
+    assert clock.since() is None
+    stale = monitor.CompileClock(cap_s=0.0)
+    jax.jit(lambda x: x - 0.5).lower(jnp.ones(3))
+    assert stale.since() is None  # beyond the cap a lowering alone no longer counts
+    stale.close()
+  finally:
+    clock.close()
+
+
 # -- two real processes ---------------------------------------------------------------------------
 
 TIMEOUT_S = 6

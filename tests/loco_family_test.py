@@ -126,9 +126,13 @@ def np_tree(tree):
 # -- the references ---------------------------------------------------------------------------------
 
 
-def ref_sparseloco(batches, H, topk, chunk, nbits, decay, lr=1.0, mode="mean_contributors"):
-  """loco-family.md §4, per device row: e ← βe + Δ; top-k per chunk; quantise; e ← e − ê; all
-  workers' ê scatter-averaged; θ_g ← θ_g − α D; θ_r ← θ_g."""
+def ref_sparseloco(
+  batches, H, topk, chunk, bits, decay, outer_lr=1.0, ef_scale="one", mode="mean_contributors"
+):
+  """loco-family.md §4, per device row: e ← βe + cΔ (c = 1, or α with ef_scale="outer_lr"); top-k
+  per chunk; quantise; e ← e − ê; all workers' ê scatter-averaged; θ_g ← θ_g − α D; θ_r ← θ_g."""
+  lr, nbits = outer_lr, bits
+  c = {"one": 1.0, "outer_lr": lr}[ef_scale]
   params = toy_params()
   leaves, treedef = jax.tree.flatten(params)
   plans = [compress.plan_chunks(x.shape, D, chunk=chunk, topk=topk) for x in leaves]
@@ -146,7 +150,7 @@ def ref_sparseloco(batches, H, topk, chunk, nbits, decay, lr=1.0, mode="mean_con
         sent = []
         for m in range(M):
           delta = leaf_rows(g)[d] - leaf_rows(jax.tree.leaves(theta[m])[li])[d]
-          ef[m][li][d] = decay * ef[m][li][d] + delta
+          ef[m][li][d] = decay * ef[m][li][d] + c * delta
           tiles = chunks(ef[m][li][d], plan)
           pos = top(tiles, plan.k)
           vals = np.take_along_axis(tiles, pos, -1)
@@ -175,17 +179,23 @@ def partners(count, seed, sync):
 
 
 def ref_noloco(batches, H, gamma=0.7, beta=0.5, count=16, seed=0):
-  """loco-family.md §3: δ_i ← β δ_i + γ d̄ + γ (φ̄ − φ_i); φ_i ← φ_i + δ_i; θ_i ← φ_i."""
+  """loco-family.md §3: δ_i ← β δ_i + γ d̄ + γ (φ̄ − φ_i); φ_i ← φ_i + δ_i; θ_i ← φ_i.
+
+  Returns every worker's φ and, per sync, the largest |φ_i − φ_j| over the pairs it formed (the
+  size of the consensus term's input: 0 while every pair holds equal slow weights)."""
   params = toy_params()
   treedef = jax.tree.structure(params)
   theta, states = [params] * M, [inner_opt().init(params)] * M
   phi = [np_tree(jax.tree.leaves(params))] * M
   mom = [[np.zeros_like(x) for x in phi[0]] for _ in range(M)]
+  gaps = []
   for s, batch in enumerate(batches):
     inner_steps(theta, states, batch)
     if (s + 1) % H:
       continue
     partner = partners(count, seed, (s + 1) // H - 1)
+    pairs = [zip(phi[i], phi[partner[i]], strict=True) for i in range(M)]
+    gaps.append(max(float(np.abs(a - b).max()) for pair in pairs for a, b in pair))
     th = [np_tree(jax.tree.leaves(t)) for t in theta]
     new_phi = []
     for i in range(M):
@@ -198,12 +208,14 @@ def ref_noloco(batches, H, gamma=0.7, beta=0.5, count=16, seed=0):
       new_phi.append(out)
     phi = new_phi
     theta = [jax.tree.unflatten(treedef, [jnp.asarray(x) for x in p]) for p in phi]
-  return [jax.tree.unflatten(treedef, p) for p in phi]
+  return [jax.tree.unflatten(treedef, p) for p in phi], gaps
 
 
 def ref_demo(batches, lr, topk, chunk, decay, wd=0.0, workers=M, devices=D):
   """loco-family.md §5 per device row: m ← βm + ηg; DCT tiles; top-k; m ← m − IDCT(sent); the
-  workers' coefficients averaged over contributors; p ← p (1 − ηλ) − η sign(IDCT(mean))."""
+  workers' coefficients averaged over contributors; p ← p (1 − ηλ) − η sign(IDCT(mean)). ``lr``:
+  η, or one η per step."""
+  lrs = list(lr) if np.ndim(lr) else [lr] * len(batches)
   params = toy_params()
   leaves, treedef = jax.tree.flatten(params)
   plans = [
@@ -211,7 +223,7 @@ def ref_demo(batches, lr, topk, chunk, decay, wd=0.0, workers=M, devices=D):
   ]
   p = [np.asarray(x, np.float32) for x in leaves]
   mom = [[np.zeros_like(leaf_rows(x, devices)) for x in leaves] for _ in range(workers)]
-  for batch in batches:
+  for batch, lr in zip(batches, lrs, strict=True):
     tree = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in p])
     grads = []
     for m in range(workers):
@@ -258,8 +270,13 @@ def worker(tree, m):
   return jax.tree.map(lambda x: x[m], tree)
 
 
-SPARSE = dict(topk=3, chunk=4, bits=2, decay=0.95)  # 3 of 16 per 4 x 4 tile, a few 1-D chunks
+# 3 of 16 per 4 x 4 tile, a few 1-D chunks; an outer lr other than 1, so the reference test sees
+# where α applies (the outer step, not the error feedback: ef_scale="one")
+SPARSE = dict(topk=3, chunk=4, bits=2, decay=0.95, outer_lr=0.5)
 DEMO = dict(topk=4, chunk=4, decay=0.9)
+# DeMo's reference run: η falls linearly from 1e-2 to 4e-3 over 4 steps (so a step that read the
+# schedule at the wrong count would show), with decoupled weight decay λ = 0.1
+DEMO_LRS, DEMO_WD = [1e-2 - 1.5e-3 * t for t in range(4)], 0.1
 
 
 @pytest.fixture(scope="module")
@@ -273,14 +290,21 @@ def sparseloco_run(batches):
   return run(method, M, D, batches)
 
 
+# Seed 4 picks matchings 0, 3, 4 of 5 at the three syncs, which pair the 4 workers differently each
+# time: from the second sync on a worker meets a peer whose slow weights differ from its own, so the
+# consensus term moves the result (a seed whose picks repeat one pairing would leave it at 0).
+NOLOCO = dict(pairings=5, seed=4)
+
+
 @pytest.fixture(scope="module")
 def noloco_run(batches):
-  return run(loco.noloco(2, pairings=5, seed=3), M, D, batches)
+  return run(loco.noloco(2, **NOLOCO), M, D, batches)
 
 
 @pytest.fixture(scope="module")
 def demo_run(batches):
-  return run(loco.demo(1e-2, **DEMO), M, D, batches[:4], demo_tx())
+  lr = optax.linear_schedule(1e-2, 4e-3, 4)
+  return run(loco.demo(lr, weight_decay=DEMO_WD, **DEMO), M, D, batches[:4], demo_tx())
 
 
 # -- SparseLoCo ------------------------------------------------------------------------------------
@@ -288,9 +312,7 @@ def demo_run(batches):
 
 def test_sparseloco_matches_reference(sparseloco_run, batches):
   train, state, logged = sparseloco_run
-  glob, ef, plans = ref_sparseloco(
-    batches, 2, SPARSE["topk"], SPARSE["chunk"], SPARSE["bits"], SPARSE["decay"]
-  )
+  glob, ef, plans = ref_sparseloco(batches, 2, **SPARSE)
   assert 0 < train.density() < 0.4  # a real top-k
   got = outer_params(train, state)
   for m in range(M):
@@ -301,6 +323,39 @@ def test_sparseloco_matches_reference(sparseloco_run, batches):
       np.testing.assert_allclose(np.asarray(x)[m], ef[m][li], rtol=1e-4, atol=1e-5)
   outer = [r for r in logged if "outer_fragment" in r]
   assert len(outer) == 3
+
+
+def max_gap(a, b):
+  return max(
+    float(np.abs(np.asarray(x) - np.asarray(y)).max())
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  )
+
+
+@pytest.mark.parametrize("lr", [1.0, 0.5])
+def test_sparseloco_ef_scale_conventions(batches, lr):
+  """ef_scale="outer_lr" (e ← βe + αΔ, the reference code) against the reference: the same as the
+  default e ← βe + Δ at α = 1 (the published setting), another run at α = 0.5."""
+  bs = batches[:4]  # two syncs: the second sees the first's residual
+  train, state, _ = run(
+    loco.sparseloco(2, **{**SPARSE, "outer_lr": lr, "ef_scale": "outer_lr"}), M, D, bs
+  )
+  got = worker(outer_params(train, state), 0)
+  scaled, ef, _ = ref_sparseloco(bs, 2, **{**SPARSE, "outer_lr": lr, "ef_scale": "outer_lr"})
+  plain, _, _ = ref_sparseloco(bs, 2, **{**SPARSE, "outer_lr": lr, "ef_scale": "one"})
+  assert_trees_close(got, scaled, rtol=1e-4, atol=1e-5)
+  for li, x in enumerate(jax.tree.leaves(jax.device_get(state.comp))):
+    for m in range(M):
+      np.testing.assert_allclose(np.asarray(x)[m], ef[m][li], rtol=1e-4, atol=1e-5)
+  if lr == 1.0:
+    assert_trees_close(got, plain, rtol=1e-4, atol=1e-5)
+  else:
+    assert max_gap(got, plain) > 1e-2  # the two conventions part
+
+
+def test_sparseloco_ef_scale_must_be_known():
+  with pytest.raises(ValueError, match=r"loco.ef_scale='lr': choose 'one' .* or 'outer_lr'"):
+    loco.sparseloco(2, ef_scale="lr")
 
 
 def test_sparseloco_workers_stay_bit_identical(sparseloco_run):
@@ -330,7 +385,8 @@ def test_sparseloco_full_k_no_quantiser_is_momentum_free_diloco(batches):
 
 def test_noloco_matches_reference(noloco_run, batches):
   train, state, logged = noloco_run
-  phi = ref_noloco(batches, 2, count=5, seed=3)
+  phi, gaps = ref_noloco(batches, 2, count=NOLOCO["pairings"], seed=NOLOCO["seed"])
+  assert gaps[0] == 0 and min(gaps[1:]) > 1e-2  # pairs of unequal φ: the consensus term counts
   got = outer_params(train, state)
   for m in range(M):
     assert_trees_close(worker(got, m), phi[m], rtol=1e-4, atol=1e-5)
@@ -342,8 +398,9 @@ def test_noloco_matches_reference(noloco_run, batches):
   )
   assert spread > 1e-4  # each worker keeps its own φ_i
   picks = [int(r["outer_pairing"]) for r in logged if "outer_pairing" in r]
+  key, count = jax.random.key(NOLOCO["seed"]), NOLOCO["pairings"]
   assert picks == [
-    int(jax.random.randint(jax.random.fold_in(jax.random.key(3), t), (), 0, 5)) for t in range(3)
+    int(jax.random.randint(jax.random.fold_in(key, t), (), 0, count)) for t in range(3)
   ]
 
 
@@ -411,7 +468,7 @@ def test_noloco_with_all_workers_as_one_group_is_heavy_ball_diloco(batches):
 
 def test_demo_matches_reference(demo_run, batches):
   train, state, logged = demo_run
-  params, mom = ref_demo(batches[:4], 1e-2, DEMO["topk"], DEMO["chunk"], DEMO["decay"])
+  params, mom = ref_demo(batches[:4], DEMO_LRS, **DEMO, wd=DEMO_WD)
   got = outer_params(train, state)
   local = train.worker_params(state)
   for m in range(M):

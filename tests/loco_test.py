@@ -348,9 +348,10 @@ def test_streaming_one_fragment_no_overlap_is_diloco():
   "H,P,tau,alpha,quant", [(4, 2, 1, 0.5, "fp4"), (6, 2, 2, 0.0, "none"), (8, 4, 1, 0.25, "none")]
 )
 def test_streaming_matches_reference(H, P, tau, alpha, quant):
-  """α = 0.25 tells α θ_m + (1 − α) θ_g from its mirror image, which α = 0.5 cannot."""
+  """α = 0.25 tells α θ_m + (1 − α) θ_g from its mirror image, which α = 0.5 cannot. 2H + 1 steps:
+  every fragment syncs at least twice, so its outer momentum carries into a second step."""
   M, D = 2, 4
-  batches = toy_batches(9, M * D * K * B)
+  batches = toy_batches(2 * H + 1, M * D * K * B)
   method = loco.streaming_diloco(
     sync_every=H, fragments=P, overlap_steps=tau, alpha=alpha, quantize=quant, block=16
   )

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from acco_jax import errors
-from acco_jax.run import trainer
+from acco_jax.run import build, trainer
 from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_demo, gpt2_diloco, gpt2_noloco, gpt2_sparseloco, gpt2_streaming_diloco
 from tests.train_test import rows
@@ -42,6 +42,7 @@ def _final_state(workdir, config):
   return jax.device_get(state), extra
 
 
+@pytest.mark.slow  # three runs of Streaming DiLoCo (diloco's e2e runs in the fast set)
 def test_streaming_resume_from_a_checkpoint_with_a_fragment_in_flight(tmp_path):
   # H = 4, 2 fragments, tau = 1: fragment 0 is sent after step 1 and applied at step 2, so a
   # stop at stage 2 leaves it in flight in the checkpoint
@@ -121,6 +122,8 @@ BAD = [
   ("k-zero", gpt2_demo, {"loco.topk": 0}, r"loco.topk=0 must be in \[1,"),
   ("bits", gpt2_sparseloco, {"loco.bits": 3}, r"loco.bits=3: choose 2, 4 or 8"),
   ("ef-decay", gpt2_sparseloco, {"loco.ef_decay": 1.0}, r"loco.ef_decay=1.0 must be in \[0, 1\)"),
+  ("ef-scale", gpt2_sparseloco, {"loco.ef_scale": "lr"},
+   r"loco.ef_scale='lr': choose 'one' .* or 'outer_lr'"),
   ("chunk-zero", gpt2_sparseloco, {"loco.chunk": 0}, r"loco.chunk=0 must be >= 1"),
   ("aggregate", gpt2_demo, {"loco.aggregate": "sum"}, r"loco.aggregate='sum': choose"),
   ("sparseloco-momentum", gpt2_sparseloco, {"loco.outer_momentum": 0.9},
@@ -133,6 +136,14 @@ BAD = [
   ("demo-every-step", gpt2_demo, {"loco.sync_every": 2},
    r"demo updates every step: loco.sync_every=2 must be 1"),
 ]  # fmt: skip
+
+
+def test_ef_scale_reaches_sparseloco():
+  """loco.ef_scale picks what multiplies Δ into SparseLoCo's error feedback (1 or loco.outer_lr)."""
+  for scale, want in (("one", None), ("outer_lr", 0.5)):
+    config = tiny(gpt2_sparseloco, **{"loco.ef_scale": scale, "loco.outer_lr": 0.5})
+    got = build.loco_method(config).sparse.scale
+    assert got is None if want is None else float(got(3)) == want
 
 
 @pytest.mark.parametrize("module,overrides,match", [pytest.param(*c[1:], id=c[0]) for c in BAD])

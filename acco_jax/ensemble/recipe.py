@@ -37,6 +37,7 @@ from acco_jax import data, errors, model
 from acco_jax.data import sources as sources_lib
 from acco_jax.ensemble import budgets, domains, infer, mixing
 from acco_jax.ensemble import jobs as jobs_lib
+from acco_jax.run import compile_cache
 
 _FIXED = ("hdee",)  # groups whose change would make the workdir's jobs inconsistent
 _PER_RUN = ("jobs",)  # hdee fields each process may set differently (its share of the jobs)
@@ -222,6 +223,7 @@ def run(config, workdir: str, *, interrupt: tuple[str, int] | None = None) -> di
   """
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise errors.UserValueError(f"workdir {workdir!r} is a file: pass --workdir a directory")
+  compile_cache.configure(config.compile.cache_dir)
   _check_recipe(config, workdir)
   plan = make_plan(config)
   h = config.hdee

@@ -68,7 +68,9 @@ def loco_method(config) -> loco.LocoMethod:
       )  # fmt: skip
     sparse = dict(topk=c.topk, chunk=c.chunk, decay=c.ef_decay, aggregate=c.aggregate)
     if config.method == "sparseloco":
-      return loco.sparseloco(c.sync_every, bits=c.bits, outer_lr=c.outer_lr, **sparse)
+      return loco.sparseloco(
+        c.sync_every, bits=c.bits, outer_lr=c.outer_lr, ef_scale=c.ef_scale, **sparse
+      )
     if config.method == "demo":
       lr = optim.schedule(config.opt, config.train.num_updates)
       return loco.demo(lr, weight_decay=config.opt.weight_decay, **sparse)

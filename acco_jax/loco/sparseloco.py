@@ -17,9 +17,25 @@ lookup per tensor), average them position by position and step
 
 with ``β = 0.95``, ``α = 1``, ``k = 64`` per 64 x 64 tile (1.56%), ``mean_contributors`` (divide a
 position by the number of workers that sent it, the reference code's rule; ``mean_R`` divides by
-all, the paper's). The residual ``e_r − ê_r`` stays on its worker. The reference code multiplies
-``Δ`` by ``α`` in the feedback too; with ``α = 1`` the two are the same. With ``k`` = the chunk,
-no quantiser, ``β = 0`` and ``α = 1`` it is DiLoCo with a momentum-free outer SGD.
+all, the paper's). The residual ``e_r − ê_r`` stays on its worker. With ``k`` = the chunk, no
+quantiser, ``β = 0`` and ``α = 1`` it is DiLoCo with a momentum-free outer SGD.
+
+**The error feedback's scale** (``ef_scale``, ``loco.ef_scale``). The paper accumulates the
+pseudo-gradient itself, and so does the default ``ef_scale="one"``:
+
+.. math::
+
+  e_r \leftarrow \beta e_r + \Delta_r
+
+The reference code accumulates it scaled by the outer learning rate, ``ef_scale="outer_lr"``:
+
+.. math::
+
+  e_r \leftarrow \beta e_r + \alpha \Delta_r
+
+and both then step ``θ_g ← θ_g − α D``. At ``α = 1`` (``loco.outer_lr``, the published setting)
+the two are the same; at another ``α`` the second scales the buffer, what is sent and the residual
+by ``α`` (top-k and the quantiser commute with a positive scale), so its outer step is ``α² D``.
 
 Chunks are cut from each device's shard (:mod:`acco_jax.loco.compress.sparse`). The scatter is
 deterministic, so ``θ_g`` stays bit-identical on every worker.
@@ -35,6 +51,8 @@ import optax
 
 from acco_jax.loco.base import LocoMethod, Sparsify, check
 
+EF_SCALES = ("one", "outer_lr")  # what multiplies the pseudo-gradient into the error feedback
+
 
 def sparseloco(
   sync_every: int = 50,
@@ -45,6 +63,7 @@ def sparseloco(
   decay: float = 0.95,
   aggregate: str = "mean_contributors",
   outer_lr: float = 1.0,
+  ef_scale: str = "one",
 ) -> LocoMethod:
   """SparseLoCo.
 
@@ -56,11 +75,21 @@ def sparseloco(
     decay: ``β``, the error-feedback decay.
     aggregate: ``mean_contributors`` or ``mean_R``.
     outer_lr: ``α`` of the outer SGD (no momentum).
+    ef_scale: what multiplies ``Δ`` into the error feedback: ``one`` (``e ← β e + Δ``, the paper)
+      or ``outer_lr`` (``e ← β e + α Δ``, the reference code).
 
   Returns:
     The :class:`acco_jax.loco.LocoMethod`.
   """
-  sparse = Sparsify(float(decay), int(topk), int(chunk), "scaled", "none", int(bits), aggregate)
+  if ef_scale not in EF_SCALES:
+    raise ValueError(
+      f"loco.ef_scale={ef_scale!r}: choose 'one' (e <- b e + delta, the paper) or 'outer_lr' "
+      "(e <- b e + outer_lr delta, the reference code)"
+    )
+  scale = optax.constant_schedule(float(outer_lr)) if ef_scale == "outer_lr" else None
+  sparse = Sparsify(
+    float(decay), int(topk), int(chunk), "scaled", "none", int(bits), aggregate, scale
+  )
   method = LocoMethod("sparseloco", int(sync_every), optax.sgd(outer_lr), sparse=sparse)
   check(method)
   return method

@@ -14,6 +14,12 @@ In the spirit of C4 (collective timings expose slow or dead ranks), with what a 
   rerunning resumes from the last checkpoint).
 * **Preemption.** :class:`Preemption` turns SIGTERM/SIGINT into a request the loop reads at the next
   stage boundary, where it checkpoints and stops.
+* **Compiling is not hanging.** A process that waits in a collective for a peer that is still
+  compiling makes no progress either. Each heartbeat says whether its process is compiling (from
+  JAX's own monitoring events, :class:`CompileClock`), and no process is declared hung while
+  it or a live peer compiles. This matters most with the persistent compilation cache: a process
+  that loads its programs from the cache reaches the first collective long before a peer that
+  compiles them (on CPU, JAX writes only process 0's entries, so the others compile on every start).
 """
 
 from __future__ import annotations
@@ -140,6 +146,40 @@ def _client():
   return distributed.global_state.client
 
 
+class CompileClock:
+  """When this process began the compilation it is in now, from JAX's monitoring events: a
+  program's lowering ends just before its compilation (or cache lookup) starts, whose end JAX
+  records too. ``cap_s`` bounds how long a lowering not followed by a compilation (``.lower()``
+  alone) can count as compiling."""
+
+  LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+  COMPILED = "/jax/core/compile/backend_compile_duration"
+
+  def __init__(self, cap_s: float = 600.0):
+    import jax
+
+    self.cap_s = cap_s
+    self._lowered, self._compiled = 0.0, 0.0
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, event: str, duration: float, **kwargs) -> None:
+    if event == self.LOWERED:
+      self._lowered = time.time()
+    elif event == self.COMPILED:
+      self._compiled = time.time()
+
+  def since(self) -> float | None:
+    """Unix time at which the compilation in progress began, or None."""
+    if self._lowered > self._compiled and time.time() - self._lowered < self.cap_s:
+      return self._lowered
+    return None
+
+  def close(self) -> None:
+    import jax
+
+    jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+
 class Watchdog:
   """Ends the process, naming the silent peers, when training stops progressing.
 
@@ -150,11 +190,13 @@ class Watchdog:
     interval_s: heartbeat period (default: a tenth of the timeout, at most 5 s).
     on_hang: called with the message instead of printing it and exiting (tests).
     client: the key-value store (default: the ``jax.distributed`` client).
+    compile_clock: tells whether this process compiles (default: a :class:`CompileClock`).
   """
 
   def __init__(
     self, timeout_s: float, *, process_index: int, process_count: int,
     interval_s: float | None = None, on_hang: Callable[[str], None] | None = None, client=None,
+    compile_clock: CompileClock | None = None,
   ):  # fmt: skip
     self.timeout_s = float(timeout_s)
     self.process_index, self.process_count = process_index, process_count
@@ -163,6 +205,7 @@ class Watchdog:
     self.on_hang = on_hang or self._exit
     self._stage, self._last = 0, time.time()
     self._armed = False
+    self.compile_clock = compile_clock or CompileClock(cap_s=max(600.0, 10 * self.timeout_s))
     self.recorder = None  # an acco_jax.run.health.Recorder: writes the verdict before the exit
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="acco-watchdog", daemon=True)
@@ -178,14 +221,16 @@ class Watchdog:
 
   def stop(self) -> None:
     self._stop.set()
+    self.compile_clock.close()
 
   @property
   def stage(self) -> int:
     """The last stage the loop completed."""
     return self._stage
 
-  def heartbeats(self) -> dict[int, tuple[int, float]]:
-    """``{process: (stage, unix time)}`` of the last heartbeat of each process that sent one.
+  def heartbeats(self, *, compiling: bool = False) -> dict[int, tuple]:
+    """``{process: (stage, unix time)}`` of the last heartbeat of each process that sent one;
+    ``compiling``: ``(stage, unix time, compiling since or None)``.
 
     Raises when there is no key-value store or the coordinator is unreachable.
     """
@@ -193,17 +238,35 @@ class Watchdog:
       raise RuntimeError("no jax.distributed key-value store")
     out = {}
     for key, value in self.client.key_value_dir_get(_PREFIX):
-      stage, at = value.split()
-      out[int(key[len(_PREFIX) :])] = (int(stage), float(at))
+      stage, at, *since = value.split()
+      beat = (int(stage), float(at))
+      out[int(key[len(_PREFIX) :])] = (
+        beat + (float(since[0]) if since else None,) if compiling else beat
+      )
     return out
 
   def _beat(self) -> None:
     if self.client is not None:
       try:
         key = f"{_PREFIX}{self.process_index}"
-        self.client.key_value_set(key, f"{self._stage} {time.time():.3f}", allow_overwrite=True)
+        since = self.compile_clock.since()
+        value = f"{self._stage} {time.time():.3f}" + ("" if since is None else f" {since:.3f}")
+        self.client.key_value_set(key, value, allow_overwrite=True)
       except Exception:  # the coordinator is gone; diagnose() says so
         pass
+
+  def _compiling(self) -> bool:
+    """This process or a live peer (a fresh heartbeat) is compiling."""
+    if self.compile_clock.since() is not None:
+      return True
+    try:
+      beats = self.heartbeats(compiling=True)
+    except Exception:
+      return False
+    now = time.time()
+    return any(
+      since is not None and now - at <= 3 * self.interval_s for _, at, since in beats.values()
+    )
 
   def diagnose(self, settle: bool = False) -> str:
     """Which processes went silent, from their heartbeats.
@@ -253,7 +316,11 @@ class Watchdog:
     while not self._stop.wait(self.interval_s):
       self._beat()
       fault = self.recorder.peer_fault() if self.recorder is not None else None
-      if fault is not None or (self._armed and time.time() - self._last > self.timeout_s):
+      idle = self._armed and time.time() - self._last > self.timeout_s
+      if idle and fault is None and self._compiling():
+        self._last = time.time()  # waiting for a compilation, here or at a peer: not a hang
+        continue
+      if fault is not None or idle:
         self._armed = False
         if self.recorder is not None:
           self.recorder.conclude()

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from acco_jax import data, errors, model
-from acco_jax.run import checkpoint, health, monitor, optim, parallel, report
+from acco_jax.run import checkpoint, compile_cache, health, monitor, optim, parallel, report
 from acco_jax.run import metrics as metrics_lib
 from acco_jax.run.build import Run as Run
 from acco_jax.run.build import batch_stream as batch_stream
@@ -53,6 +53,7 @@ def train_and_evaluate(
     raise errors.UserValueError(
       f"workdir {workdir!r} is a file: pass --workdir a directory (new or a run's)"
     )
+  compile_cache.configure(config.compile.cache_dir)
   run = build(config)
   train, mesh, n = run.train, run.mesh, run.mesh.size
   # microbatches one stage takes from the stream (a pipeline: M per data lane, not per device)
