@@ -376,7 +376,7 @@ def train_and_evaluate(
           print(f"{stop}: checkpoint saved at stage {stage}; rerun the same command to resume",
                 flush=True)  # fmt: skip
         summary["stopped"] = stage
-        return summary
+        return report.in_order(summary)
     # -- the end ----------------------------------------------------------------------------------
     flush()
     if run.loco:
@@ -409,6 +409,7 @@ def train_and_evaluate(
     writer.close()
     if watchdog is not None:
       watchdog.stop()
+  summary = report.in_order(summary)
   if lead:
     print(json.dumps({k: v for k, v in summary.items() if k != "sample"}), flush=True)
   return summary
