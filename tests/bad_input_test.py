@@ -25,9 +25,6 @@ from acco_jax import model, optional
 from acco_jax.run import checkpoint, parallel, trainer
 from configs import gpt2_acco, gpt2_zero1
 
-# orbax leaves reader coroutines of a failed restore to the garbage collector, which reports them
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CACHE = REPO / ".pytest_cache" / "acco_data"  # shared with train_test (tokenized corpus)
 

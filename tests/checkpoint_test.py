@@ -1,9 +1,12 @@
 """Checkpointer: sharded round trips, retention, atomicity, corruption fallback and mismatch errors."""
 
+import asyncio
+import contextlib
 import gc
 import logging
 import os
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,12 +15,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from acco_jax.run import checkpoint
 from acco_jax.run.checkpoint import Checkpointer
 from tests.methods_test import make_batches
 from tests.step_test import build
-
-# orbax leaves reader coroutines of a failed restore to the garbage collector, which reports them
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 EXTRA = {"data": {"epoch": 1, "position": 123}, "seed": 7, "config": {"lr": 1e-3, "name": "tiny"}}
 
@@ -156,7 +157,7 @@ def test_corrupt_latest_falls_back(tmp_path, caplog, how):
     ckpt.save(3, simple_state(30), extra={"step": 30})
     ckpt.wait()
     assert ckpt.restore(None, target)[1] == {"step": 30}
-  gc.collect()  # here, under this module's warning filter
+  gc.collect()  # a reader left behind would be reported in this test, not a later one
 
 
 def test_all_corrupt_is_a_clear_error(tmp_path):
@@ -170,6 +171,60 @@ def test_all_corrupt_is_a_clear_error(tmp_path):
   message = str(info.value)
   assert "no readable checkpoint" in message and str(tmp_path) in message and "\n" not in message
   gc.collect()
+
+
+@pytest.mark.parametrize("settled", [False, True])
+def test_settled_loop_ends_the_reads_a_failure_leaves(monkeypatch, settled):
+  """What orbax does for a restore (a fresh loop, closed as soon as a gather of reads raises) and
+  what it leaves behind: a read still pending, whose coroutine the garbage collector closes, and
+  whose ``except BaseException`` (as in orbax's reader) turns that close into an unraisable error.
+  Within ``_settled_loops`` the loop cancels and awaits that read before it closes."""
+  unraisable = []
+  monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+
+  async def read(fail: bool):
+    try:
+      await asyncio.sleep(0 if fail else 60)
+      if fail:
+        raise OSError("damaged chunk")
+    except BaseException as e:
+      raise RuntimeError("read failed") from e
+
+  async def restore():
+    await asyncio.gather(read(True), read(False))
+
+  def run_sync():
+    loop = asyncio.new_event_loop()
+    try:
+      loop.run_until_complete(restore())
+    finally:
+      loop.close()
+
+  with checkpoint._settled_loops() if settled else contextlib.nullcontext():
+    with pytest.raises(RuntimeError, match="read failed"):
+      run_sync()
+  gc.collect()
+  assert len(unraisable) == (0 if settled else 1), unraisable
+  assert asyncio.get_event_loop_policy().__class__.__name__ != "_SettlingPolicy"
+
+
+def test_failed_restore_leaves_no_reads_behind(tmp_path, monkeypatch, caplog):
+  """A restore that fails inside orbax (here every chunk of a truncated file) ends its other reads
+  before it raises: none is left for the garbage collector, which could only report it as an
+  unraisable exception, and no read's failure is logged as never retrieved."""
+  unraisable = []
+  monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, simple_state(1), extra={})
+  largest_data_file(tmp_path / "1" / "state").write_bytes(b"\x00" * 10)
+  target = abstract(simple_state(0))
+  with Checkpointer(tmp_path) as ckpt:
+    for _ in range(8):  # whether a read is still pending when the first one fails is a race
+      with pytest.raises(RuntimeError, match="step 1 .* is corrupt"):
+        ckpt.restore(1, target)
+      gc.collect()
+  assert not unraisable, f"{len(unraisable)} unraisable, e.g. {unraisable[0].exc_value!r:.300}"
+  assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text[:2000]
 
 
 def test_mismatched_target_is_a_clear_error(tmp_path, states):

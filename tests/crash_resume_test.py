@@ -33,11 +33,7 @@ from acco_jax.run import trainer
 from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_acco, gpt2_zero1
 
-# orbax leaves reader coroutines to the garbage collector, which may report them
-pytestmark = [
-  pytest.mark.slow,
-  pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
+pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DATA_CACHE = REPO / ".pytest_cache" / "acco_data"  # shared with train_test (tokenized corpus)

@@ -20,8 +20,6 @@ from acco_jax.run import fingerprint
 from acco_jax.run.checkpoint import Checkpointer
 from tests.methods_test import B, K, N, as_f32, first_microbatch, init_params, loss_fn, make_batches
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
 PARAMS = as_f32(init_params())
 ROWS = N * K * B  # one global batch (48 rows): k = ROWS / (n * B) microbatches on n devices
 

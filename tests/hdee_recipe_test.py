@@ -17,8 +17,6 @@ from acco_jax.ensemble import budgets, jobs, mixing, recipe
 from acco_jax.run import trainer
 from configs import hdee
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CACHE = REPO / ".pytest_cache" / "acco_data"
 

@@ -1,11 +1,14 @@
 """The low-communication methods through the trainer: logging, bytes, exact resume, one-line errors."""
 
+from types import SimpleNamespace
+
 import jax
 import numpy as np
 import pytest
 
 from acco_jax import errors
-from acco_jax.run import build, trainer
+from acco_jax.loco import build as loco_build
+from acco_jax.run import report, trainer
 from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_demo, gpt2_diloco, gpt2_noloco, gpt2_sparseloco, gpt2_streaming_diloco
 from tests.train_test import rows
@@ -35,6 +38,30 @@ def test_diloco_tiny_end_to_end(tmp_path):
   assert summary["eval_loss"] < np.log(257) - 0.5
 
 
+def test_summary_keys_have_one_order_however_the_values_arrived():
+  """A LoCo run that evaluates only at its end gets its byte counts before the evaluation, one that
+  evaluates on the way (or the rerun of a finished run) after it, and a resumed run may evaluate
+  before its first log line: all print their keys in one order."""
+  train = SimpleNamespace(peak_sync_bytes=lambda: 8, payload_bytes=lambda i: 4, density=lambda: 1.0)
+  first, logged = {"unigram_baseline": 5.5}, {"loss": 2.0, "tokens_per_s": 9.0}
+  loco, ev = report.loco_summary(train, 12.0), {"eval_loss": 2.1, "eval_ppl": 8.2}
+  last = {"stages": 6, "updates": 6}
+  arrivals = [
+    {**first, **logged, **loco, **ev, **last},  # evaluated at the end only
+    {**first, **logged, **ev, **loco, **last},  # evaluated on the way
+    {**first, **ev, **logged, **loco, **last},  # resumed: evaluated before the first log line
+    {**first, **logged, **ev, **loco, **last, "sample": "hi", "stopped": 3},
+  ]
+  want = ["unigram_baseline", "loss", "tokens_per_s", "eval_loss", "eval_ppl",
+          "wire_bytes_per_worker", "peak_sync_bytes", "payload_bytes_per_sync", "sent_density",
+          "stages", "updates"]  # fmt: skip
+  for summary in arrivals[:3]:
+    assert list(report.in_order(summary)) == want
+    assert report.in_order(summary) == summary  # the same values
+  assert list(report.in_order(arrivals[3]))[-2:] == ["stopped", "sample"]
+  assert list(report.in_order({"other": 1, **last})) == ["stages", "updates", "other"]
+
+
 def _final_state(workdir, config):
   run = trainer.build(config)
   with Checkpointer(str(workdir / "checkpoints")) as ckpt:
@@ -56,10 +83,12 @@ def test_streaming_resume_from_a_checkpoint_with_a_fragment_in_flight(tmp_path):
   assert int(stopped.inflight_fragment) == 0  # the checkpoint holds the fragment in flight
   assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(stopped.inflight))
   second = trainer.train_and_evaluate(config, str(tmp_path / "split"))
+  again = trainer.train_and_evaluate(config, str(tmp_path / "split"))  # finished: from its files
   losses = lambda w: {r["stage"]: r["worker_loss"] for r in rows(w) if "loss" in r}
   assert losses(tmp_path / "split") == losses(tmp_path / "whole")
   assert second["eval_loss"] == whole["eval_loss"]
   assert second["wire_bytes_per_worker"] == whole["wire_bytes_per_worker"]
+  assert list(second) == list(whole) == list(again)  # the summary's keys in one order
   a, _ = _final_state(tmp_path / "whole", config)
   b, _ = _final_state(tmp_path / "split", config)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
@@ -142,7 +171,7 @@ def test_ef_scale_reaches_sparseloco():
   """loco.ef_scale picks what multiplies Δ into SparseLoCo's error feedback (1 or loco.outer_lr)."""
   for scale, want in (("one", None), ("outer_lr", 0.5)):
     config = tiny(gpt2_sparseloco, **{"loco.ef_scale": scale, "loco.outer_lr": 0.5})
-    got = build.loco_method(config).sparse.scale
+    got = loco_build.loco_method(config).sparse.scale
     assert got is None if want is None else float(got(3)) == want
 
 

@@ -138,30 +138,53 @@ def _jsonable(v):
 
 
 class Progress:
-  """A one-line progress bar with ETA on a terminal; plain log lines otherwise."""
+  """A one-line progress bar with speed and ETA on a terminal; plain log lines otherwise.
+
+  The speed and the ETA are timed from :meth:`mark`, which the trainer calls once the first stage
+  of this process has run: that stage compiles, and on a resumed run it can be most of the time so
+  far. Until then a line says the stage is not timed rather than print a figure. ``tok/s`` is the
+  rate since the previous update (or since the mark); the ETA is the stage rate since the mark.
+  """
 
   def __init__(self, total: int, start: int = 0, *, enabled: bool = True, every_s: float = 10.0):
     self.total, self.done, self.enabled = total, start, enabled
     self.tty = sys.stderr.isatty()
-    self.t0, self.start, self.every_s, self._last = time.time(), start, every_s, 0.0
+    self.every_s, self._last = every_s, 0.0
+    self._origin: tuple[float, int] | None = None  # (time, stage) of the mark
+    self._prev: tuple[float, int] | None = None  # (time, tokens) of the mark or the last update
 
-  def update(self, done: int, text: str) -> None:
+  def mark(self, done: int, tokens: int) -> None:
+    """Starts the clock at stage ``done`` with ``tokens`` seen; calls after the first are no-ops."""
+    if self._origin is None:
+      now = time.time()
+      self._origin, self._prev = (now, done), (now, tokens)
+
+  def update(self, done: int, text: str, tokens: int | None = None) -> None:
+    """Shows stage ``done`` with ``text`` and, once timed, ``tokens`` seen as a rate and the ETA."""
     if not self.enabled:
       return
     self.done = done
     now = time.time()
-    rate = (done - self.start) / max(now - self.t0, 1e-9)
-    eta = (self.total - done) / rate if rate > 0 else float("inf")
-    eta_s = time.strftime("%H:%M:%S", time.gmtime(eta)) if math.isfinite(eta) else "?"
+    timed = self._origin is not None and done > self._origin[1]
+    if timed:
+      rate = (done - self._origin[1]) / max(now - self._origin[0], 1e-9)
+      eta_s = time.strftime("%H:%M:%S", time.gmtime((self.total - done) / rate))
+      speed = ""
+      if tokens is not None:
+        speed = f" {(tokens - self._prev[1]) / max(now - self._prev[0], 1e-9):,.0f} tok/s"
+        self._prev = (now, tokens)
+      figures = f"{speed} eta {eta_s}"
+    else:
+      figures = " (first stage: compiling, not timed)"
     if self.tty:
       width = 24
       filled = int(width * done / max(self.total, 1))
       bar = "#" * filled + "." * (width - filled)
-      sys.stderr.write(f"\r[{bar}] {done}/{self.total} {text} eta {eta_s}  ")
+      sys.stderr.write(f"\r[{bar}] {done}/{self.total} {text}{figures}  ")
       sys.stderr.flush()
     elif now - self._last >= self.every_s or done == self.total:
       self._last = now
-      print(f"stage {done}/{self.total} {text} eta {eta_s}", flush=True)
+      print(f"stage {done}/{self.total} {text}{figures}", flush=True)
 
   def close(self) -> None:
     if self.enabled and self.tty:

@@ -63,6 +63,23 @@ def sample(run: Run, config, params, workdir: str) -> str:
   return text
 
 
+# The order of a run's summary keys, fixed here rather than by when each value arrived: a run that
+# evaluates only at its end gets its evaluation after a LoCo method's byte counts, one that
+# evaluates on the way (or the rerun of a finished run) before them, and a resumed run may evaluate
+# before its first log line. Keys not listed follow in the order they came.
+SUMMARY_KEYS = (
+  "unigram_baseline", "loss", "tokens_per_s", "eval_loss", "eval_ppl",
+  "wire_bytes_per_worker", "peak_sync_bytes", "payload_bytes_per_sync", "sent_density",
+  "stages", "updates", "stopped", "sample",
+)  # fmt: skip
+
+
+def in_order(summary: dict) -> dict:
+  """``summary`` with its keys in the order of :data:`SUMMARY_KEYS`."""
+  known = {k: summary[k] for k in SUMMARY_KEYS if k in summary}
+  return {**known, **{k: v for k, v in summary.items() if k not in known}}
+
+
 def loco_summary(train, wire_bytes: float) -> dict:
   """A LoCo run's communication figures for its summary."""
   return dict(
@@ -84,6 +101,7 @@ def finished(run: Run, config, workdir: str, stage: int, wire_bytes: float, lead
   if config.train.sample_tokens and os.path.exists(sample_path):
     with open(sample_path) as f:
       summary["sample"] = f.read().rstrip("\n")
+  summary = in_order(summary)
   if lead:
     where = f"at stage {stage}/{run.total_stages}"
     if stage > run.total_stages:

@@ -231,7 +231,7 @@ def train_and_evaluate(
     if peak:
       row["mfu"] = rate * flops_token / (peak * n)
     writer.write(p["stage"], row)
-    progress.update(p["stage"], f"loss {loss:.3f} {rate:,.0f} tok/s")
+    progress.update(p["stage"], f"loss {loss:.3f}", tokens=p["tokens_seen"])
     summary.update(loss=loss, tokens_per_s=rate)
 
   def save(stage):
@@ -292,6 +292,7 @@ def train_and_evaluate(
       # short (with the host many programs ahead, simulated devices deadlocked in a collective).
       if in_flight is not None:
         jax.block_until_ready(in_flight)
+        progress.mark(stage, tokens_seen)  # the first stage (a compile) has run: time from here
         if watchdog is not None:
           watchdog.progress(stage)
       in_flight = m["loss"]
@@ -341,7 +342,7 @@ def train_and_evaluate(
           print(f"{stop}: checkpoint saved at stage {stage}; rerun the same command to resume",
                 flush=True)  # fmt: skip
         summary["stopped"] = stage
-        return summary
+        return report.in_order(summary)
     # -- the end ----------------------------------------------------------------------------------
     flush()
     if run.loco:
@@ -374,6 +375,7 @@ def train_and_evaluate(
     writer.close()
     if watchdog is not None:
       watchdog.stop()
+  summary = report.in_order(summary)
   if lead:
     print(json.dumps({k: v for k, v in summary.items() if k != "sample"}), flush=True)
   return summary
