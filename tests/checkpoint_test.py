@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.run import checkpoint
+from acco_jax.run import settling
 from acco_jax.run.checkpoint import Checkpointer
 from tests.methods_test import make_batches
 from tests.step_test import build
@@ -178,7 +178,7 @@ def test_settled_loop_ends_the_reads_a_failure_leaves(monkeypatch, settled):
   """What orbax does for a restore (a fresh loop, closed as soon as a gather of reads raises) and
   what it leaves behind: a read still pending, whose coroutine the garbage collector closes, and
   whose ``except BaseException`` (as in orbax's reader) turns that close into an unraisable error.
-  Within ``_settled_loops`` the loop cancels and awaits that read before it closes."""
+  Within ``settling.settled_loops`` the loop cancels and awaits that read before it closes."""
   unraisable = []
   monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
 
@@ -200,7 +200,7 @@ def test_settled_loop_ends_the_reads_a_failure_leaves(monkeypatch, settled):
     finally:
       loop.close()
 
-  with checkpoint._settled_loops() if settled else contextlib.nullcontext():
+  with settling.settled_loops() if settled else contextlib.nullcontext():
     with pytest.raises(RuntimeError, match="read failed"):
       run_sync()
   gc.collect()

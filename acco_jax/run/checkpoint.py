@@ -36,13 +36,10 @@ call :meth:`Checkpointer.save` and :meth:`Checkpointer.restore` with its part of
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import os
 import re
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -54,7 +51,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint.path import step as step_lib
 
 from acco_jax import errors
-from acco_jax.run import fingerprint
+from acco_jax.run import fingerprint, settling
 
 PyTree = Any
 _VERSION = 1
@@ -75,73 +72,6 @@ def _all_processes_agree(ok: bool) -> bool:
     return ok
   with jax.transfer_guard("allow"):
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
-
-
-class _SettlingLoop(asyncio.SelectorEventLoop):
-  """An event loop that, when closed, first cancels the tasks still pending and waits for them.
-
-  Orbax runs each restore in a fresh event loop that it closes as soon as the restore returns or
-  raises. When one array read fails (a damaged file), ``asyncio.gather`` raises at once and the
-  other reads are left pending in the closed loop: the garbage collector later closes their
-  coroutines, and orbax's reader turns that ``GeneratorExit`` into an exception that Python can
-  only report as unraisable ("Exception ignored in: <coroutine object
-  _read_array_index_and_device_put>"). This loop ends them the way ``asyncio.run`` does, and marks
-  the failures of its finished tasks as retrieved (the restore has already raised the first one;
-  the others would be logged as "Task exception was never retrieved").
-  """
-
-  def __init__(self):
-    super().__init__()
-    self._tasks: list[asyncio.Task] = []
-    self.set_task_factory(self._track)
-
-  def _track(self, loop, coro, **kwargs) -> asyncio.Task:
-    task = asyncio.Task(coro, loop=loop, **kwargs)
-    self._tasks.append(task)
-    return task
-
-  def close(self) -> None:
-    if not self.is_closed() and not self.is_running():
-      pending = [t for t in self._tasks if not t.done()]
-      for t in pending:
-        t.cancel()
-      if pending:
-        self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-      for t in self._tasks:
-        if not t.cancelled():
-          t.exception()
-      self._tasks.clear()
-    super().close()
-
-
-class _SettlingPolicy(asyncio.DefaultEventLoopPolicy):
-  """The default policy, except that the thread that installed it gets :class:`_SettlingLoop`s."""
-
-  def __init__(self, previous: asyncio.AbstractEventLoopPolicy):
-    super().__init__()
-    self._previous, self._thread = previous, threading.get_ident()
-
-  def get_event_loop(self):
-    return self._previous.get_event_loop()
-
-  def set_event_loop(self, loop) -> None:
-    self._previous.set_event_loop(loop)
-
-  def new_event_loop(self):
-    if threading.get_ident() == self._thread:
-      return _SettlingLoop()
-    return self._previous.new_event_loop()
-
-
-@contextlib.contextmanager
-def _settled_loops():
-  """Within: event loops this thread creates (orbax's, for a restore) settle their tasks on close."""
-  previous = asyncio.get_event_loop_policy()
-  asyncio.set_event_loop_policy(_SettlingPolicy(previous))
-  try:
-    yield
-  finally:
-    asyncio.set_event_loop_policy(previous)
 
 
 class Checkpointer:
@@ -325,7 +255,7 @@ class Checkpointer:
 
   def _orbax_restore(self, step: int, **items):
     """Orbax's restore of ``items`` at ``step``; a read that fails leaves no reads behind."""
-    with _settled_loops():
+    with settling.settled_loops():
       return self._manager.restore(step, args=ocp.args.Composite(**items))
 
   def _read_meta(self, step: int) -> tuple[dict, dict]:
