@@ -104,7 +104,8 @@ def main(argv):
   from acco_jax.run import compile_cache, health, monitor, parallel  # backend not started yet
 
   known = {f.split("=")[0] for f in parallel.GPU_OVERLAP_FLAGS}
-  _check_xla_flags(known | {"--xla_force_host_platform_device_count"})
+  cpu = {"--xla_force_host_platform_device_count", "--xla_backend_optimization_level"}  # tests' own
+  _check_xla_flags(known | cpu)
   try:
     parallel.configure_platform(cpu_devices=config.mesh.cpu_devices)
     try:  # health.exclude=auto: the launch's processes less those health.json names

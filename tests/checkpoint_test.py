@@ -205,7 +205,7 @@ def test_settled_loop_ends_the_reads_a_failure_leaves(monkeypatch, settled):
       run_sync()
   gc.collect()
   assert len(unraisable) == (0 if settled else 1), unraisable
-  assert asyncio.get_event_loop_policy().__class__.__name__ != "_SettlingPolicy"
+  assert not isinstance(asyncio.get_event_loop_policy(), settling.SettlingPolicy)  # restored
 
 
 def test_failed_restore_leaves_no_reads_behind(tmp_path, monkeypatch, caplog):

@@ -53,7 +53,10 @@ def test_acco_tiny_end_to_end(tmp_path):
   assert any(p.name.startswith("events") for p in (tmp_path / "tb").iterdir())
 
 
-@pytest.mark.parametrize("module,extra", [(gpt2_zero1, {}), (gpt2_dpu, {"dpu_warmup_updates": 2})])
+@pytest.mark.parametrize(
+  "module,extra",
+  [(gpt2_zero1, {}), pytest.param(gpt2_dpu, {"dpu_warmup_updates": 2}, marks=pytest.mark.slow)],
+)  # dpu's update itself: methods_test
 def test_baselines_run_through_the_trainer(tmp_path, module, extra, monkeypatch):
   # The host keeps at most one stage in flight: stage i's loss is waited for before stage i + 2 is
   # dispatched (running further ahead deadlocked XLA:CPU's simulated devices in a collective).
@@ -121,6 +124,7 @@ def test_resume_continues_the_identical_trajectory(tmp_path, capsys, monkeypatch
   assert {p: p.read_bytes() for p in (tmp_path / "whole").rglob("*") if p.is_file()} == written
 
 
+@pytest.mark.slow  # quantized steps: quantized_step_test; resume: the test above
 def test_quantized_acco_resumes_the_identical_trajectory(tmp_path, capsys):
   """int8 gradients and weight updates: the gradients' residual rides in ACCO's checkpointed
   buffer and the weights' is θ - w, so a resume is bit-exact; the log counts int8 bytes."""
@@ -142,6 +146,7 @@ def test_quantized_acco_resumes_the_identical_trajectory(tmp_path, capsys):
   assert sent / plain < 0.56  # int8 + a float32 scale per 256 values + padding 944 -> 1024
 
 
+@pytest.mark.slow  # two more quantized runs
 def test_resume_with_another_quantization_keeps_or_refuses_the_residual(tmp_path):
   """ZeRO-1 keeps the undelivered part of its int8 sends as state: a resume that would drop it
   (comm.quantize=none) or lack it is a one-line error before any array is read, and the
@@ -193,6 +198,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(state))
 
 
+@pytest.mark.slow  # on_nonfinite=stop runs in the default set
 def test_nonfinite_skip_drops_the_bad_microbatches_and_keeps_training(tmp_path):
   import jax
 

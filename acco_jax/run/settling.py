@@ -35,6 +35,17 @@ class SettlingLoop(asyncio.SelectorEventLoop):
     self._tasks.append(task)
     return task
 
+  def call_soon_threadsafe(self, callback, *args, context=None):
+    """As the base loop's, but a callback that arrives after the close is dropped: a read that
+    tensorstore completes (in its own thread) after the restore gave up on it would otherwise raise
+    "Event loop is closed" in that thread, where Python can only report it as unraisable."""
+    try:
+      return super().call_soon_threadsafe(callback, *args, context=context)
+    except RuntimeError:
+      if self.is_closed():
+        return None
+      raise
+
   def close(self) -> None:
     if not self.is_closed() and not self.is_running():
       pending = [t for t in self._tasks if not t.done()]
@@ -46,6 +57,9 @@ class SettlingLoop(asyncio.SelectorEventLoop):
         if not t.cancelled():
           t.exception()
       self._tasks.clear()
+      # async generators the reads left open: closed here, not by a finalizer that would schedule
+      # their close on this loop once it is closed ("Event loop is closed", unraisable)
+      self.run_until_complete(self.shutdown_asyncgens())
     super().close()
 
 
