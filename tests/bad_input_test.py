@@ -363,6 +363,7 @@ def truncate_largest_array_file(step_dir: pathlib.Path):
   max(files, key=lambda p: p.stat().st_size).write_bytes(b"\x00" * 10)
 
 
+@pytest.mark.slow  # trains after the fallback (the fallback itself: checkpoint_test)
 def test_corrupt_latest_checkpoint_falls_back_and_trains_on(workdir, caplog):
   truncate_largest_array_file(workdir / "checkpoints" / "4")
   with caplog.at_level(logging.WARNING, logger="acco_jax.run.checkpoint"):

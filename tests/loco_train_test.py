@@ -95,6 +95,7 @@ def test_streaming_resume_from_a_checkpoint_with_a_fragment_in_flight(tmp_path):
     np.testing.assert_array_equal(x, y)  # every worker, the outer states, the in-flight buffer
 
 
+@pytest.mark.slow  # SparseLoCo through the trainer (its update: loco_family_test; a LoCo e2e: diloco's)
 def test_sparseloco_logs_bytes_and_density_and_checkpoints_its_error_feedback(tmp_path):
   """Every sync logs its packed bytes and the share of values it sent, and the checkpoint holds the
   workers' error-feedback buffers. (Bit-exact resume with those buffers: loco_family_test, at the
