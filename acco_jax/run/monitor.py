@@ -156,8 +156,6 @@ class CompileClock:
   COMPILED = "/jax/core/compile/backend_compile_duration"
 
   def __init__(self, cap_s: float = 600.0):
-    import jax
-
     self.cap_s = cap_s
     self._lowered, self._compiled = 0.0, 0.0
     jax.monitoring.register_event_duration_secs_listener(self._on_event)
@@ -175,8 +173,6 @@ class CompileClock:
     return None
 
   def close(self) -> None:
-    import jax
-
     jax.monitoring.unregister_event_duration_listener(self._on_event)
 
 
