@@ -31,7 +31,7 @@ import pytest
 from acco_jax.dp.updates import stage_plan
 from acco_jax.run import trainer
 from acco_jax.run.checkpoint import Checkpointer
-from configs import gpt2_acco, gpt2_zero1
+from configs import gpt2_acco, gpt2_skippipe, gpt2_zero1
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,13 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 DATA_CACHE = REPO / ".pytest_cache" / "acco_data"  # shared with train_test (tokenized corpus)
 TMP = ".orbax-checkpoint-tmp"
 RUN_TIMEOUT_S = 240  # one process, compilation included (2 busy cores)
-MODULES = {"acco": gpt2_acco, "zero1": gpt2_zero1}
+# method -> (config module, top-level overrides); "pipeline": SkipPipe's scheduled plan on 2 lanes x
+# 4 stages, microbatches crossing lanes (tests/pipeline_train_test.py)
+MODULES = {
+  "acco": (gpt2_acco, {}),
+  "zero1": (gpt2_zero1, {}),
+  "pipeline": (gpt2_skippipe, {"method": "pipeline"}),
+}
 OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved asynchronously
   "train.num_updates": 12,
   "train.log_every": 1,
@@ -54,7 +60,10 @@ OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved a
 
 
 def config_for(method: str):
-  config = MODULES[method].get_config("tiny")
+  module, top = MODULES[method]
+  config = module.get_config("tiny")
+  for key, value in top.items():
+    config[key] = value
   for key, value in OVERRIDES.items():
     group, field = key.split(".")
     config[group][field] = value
@@ -62,9 +71,10 @@ def config_for(method: str):
 
 
 def train_cmd(method: str, workdir: pathlib.Path) -> list[str]:
-  config = f"{REPO / 'configs' / f'gpt2_{method}.py'}:tiny"
+  module, top = MODULES[method]
+  config = f"{REPO / 'configs' / (module.__name__.split('.')[-1] + '.py')}:tiny"
   flags = [f"--config.{k}={str(v).lower() if isinstance(v, bool) else v}"
-           for k, v in OVERRIDES.items()]  # fmt: skip
+           for k, v in {**top, **OVERRIDES}.items()]  # fmt: skip
   return [sys.executable, str(REPO / "train.py"), "--config", config, "--workdir", str(workdir),
           *flags]  # fmt: skip
 
@@ -205,7 +215,7 @@ def bits(x) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["acco", "zero1"])
+@pytest.mark.parametrize("method", ["acco", "zero1", "pipeline"])
 def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   t_start = time.perf_counter()
   env = train_env(tmp_path / "compile_cache")

@@ -1,21 +1,27 @@
-"""method=pipeline through the trainer: a SkipPipe schedule on 2 data lanes x 4 stages (8 simulated
-devices) trains, checkpoints its stage-sharded state and resumes on the identical trajectory (the same
-program reruns, so bit-exact)."""
+"""method=pipeline through the trainer: SkipPipe's scheduled plan (configs/gpt2_skippipe.py:tiny) on 2
+data lanes x 4 stages (8 simulated devices), with microbatches that change lanes between stages,
+trains, stores its plan in the checkpoint, resumes on the identical trajectory (the same program
+reruns, so bit-exact) and refuses, in one line, a resume that would make another plan."""
 
 import json
 import pathlib
 
 import jax
+import pytest
 
+from acco_jax import errors
+from acco_jax.pipeline import plans, schedule, ticks
 from acco_jax.run import trainer
-from configs import gpt2_pipeline
+from acco_jax.run.checkpoint import Checkpointer
+from configs import gpt2_skippipe
 
 
 def _config():
-  config = gpt2_pipeline.get_config("tiny")
+  config = gpt2_skippipe.get_config("tiny")
+  config.method = "pipeline"
   config.data.cache_dir = str(pathlib.Path(__file__).parent / ".." / ".pytest_cache" / "acco_data")
   config.ckpt.async_save = False
-  config.pipeline.schedule = "skippipe"
+  config.pipeline.search_iters = 40
   config.train.num_updates, config.train.log_every = 4, 1
   config.train.eval_every, config.train.eval_batches, config.train.sample_tokens = 0, 1, 0
   return config
@@ -26,8 +32,16 @@ def _losses(workdir):
   return {r["stage"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
-def test_skippipe_pipeline_trains_and_resumes_bit_exactly(tmp_path):
+def test_scheduled_plan_trains_and_resumes_bit_exactly(tmp_path):
   config = _config()
+  run = trainer.build(config)
+  sched, planned = run.train.schedule, run.train.planned
+  assert sched.mesh_wide and sched.lanes == 2 and planned is not None
+  # the plan is the one plans.make gives for this config, and some microbatch changes lanes
+  again = plans.make(config.pipeline, run.model_cfg, 8, sched.num_microbatches, 1, equal=True)
+  assert again.plan == planned.plan
+  assert any(len({c // 4 for c in cols}) > 1 for cols in sched.columns), sched.columns
+
   whole = trainer.train_and_evaluate(config, str(tmp_path / "whole"))
   first = trainer.train_and_evaluate(config, str(tmp_path / "split"), max_stages=2)
   assert first["stopped"] == 2
@@ -37,8 +51,44 @@ def test_skippipe_pipeline_trains_and_resumes_bit_exactly(tmp_path):
   assert second["eval_loss"] == whole["eval_loss"]
   losses = _losses(tmp_path / "whole")
   assert losses[4] < losses[1]
-  # the state a step carries holds each stage's blocks on that stage's devices
-  run = trainer.build(config)
+  # the checkpoint holds the plan; the state holds each stage's blocks on that stage's devices
+  with Checkpointer(tmp_path / "whole" / "checkpoints") as ckpt:
+    _, extra = ckpt.restore(None, run.train.abstract_state(run.params_shapes))
+  assert extra["plan"] == json.loads(json.dumps(plans.record(planned)))
   state = run.train.abstract_state(run.params_shapes)
   spec = jax.tree.leaves(state.params["blocks"])[0].sharding.spec
   assert spec[0] == "stage", spec
+
+  # another skip ratio would make another plan: refused before anything is read or written
+  changed = _config()
+  changed.pipeline.skip = 0.5
+  changed.train.num_updates = 6
+  before = sorted(p.name for p in (tmp_path / "whole" / "checkpoints").iterdir())
+  with pytest.raises(errors.UserValueError, match=r"made with pipeline.skip=0.25, this run's with"):
+    trainer.train_and_evaluate(changed, str(tmp_path / "whole"))
+  assert sorted(p.name for p in (tmp_path / "whole" / "checkpoints").iterdir()) == before
+
+
+def test_resume_keeps_the_saved_plan():
+  """A checkpoint's plan is the one a resumed run trains with, even where this version of the
+  scheduler would now make another for the same settings (here: the plan of another search seed,
+  recorded with this run's settings)."""
+  config = _config()
+  run = trainer.build(config)
+  planned, p = run.train.planned, config.pipeline
+  other = schedule.schedule(
+    planned.topology, planned.costs, planned.partition, run.train.schedule.num_microbatches,
+    p.skip, p.swap, seed=7, iters=3,
+  )  # fmt: skip
+  assert other != planned.plan
+  with pytest.raises(errors.UserValueError, match="without a scheduled plan"):
+    run.train.check_checkpoint({})
+  run.train.check_checkpoint(
+    {"plan": json.loads(json.dumps(plans.record(planned._replace(plan=other))))}
+  )
+  assert run.train.planned.plan == other
+  assert run.train.schedule.columns == ticks.from_plan(other, planned.partition).columns
+  broken = plans.record(planned)
+  broken["plan"]["order"][0] = broken["plan"]["order"][0][1:]  # a step left out
+  with pytest.raises(ValueError, match="every step of every route exactly once"):
+    run.train.check_checkpoint({"plan": broken})

@@ -324,6 +324,11 @@ def from_plan(plan, partition: Sequence[Sequence[int]]) -> Schedule:
   orders = [None] * len(column)
   for node, steps in enumerate(plan.order):
     orders[column[node]] = [(int(m), int(j)) for m, j in steps]
+    if any(chains[m][j][1] != column[node] for m, j in orders[column[node]]):
+      raise ValueError(f"the plan's order for node {node} lists a step of another node")
+  want = sorted((m, j) for m, c in enumerate(chains) for j in range(len(c)))
+  if sorted(x for o in orders for x in o) != want:
+    raise ValueError("the plan's order must list every step of every route exactly once")
   rows, slots = _run(chains, len(column), _OrderPick(orders))
   return _tables(paths, S, "plan", rows, slots, len(column), tuple(columns), lanes)
 
