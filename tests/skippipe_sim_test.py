@@ -234,14 +234,14 @@ def test_topology_presets_and_file(tmp_path):
 
 
 def test_bench_sim_smoke(tmp_path):
-  # bench/skippipe.py --part sim (and sim-allreduce) --smoke: the iteration-time tables on one
-  # small geo case
+  # bench/skippipe.py --part sim (and sim-allreduce, timeline) --smoke: the iteration-time tables
+  # on one small geo case, and the timeline figure
   import subprocess
   import sys
   from pathlib import Path
 
   repo = Path(__file__).resolve().parent.parent
-  for part in ("sim", "sim-allreduce"):
+  for part in ("sim", "sim-allreduce", "timeline"):
     cmd = [sys.executable, str(repo / "bench" / "skippipe.py"), "--part", part, "--smoke",
            "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -249,7 +249,8 @@ def test_bench_sim_smoke(tmp_path):
   data = json.loads((tmp_path / "skippipe_sim.json").read_text())
   assert data["benchmark"] == "skippipe_sim" and len(data["rows"]) == 4
   for row in data["rows"]:
-    assert row["scheduler_s"] < row["random_s"]
+    assert row["bound_s"] <= row["scheduler_s"] < row["random_s"]
+  assert (tmp_path / "skippipe_timeline.png").stat().st_size > 1000
   data = json.loads((tmp_path / "skippipe_sim_allreduce.json").read_text())
   assert len(data["rows"]) == 4  # skip 0 and 0.5, swaps on; two assignments
   for row in data["rows"]:  # the all-reduce follows the pipeline: it lengthens the iteration
