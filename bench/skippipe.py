@@ -14,6 +14,11 @@ Four tables (``--part``):
   among its nodes added after the pipeline (and to the scheduler's objective), under two stage
   assignments: priced by a microbatch's round trip only, and by the round trip plus the slowest
   stage's all-reduce.
+  Both tables give the lower bound on any plan's makespan (``bounds.lower_bound``) beside the
+  scheduler's.
+* ``timeline``: each node's busy intervals (forward, backward, head, the stage all-reduce; idle in
+  grey) for GPipe, 1F1B and the scheduled plan on geo, S = 6, skip 0.25 with swaps, the gradient
+  all-reduce priced (needs matplotlib).
 * ``convergence``: a small GPT (8 blocks) trained with SkipPipe paths on 8 simulated devices
   (zero1, every worker holds the whole model), scheduled on the geo preset with S = 8, for each
   skip ratio with and without swaps, against normal training; equal iterations, final eval loss of
@@ -28,6 +33,7 @@ Usage::
 
   python bench/skippipe.py --part sim                        # seconds to a minute
   python bench/skippipe.py --part sim-allreduce              # about a minute
+  python bench/skippipe.py --part timeline                   # docs/figures/skippipe_timeline.png
   python bench/skippipe.py --part convergence --seeds 0 1 2  # also writes the omission table;
                                                              # rerun: goes on from written runs
   python bench/skippipe.py --smoke --out /tmp/sp             # CI: a sliver of each part
@@ -58,7 +64,7 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
   """The iteration-time table; ``grad_bytes`` > 0 adds each stage's gradient all-reduce (bytes per
   gradient value) to every makespan and the scheduler's objective, and, with
   ``assign_allreduce``, to the stage assignment's cost."""
-  from acco_jax.pipeline import assign, paths, schedule, simulate, topology
+  from acco_jax.pipeline import assign, bounds, paths, schedule, simulate, topology
 
   rows = []
   for name in topologies:
@@ -84,11 +90,13 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
           )
           sched = schedule.schedule(topo, costs, part, num_mb, skip, swap, seed=0, iters=iters)
           best_full = min(gpipe, f1b1)
+          bound = bounds.lower_bound(topo, costs, part, num_mb, skip)
           rows.append(
             dict(
               topology=name, stages=s, skip=skip, k=paths.path_length(s, skip), swap=swap,
               gpipe_s=round(gpipe, 3), f1b1_s=round(f1b1, 3), random_s=round(rnd, 3),
-              scheduler_s=round(sched.makespan, 3),
+              scheduler_s=round(sched.makespan, 3), bound_s=round(bound, 3),
+              sched_vs_bound=round(sched.makespan / bound, 2), sched_order=sched.policy,
               vs_full=f"{schedule.gap(sched.makespan, best_full):+.0%}",
               vs_random=f"{schedule.gap(sched.makespan, rnd):+.0%}",
               assign_cost_s=round(assign.cost(topo, costs, part), 3),
@@ -115,14 +123,43 @@ SIM_ALLREDUCE_COLUMNS = [
   ("skip", "skip"), ("gpipe_s", "GPipe s"),
   ("f1b1_s", "1F1B s"), ("random_s", "random s"), ("scheduler_s", "scheduler s"),
   ("scheduler_pipeline_s", "of which pipeline s"), ("allreduce_share", "all-reduce tail"),
-  ("vs_full", "vs best full"), ("vs_random", "vs random"),
+  ("vs_full", "vs best full"), ("vs_random", "vs random"), ("bound_s", "bound s"),
+  ("sched_vs_bound", "sched/bound"),
 ]  # fmt: skip
 
 SIM_COLUMNS = [
   ("topology", "topology"), ("stages", "S"), ("skip", "skip"), ("k", "stages visited"),
   ("swap", "swap"), ("gpipe_s", "GPipe s"), ("f1b1_s", "1F1B s"), ("random_s", "random s"),
   ("scheduler_s", "scheduler s"), ("vs_full", "vs best full"), ("vs_random", "vs random"),
+  ("bound_s", "bound s"), ("sched_vs_bound", "sched/bound"),
 ]  # fmt: skip
+
+
+def timeline(path, stages=6, skip=0.25, num_mb=16, iters=400, topology_name="geo") -> dict:
+  """Draws each node's timeline for GPipe, 1F1B and the scheduled plan (swaps on) of one setting,
+  the gradient all-reduce priced (in the stage assignment too); returns the makespans."""
+  from acco_jax.analysis import timeline as timeline_lib
+  from acco_jax.pipeline import assign, bounds, schedule, simulate, topology
+
+  topo = topology.preset(topology_name, topology.default_nodes(stages), seed=0)
+  costs = simulate.transformer_costs(stages, 24, 2048, 32000, 1024, 4, 1e14, grad_bytes=2)
+  part = assign.assign(topo, costs, stages, seed=0)
+  plans = [
+    ("GPipe, full pipeline", schedule.full_pipeline(topo, costs, part, num_mb, "gpipe")),
+    ("1F1B, full pipeline", schedule.full_pipeline(topo, costs, part, num_mb, "1f1b")),
+    (f"scheduled, skip {skip} with swaps",
+     schedule.schedule(topo, costs, part, num_mb, skip, True, seed=0, iters=iters)),
+  ]  # fmt: skip
+  panels = []
+  for name, plan in plans:
+    res = simulate.replay(topo, costs, plan.routes(), plan.order, part)
+    ivs = timeline_lib.node_intervals(topo, costs, plan.routes(), res, part)
+    panels.append((f"{name} (order: {plan.policy})", ivs, plan.makespan))
+  bound = bounds.lower_bound(topo, costs, part, num_mb, skip)
+  title = (f"{topology_name}, S = {stages}, {num_mb} microbatches, bf16 gradient all-reduce per "
+           f"stage; lower bound at skip {skip}: {bound:.2f} s")  # fmt: skip
+  timeline_lib.plot_timelines(panels, part, str(path), title)
+  return {name: round(plan.makespan, 3) for name, plan in plans} | {"bound": round(bound, 3)}
 
 
 # -- convergence and omission: one worker process per seed, 8 simulated devices --------------------
@@ -296,7 +333,9 @@ OMIT_COLUMNS = [
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument(
-    "--part", choices=("sim", "sim-allreduce", "convergence", "collect", "all"), default="all"
+    "--part",
+    choices=("sim", "sim-allreduce", "timeline", "convergence", "collect", "all"),
+    default="all",
   )
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   ap.add_argument("--updates", type=int, default=CONV["num_updates"])
@@ -340,6 +379,15 @@ def main() -> None:
       {"benchmark": "skippipe_sim_allreduce", "machine": common.machine(), "wall_s": wall,
        "grad_bytes_per_value": 2, "rows": rows},
     )  # fmt: skip
+  if args.part in ("timeline", "all"):
+    if args.smoke:
+      fig = out / "skippipe_timeline.png"
+      out.mkdir(parents=True, exist_ok=True)
+      spans = timeline(fig, stages=4, num_mb=4, iters=10)
+    else:
+      fig = Path(__file__).resolve().parents[1] / "docs" / "figures" / "skippipe_timeline.png"
+      spans = timeline(fig)
+    print(f"\nwrote {fig}: " + ", ".join(f"{k} {v} s" for k, v in spans.items()))
   if args.part in ("convergence", "collect", "all"):
     conv = dict(CONV, num_updates=args.updates)
     seeds = args.seeds

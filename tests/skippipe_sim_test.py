@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from acco_jax import errors
-from acco_jax.pipeline import assign, paths, schedule, simulate, topology
+from acco_jax.pipeline import assign, bounds, left_out, paths, schedule, simulate, topology
 
 
 def _topo(latency, bandwidth, speed=None):
@@ -234,14 +234,14 @@ def test_topology_presets_and_file(tmp_path):
 
 
 def test_bench_sim_smoke(tmp_path):
-  # bench/skippipe.py --part sim (and sim-allreduce) --smoke: the iteration-time tables on one
-  # small geo case
+  # bench/skippipe.py --part sim (and sim-allreduce, timeline) --smoke: the iteration-time tables
+  # on one small geo case, and the timeline figure
   import subprocess
   import sys
   from pathlib import Path
 
   repo = Path(__file__).resolve().parent.parent
-  for part in ("sim", "sim-allreduce"):
+  for part in ("sim", "sim-allreduce", "timeline"):
     cmd = [sys.executable, str(repo / "bench" / "skippipe.py"), "--part", part, "--smoke",
            "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -249,8 +249,134 @@ def test_bench_sim_smoke(tmp_path):
   data = json.loads((tmp_path / "skippipe_sim.json").read_text())
   assert data["benchmark"] == "skippipe_sim" and len(data["rows"]) == 4
   for row in data["rows"]:
-    assert row["scheduler_s"] < row["random_s"]
+    assert row["bound_s"] <= row["scheduler_s"] < row["random_s"]
+  assert (tmp_path / "skippipe_timeline.png").stat().st_size > 1000
   data = json.loads((tmp_path / "skippipe_sim_allreduce.json").read_text())
   assert len(data["rows"]) == 4  # skip 0 and 0.5, swaps on; two assignments
   for row in data["rows"]:  # the all-reduce follows the pipeline: it lengthens the iteration
     assert row["scheduler_pipeline_s"] < row["scheduler_s"] <= row["random_s"]
+
+
+# -- the scheduler's guarantees and the lower bound, on seeded random cases ------------------------
+
+
+def _metric_topology(rng):
+  """Random nodes in random regions whose transfer times satisfy the triangle inequality for any
+  message size: latency ``5 ms + 100 ms x distance`` between regions (a metric plus a constant),
+  bandwidth the smaller of the two regions' (``bytes / bandwidth`` is then a max, also a metric),
+  and inside a region 1 ms at 10 Gbit/s, faster than any link between regions."""
+  m = int(rng.integers(5, 10))
+  num_regions = int(rng.integers(1, 4))
+  region = rng.integers(num_regions, size=m)
+  xy = rng.uniform(0.0, 1.0, (num_regions, 2))
+  dist = np.linalg.norm(xy[:, None] - xy[None, :], axis=-1)
+  access = topology.GBIT * rng.uniform(0.1, 1.0, num_regions)
+  same = region[:, None] == region[None, :]
+  lat = np.where(same, 1e-3, (0.005 + 0.1 * dist)[region][:, region])
+  bw = np.where(
+    same, 10 * topology.GBIT, np.minimum(access[:, None], access[None, :])[region][:, region]
+  )
+  return topology.Topology("metric", rng.uniform(0.5, 1.0, m), region.astype(np.int32), lat, bw)
+
+
+def _case(family, seed):
+  """One seeded random case: a topology, costs (all-reduce priced or not), S, the partition, the
+  microbatches and the skip ratio."""
+  rng = np.random.default_rng(1000 * (family == "preset") + seed)
+  s_count = int(rng.integers(3, 6))
+  if family == "metric":
+    topo = _metric_topology(rng)
+    while topo.num_nodes < s_count:
+      topo = _metric_topology(rng)
+  else:
+    name = topology.PRESETS[seed % 3]
+    topo = topology.preset(name, s_count + int(rng.integers(1, s_count + 3)), seed=seed)
+  grad = int(rng.integers(2)) * 2
+  costs = simulate.transformer_costs(s_count, 12, 1024, 8000, 512, 2, 1e14, grad)
+  part = assign.assign(topo, costs, s_count, seed=seed, restarts=1, sweeps=2)
+  skips = [r for r in (0.0, 0.25, 0.5) if paths.path_length(s_count, r) >= 1]
+  skip = skips[int(rng.integers(len(skips)))]
+  return topo, costs, part, int(rng.integers(4, 9)), skip
+
+
+@pytest.fixture(scope="module")
+def random_cases():
+  """Per seeded case: its inputs and every plan the properties compare."""
+  out = []
+  for family in ("metric", "preset"):
+    for seed in range(20):
+      topo, costs, part, n, skip = _case(family, seed)
+      plans = {
+        "in order": schedule.schedule(topo, costs, part, n, skip, False, seed=seed, iters=25),
+        "swap": schedule.schedule(topo, costs, part, n, skip, True, seed=seed, iters=25),
+        "random": schedule.random_plan(topo, costs, part, n, skip, True, seed=seed),
+        "gpipe": schedule.full_pipeline(topo, costs, part, n, "gpipe"),
+        "1f1b": schedule.full_pipeline(topo, costs, part, n, "1f1b"),
+      }
+      out.append(dict(family=family, seed=seed, topo=topo, costs=costs, part=part, n=n, skip=skip,
+                      plans=plans))  # fmt: skip
+  return out
+
+
+def test_swaps_are_never_worse_than_in_order(random_cases):
+  for case in random_cases:
+    p = case["plans"]
+    assert p["swap"].makespan <= p["in order"].makespan * (1 + 1e-12), (
+      case["family"],
+      case["seed"],
+    )
+
+
+def test_skipping_is_never_slower_than_the_full_pipeline(random_cases):
+  # Under the condition of schedule.schedule's docstring: transfer times obeying the triangle
+  # inequality (every metric case, and single-cluster presets) and lanes with stages left out that
+  # meet the memory and balance bounds.
+  checked = 0
+  for case in random_cases:
+    topo, costs, part, n, skip, p = (
+      case[k] for k in ("topo", "costs", "part", "n", "skip", "plans")
+    )
+    if case["family"] == "metric":
+      assert left_out.triangle_holds(topo, costs.act_bytes)
+    if not (
+      left_out.triangle_holds(topo, costs.act_bytes)
+      and schedule.left_out_fits(topo, costs, part, n, skip)
+    ):
+      continue
+    checked += 1
+    full = min(p["gpipe"].makespan, p["1f1b"].makespan)
+    for mode in ("in order", "swap"):
+      assert p[mode].makespan <= full * (1 + 1e-12), (case["family"], case["seed"], mode)
+  assert checked >= 20, checked
+
+
+def test_every_plan_is_consistent_and_above_the_lower_bound(random_cases):
+  for case in random_cases:
+    topo, costs, part, n, skip, p = (
+      case[k] for k in ("topo", "costs", "part", "n", "skip", "plans")
+    )
+    low = bounds.lower_bound(topo, costs, part, n, skip)
+    full_low = bounds.lower_bound(topo, costs, part, n, 0.0)
+    assert 0 < bounds.lower_bound(topo, costs, part, n, skip, balance=None) <= low
+    for name, plan in p.items():
+      res = simulate.replay(topo, costs, plan.routes(), plan.order, part)
+      assert res.makespan == pytest.approx(plan.makespan, rel=1e-12), (case["seed"], name)
+      bound = full_low if name in ("gpipe", "1f1b") else low
+      assert plan.makespan >= bound, (case["family"], case["seed"], name, plan.makespan, bound)
+
+
+def test_skipping_pays_for_links_the_full_pipeline_never_crosses():
+  # Four nodes, one per stage. The full pipeline crosses A-B, B-C, C-D, D-A (both ways); every path
+  # of 2 stages crosses a diagonal (A-C or B-D), 100 s each way here. So no skip-0.25 plan can be
+  # as fast as the full pipeline: the lower bound already says so, and the triangle inequality,
+  # the condition of the scheduler's guarantee, fails.
+  diagonal = np.array([[0, 0, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0], [0, 1, 0, 0]], bool)
+  topo = _topo(np.where(diagonal, 100.0, 0.01), np.full((4, 4), np.inf))
+  costs = simulate.Costs(fwd_S=np.ones(4), head=0.0, act_bytes=0.0)
+  part = ((0,), (1,), (2,), (3,))
+  full = schedule.full_pipeline(topo, costs, part, 2, "gpipe").makespan
+  assert full < 20.0
+  assert not left_out.triangle_holds(topo, 0.0)
+  assert bounds.lower_bound(topo, costs, part, 2, 0.25) > 200.0
+  plan = schedule.schedule(topo, costs, part, 2, 0.25, True, iters=20)
+  assert plan.makespan > 10 * full

@@ -11,6 +11,8 @@ Pure host code (NumPy), no collectives:
   assign.py     which nodes hold which stage (local search on the round trip's transfer cost)
   simulate.py   discrete-event simulation of one iteration (fifo, GPipe, 1F1B; static replay)
   schedule.py   the path scheduler under memory, balance and collisions; its ``Plan``
+  left_out.py   the full pipeline with stages left out: the scheduler's no-slower-than-full guarantee
+  bounds.py     a lower bound on any plan's iteration time
   orders.py     training on data-parallel workers: a layer order per microbatch in the batch
   ticks.py      schedules as static tick tables: GPipe and 1F1B over any paths
 

@@ -20,7 +20,12 @@ at each hop the nearest node with room, weighed by the work queued on it; and th
 lanes with stages left out in rotation. It then improves the plan by local search: a random move
 (another node for one hop, two hops of one path swapped, a visited stage exchanged for an unvisited
 one, another origin, a path's hops moved to their nearest nodes) is kept when the simulated makespan
-does not grow. Seeded and deterministic.
+does not grow. The result is the best of the search's plan and two kinds of candidates, so that two
+properties hold: with swaps, the in-order search's result (same seed) is a start and a candidate,
+so allowing swaps is never worse; and the full pipeline's lanes with stages left out, in every
+rotation, simulated under each policy or run in GPipe's or 1F1B's recorded order with the left-out
+steps deleted (:mod:`acco_jax.pipeline.left_out`), so skipping is never slower than the full
+pipeline when the transfer times satisfy the triangle inequality. Seeded and deterministic.
 
 The result is a :class:`Plan`: plain data a pipeline runtime builds its tick tables from.
 """
@@ -33,8 +38,8 @@ import math
 import numpy as np
 
 from acco_jax import errors
+from acco_jax.pipeline import bounds, left_out, simulate
 from acco_jax.pipeline import paths as paths_lib
-from acco_jax.pipeline import simulate
 from acco_jax.pipeline.assign import Partition
 from acco_jax.pipeline.topology import Topology
 
@@ -51,7 +56,9 @@ class Plan:
       steps are numbered as in :mod:`acco_jax.pipeline.simulate` (0 = stage 0 forward on the
       origin, 1..K the path forward, K+1 head, K+2..2K+1 the path backward, 2K+2 stage 0 backward).
     makespan: the simulated iteration time [s] of this order (all-reduces included when the costs
-      give gradient sizes).
+      give gradient sizes); ``simulate.replay`` of ``order`` gives the same.
+    policy: how ``order`` was made: a simulator policy ('fifo', 'gpipe', '1f1b'), or 'replay' (a
+      full pipeline's recorded order with the left-out steps removed, run as a static order).
   """
 
   origin: tuple[int, ...]
@@ -59,6 +66,7 @@ class Plan:
   nodes: tuple[tuple[int, ...], ...]
   order: tuple[tuple[tuple[int, int], ...], ...]
   makespan: float
+  policy: str = "fifo"
 
   def routes(self) -> list[simulate.Route]:
     return [
@@ -72,6 +80,7 @@ class Plan:
       "nodes": [list(n) for n in self.nodes],
       "order": [[list(s) for s in o] for o in self.order],
       "makespan": self.makespan,
+      "policy": self.policy,
     }
 
 
@@ -84,6 +93,7 @@ def plan_of(topo, costs, routes, policy: str = "fifo", partition=None) -> Plan:
     tuple(r.nodes for r in routes),
     res.order,
     res.makespan,
+    policy,
   )
 
 
@@ -93,7 +103,7 @@ def limits(partition: Partition, num_mb: int, k: int, memory: int = 0, balance: 
   Default ``m``: the least that fits the equal share, plus one microbatch of slack.
   """
   s_count = len(partition)
-  c = balance or (-(-num_mb * k // (s_count - 1)) if s_count > 1 else 0)
+  c = balance or bounds.default_balance(num_mb, k, s_count)
   need = max([-(-num_mb // len(partition[0]))] + [-(-c // len(p)) for p in partition[1:]])
   m = memory or need + 1
   if m < 1:
@@ -166,22 +176,68 @@ def _greedy(topo, costs, partition, num_mb, k, swap, c, m, rng):
   return routes
 
 
-def _lanes(topo, costs, partition, num_mb, k, c, m):
-  """The full pipeline's lanes with ``S - 1 - k`` stages left out in rotation (balanced visits);
-  None when a node would exceed the memory bound."""
-  s_count = len(partition)
-  drop = s_count - 1 - k
+def _fits(partition, num_mb, c, m, routes) -> bool:
+  """Whether ``routes`` meet the memory bound ``m`` and the balance bound ``c``."""
   st = _State(partition, num_mb, c, m)
-  routes = []
-  for b, r in enumerate(simulate.lanes(topo, costs, partition, num_mb)):
-    skipped = {1 + (b * drop + i) % (s_count - 1) for i in range(drop)}
-    keep = [(s, y) for s, y in zip(r.path, r.nodes, strict=True) if s not in skipped]
-    route = simulate.Route(r.origin, tuple(s for s, _ in keep), tuple(y for _, y in keep))
-    st.add(route.origin, route.path, route.nodes)
-    routes.append(route)
-  if max(st.load.values()) > m or max(st.visits[1:] or [0]) > c:
-    return None
-  return routes
+  for r in routes:
+    st.add(r.origin, r.path, r.nodes)
+  return max(st.load.values()) <= m and max(st.visits[1:] or [0]) <= c
+
+
+def left_out_fits(topo, costs, partition, num_mb: int, skip: float, memory=0, balance=0) -> bool:
+  """Whether some rotation of the full pipeline's lanes with stages left out meets the memory and
+  balance bounds: the condition, besides the triangle inequality, under which :func:`schedule` is
+  no slower than the full pipeline."""
+  s_count = len(partition)
+  k = paths_lib.path_length(s_count, skip)
+  c, m = limits(partition, num_mb, k, memory, balance)
+  full = simulate.lanes(topo, costs, partition, num_mb)
+  return any(
+    _fits(partition, num_mb, c, m, left_out.lane_routes(full, gone))
+    for gone in _rotations(s_count, num_mb, k)
+  )
+
+
+def _rotations(s_count, num_mb, k):
+  """Per rotation, each microbatch's left-out stages."""
+  for rotation in range(s_count - 1 if s_count - 1 > k else 1):
+    yield left_out.left_out_stages(s_count, num_mb, k, rotation)
+
+
+def _left_out_plans(topo, costs, partition, num_mb, k, c, m) -> list[Plan]:
+  """The full pipeline's lanes with ``S - 1 - k`` stages left out, each rotation that meets the
+  bounds: simulated under every policy, and the GPipe and 1F1B orders replayed with the left-out
+  steps deleted (:mod:`acco_jax.pipeline.left_out`)."""
+  s_count = len(partition)
+  full = simulate.lanes(topo, costs, partition, num_mb)
+  orders = {p: simulate.simulate(topo, costs, full, p, partition).order for p in ("gpipe", "1f1b")}
+  plans = []
+  for gone in _rotations(s_count, num_mb, k):
+    routes = left_out.lane_routes(full, gone)
+    if not _fits(partition, num_mb, c, m, routes):
+      continue
+    for policy in simulate.POLICIES:
+      try:
+        plans.append(plan_of(topo, costs, routes, policy, partition))
+      except RuntimeError:  # a policy that deadlocks on these routes is no candidate
+        pass
+    for order in orders.values():
+      order = left_out.order_without(full, order, gone)
+      res = simulate.replay(topo, costs, routes, order, partition)
+      plans.append(plan_of_order(routes, order, res.makespan))
+  return plans
+
+
+def plan_of_order(routes, order, makespan: float) -> Plan:
+  """Packs ``routes`` with a static ``order`` and the makespan its replay gives ('replay')."""
+  return Plan(
+    tuple(r.origin for r in routes),
+    tuple(r.path for r in routes),
+    tuple(r.nodes for r in routes),
+    order,
+    makespan,
+    "replay",
+  )
 
 
 def _reroute(topo, costs, partition, st, route):
@@ -262,19 +318,35 @@ def schedule(
     memory, balance: ``m`` and ``c``; 0 picks the defaults of :func:`limits`.
 
   Returns:
-    The best :class:`Plan` found, with the processing order the simulator assumed.
+    The best :class:`Plan` found: the local search's (order 'fifo') or a candidate of the full
+    pipeline with stages left out (any policy, or 'replay'); its ``order`` replays to its
+    ``makespan``. Two guarantees, for equal other arguments: with ``swap`` the makespan is at most
+    the in-order one (that plan is a candidate); and it is at most the full pipeline's under GPipe
+    and under 1F1B on the same partition (:func:`full_pipeline`) when the transfer times satisfy
+    the triangle inequality (``left_out.triangle_holds(topo, costs.act_bytes)``) and some rotation
+    of the lanes with stages left out meets the memory and balance bounds
+    (:func:`left_out_fits`), or at skip 0 when the lanes meet them (the full pipeline is then
+    itself a candidate).
   """
   s_count = len(partition)
   k = paths_lib.path_length(s_count, skip)
   c, m = limits(partition, num_mb, k, memory, balance)
+  # in-order plans are swap plans too: the in-order result is a start and a candidate
+  in_order = (
+    schedule(topo, costs, partition, num_mb, skip, False, seed, iters, memory, balance)
+    if swap
+    else None
+  )
   rng = np.random.default_rng(seed)
   starts = [_greedy(topo, costs, partition, num_mb, k, False, c, m, rng)]
-  if swap:  # in-order paths are swap-mode paths too
-    starts.append(_greedy(topo, costs, partition, num_mb, k, True, c, m, rng))
-  lane = _lanes(topo, costs, partition, num_mb, k, c, m)
-  if lane is not None:
-    starts.append(lane)
+  if swap:
+    starts += [_greedy(topo, costs, partition, num_mb, k, True, c, m, rng), in_order.routes()]
   made = [simulate.simulate(topo, costs, r, partition=partition).makespan for r in starts]
+  left = _left_out_plans(topo, costs, partition, num_mb, k, c, m)
+  for p in left:
+    if p.policy == "fifo":
+      starts.append(p.routes())
+      made.append(p.makespan)
   routes, best = list(starts[int(np.argmin(made))]), min(made)
   st = _State(partition, num_mb, c, m)
   for r in routes:
@@ -298,7 +370,8 @@ def schedule(
         continue
       routes[b] = old
     st.add(old.origin, old.path, old.nodes)
-  return plan_of(topo, costs, routes, partition=partition)
+  found = plan_of(topo, costs, routes, partition=partition)
+  return min([found, *left] + ([in_order] if swap else []), key=lambda p: p.makespan)
 
 
 def random_plan(
