@@ -96,6 +96,7 @@ def plan_of_record(saved: dict) -> schedule.Plan:
     tuple(int(o) for o in p["origin"]), tuple(tuple(int(s) for s in x) for x in p["paths"]),
     tuple(tuple(int(y) for y in n) for n in p["nodes"]),
     tuple(tuple((int(m), int(j)) for m, j in o) for o in p["order"]), float(p["makespan"]),
+    str(p.get("policy", "fifo")),
   )  # fmt: skip
 
 
