@@ -13,8 +13,10 @@ Pure host code (NumPy), no collectives:
   schedule.py   the path scheduler under memory, balance and collisions; its ``Plan``
   left_out.py   the full pipeline with stages left out: the scheduler's no-slower-than-full guarantee
   bounds.py     a lower bound on any plan's iteration time
+  plans.py      the plan a run trains with, made from its config (topology, assignment, scheduler)
   orders.py     training on data-parallel workers: a layer order per microbatch in the batch
-  ticks.py      schedules as static tick tables: GPipe and 1F1B over any paths
+  ticks.py      schedules as static tick tables: GPipe and 1F1B over any paths, per lane; a
+                scheduler's plan over the whole mesh (microbatches cross lanes)
 
 The pipeline over a ``stage`` (or ``('data', 'stage')``) mesh:
 
