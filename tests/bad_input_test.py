@@ -9,6 +9,7 @@ in XLA). ``docs/reliability.md`` lists every case with its message.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -23,7 +24,7 @@ import pytest
 
 from acco_jax import model, optional
 from acco_jax.run import checkpoint, parallel, trainer
-from configs import gpt2_acco, gpt2_zero1
+from configs import gpt2_acco, gpt2_skippipe, gpt2_zero1
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CACHE = REPO / ".pytest_cache" / "acco_data"  # shared with train_test (tokenized corpus)
@@ -221,6 +222,27 @@ def test_topology_file_that_does_not_parse(tmp_path):
   with pytest.raises(
     ValueError, match=r"topology file .*cluster.json does not parse as JSON"
   ) as info:
+    trainer.build(config)
+  one_line(info.value)
+
+
+def test_pipeline_topology_file_of_another_size(tmp_path):
+  """On the pipeline mesh every device is a node: a 6-node file for 8 devices names the size."""
+  path = tmp_path / "six.json"
+  m = 6
+  path.write_text(
+    json.dumps(
+      {
+        "speed": [1] * m,
+        "region": ["a"] * m,
+        "latency_ms": [[1] * m] * m,
+        "bandwidth_gbps": [[10] * m] * m,
+      }
+    )  # fmt: skip
+  )
+  config = tiny(gpt2_skippipe, **{"method": "pipeline", "pipeline.topology": str(path)})
+  with pytest.raises(ValueError, match=r"six.json has 6 nodes, this pipeline has 8 devices \(one "
+                     r"node each\): write a topology of 8 nodes or run on 6 devices") as info:  # fmt: skip
     trainer.build(config)
   one_line(info.value)
 

@@ -132,6 +132,23 @@ class PipelineTrainStep:
     sharding = jax.tree.map(lambda s: s.sharding, self.abstract_state(params))
     return jax.jit(self._build, out_shardings=sharding)(params)
 
+  def describe(self) -> str:
+    """One line on the schedule: ticks, idle share, and for a scheduled plan its simulated time."""
+    sch = self.schedule
+    S = sch.num_stages
+    line = (
+      f"pipeline: {S} stages x {self.lanes} lanes, {sch.policy} tables, {sch.num_ticks} ticks, "
+      f"{sch.idle_fraction():.0%} idle, {sch.slots} activation slots"
+    )
+    if self.planned is not None:
+      crossing = sum(len({c // S for c in cols}) > 1 for cols in sch.columns)
+      line += (
+        f"; plan on {self.planned.topology.name} ({self.planned.topology.num_nodes} nodes): "
+        f"{self.planned.plan.makespan:.4g} s simulated, {crossing}/{sch.num_microbatches} "
+        "microbatches change lanes"
+      )
+    return line
+
   def checkpoint_extra(self) -> dict:
     """What a checkpoint records beyond the state: the scheduler's plan, if any."""
     return {"plan": plans.record(self.planned)} if self.planned is not None else {}

@@ -151,10 +151,9 @@ def train_and_evaluate(
       f"stages={run.total_stages} unigram_baseline={baseline:.3f} nats",
       flush=True,
     )
-    if run.loco:
-      print(train.describe(), flush=True)
-    elif train.quantized:
-      print(train.describe(), flush=True)
+    line = train.describe()  # the sync schedule, quantized sends, a pipeline's plan; or ''
+    if line:
+      print(line, flush=True)
 
   budgets, policy = run.budgets, run.policy
   if budgets is not None:
