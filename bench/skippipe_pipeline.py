@@ -22,7 +22,13 @@ stage learned:
   small; what counts is how it varies with the visits);
 * ``moved``: the norm of the stage's parameter change from initialisation, relative to the
   initial norm (AdamW's steps are normalised, so fewer visits show less as a smaller gradient than
-  as noisier, less consistent steps, which move the parameters less).
+  as noisier, less consistent steps, which move the parameters less); the table also divides it by
+  the full pipeline's for the same seed and stage, since how far a stage moves depends on its depth
+  too.
+
+With S = 4 and skip 0.25 every microbatch runs stage 0 and 2 of the 3 others: no training
+microbatch runs all four stages, so the full model at evaluation is a path the SkipPipe runs never
+trained, and a model with one stage left out is one they did (in order, where paths were swapped).
 
 One process (8 simulated devices) runs every run; a cut-off invocation goes on from the runs it
 wrote (``skippipe_pipeline_convergence_runs.json``).
@@ -183,6 +189,7 @@ def summarise(rows: list[dict], stages: int) -> tuple[list[dict], list[dict]]:
   """(the loss table, the per-stage table): means over seeds; ± is the population std."""
   loss, per_stage = [], []
   full = {r["seed"]: r["eval_loss"] for r in rows if r["variant"] == "full"}
+  full_moved = {r["seed"]: r["moved"] for r in rows if r["variant"] == "full"}
   for variant in VARIANTS:
     sel = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["seed"])
     if not sel:
@@ -201,21 +208,31 @@ def summarise(rows: list[dict], stages: int) -> tuple[list[dict], list[dict]]:
         visits=" ".join(str(r["visits"][s]) for r in sel),
         left_out=_mean_sd([r["left_out"][s] for r in sel]),
         moved=_mean_sd([r["moved"][s] for r in sel]),
+        moved_vs_full=_mean_sd([r["moved"][s] / full_moved[r["seed"]][s] for r in sel
+                                if r["seed"] in full_moved]) if variant != "full" else "",
       ))  # fmt: skip
   return loss, per_stage
 
 
 def visit_correlation(rows: list[dict], stages: int) -> dict:
   """Per SkipPipe variant, over every (seed, stage >= 1): the Pearson correlation of a stage's
-  visits with its left-out loss and with its parameter change."""
+  visits with its left-out loss, its parameter change, and its parameter change over the full
+  pipeline's for the same seed and stage (which takes out how much a stage moves at its depth)."""
   out = {}
+  full_moved = {r["seed"]: r["moved"] for r in rows if r["variant"] == "full"}
   for variant in VARIANTS[:2]:
-    sel = [r for r in rows if r["variant"] == variant]
+    sel = [r for r in rows if r["variant"] == variant and r["seed"] in full_moved]
     v = [r["visits"][s] for r in sel for s in range(1, stages)]
     if len(set(v)) < 2:
       continue
-    for key in ("left_out", "moved"):
-      y = [r[key][s] for r in sel for s in range(1, stages)]
+    ys = {
+      "left_out": [r["left_out"][s] for r in sel for s in range(1, stages)],
+      "moved": [r["moved"][s] for r in sel for s in range(1, stages)],
+      "moved_vs_full": [
+        r["moved"][s] / full_moved[r["seed"]][s] for r in sel for s in range(1, stages)
+      ],
+    }
+    for key, y in ys.items():
       out[f"{variant}: visits vs {key}"] = round(float(np.corrcoef(v, y)[0, 1]), 2)
   return out
 
@@ -226,7 +243,7 @@ LOSS_COLUMNS = [
 ]  # fmt: skip
 STAGE_COLUMNS = [("run", "run"), ("stage", "stage"), ("visits", "visits per step, by seed"),
                  ("left_out", "loss increase, stage left out"),
-                 ("moved", "|θ - θ0| / |θ0|")]  # fmt: skip
+                 ("moved", "|θ - θ0| / |θ0|"), ("moved_vs_full", "that / full's")]  # fmt: skip
 
 
 def run(out_dir: Path, seeds: list[int], updates: int | None = None, smoke: bool = False) -> dict:
