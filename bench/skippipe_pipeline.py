@@ -270,6 +270,7 @@ def run(out_dir: Path, seeds: list[int], updates: int | None = None, smoke: bool
   result = {
     "benchmark": "skippipe_pipeline_convergence", "machine": common.machine(),
     "setting": setting, "seeds": seeds, "wall_s": round(time.perf_counter() - t0, 1),
+    "runs_wall_s": round(sum(r["wall_s"] for r in rows), 1),  # this and earlier invocations
     "runs": rows, "loss": loss, "per_stage": per_stage, "correlation": corr,
   }  # fmt: skip
   common.write_json(out_dir / "skippipe_pipeline_convergence.json", result)
