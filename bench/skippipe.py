@@ -25,6 +25,9 @@ Four tables (``--part``):
   the full model, over seeds. One process runs every run, with one compiled step per path length;
   normal training is the identity order through the skip-0 step (equal to ``model.loss_fn`` to
   float tolerance, tests/skippipe_train_test.py).
+* ``pipeline-convergence`` (``bench/skippipe_pipeline.py``): ``method=pipeline`` on 2 data lanes x
+  4 stages, the scheduled plan against random paths and the full pipeline at equal updates, and
+  per stage how often it is visited and what it learned (not part of ``all``).
 * ``omission``: for the models of ``convergence`` (normal, and SkipPipe at skip 0.5), the eval loss
   of the full model, of every other stage (stages 0, 2, 4, 6: half the blocks) and of random
   half-paths (stage 0 and 3 random stages in order), relative to the full model.
@@ -36,10 +39,12 @@ Usage::
   python bench/skippipe.py --part timeline                   # docs/figures/skippipe_timeline.png
   python bench/skippipe.py --part convergence --seeds 0 1 2  # also writes the omission table;
                                                              # rerun: goes on from written runs
+  python bench/skippipe.py --part pipeline-convergence       # about 10 minutes
   python bench/skippipe.py --smoke --out /tmp/sp             # CI: a sliver of each part
 
 Writes ``bench/results/skippipe_sim.json``, ``skippipe_sim_allreduce.json`` and
-``skippipe_convergence.json`` (with ``skippipe_convergence_runs.json``, the runs so far).
+``skippipe_convergence.json`` (with ``skippipe_convergence_runs.json``, the runs so far), and
+``skippipe_pipeline_convergence.json``.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ import numpy as np
 
 TOPOLOGIES = ("single-cluster", "multi-cluster", "geo")
 SKIPS = (0.0, 0.25, 0.33, 0.5)
+PARTS = ("sim", "sim-allreduce", "timeline", "convergence", "collect", "pipeline-convergence",
+         "all")  # fmt: skip
 
 
 def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draws=5, iters=400,
@@ -334,7 +341,7 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument(
     "--part",
-    choices=("sim", "sim-allreduce", "timeline", "convergence", "collect", "all"),
+    choices=PARTS,
     default="all",
   )
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -388,6 +395,12 @@ def main() -> None:
       fig = Path(__file__).resolve().parents[1] / "docs" / "figures" / "skippipe_timeline.png"
       spans = timeline(fig)
     print(f"\nwrote {fig}: " + ", ".join(f"{k} {v} s" for k, v in spans.items()))
+  if args.part == "pipeline-convergence":  # bench/skippipe_pipeline.py; not part of 'all'
+    import skippipe_pipeline
+
+    updates = args.updates if args.updates != CONV["num_updates"] else None
+    skippipe_pipeline.run(out, args.seeds, updates, args.smoke)
+    return
   if args.part in ("convergence", "collect", "all"):
     conv = dict(CONV, num_updates=args.updates)
     seeds = args.seeds
