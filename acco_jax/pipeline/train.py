@@ -257,6 +257,18 @@ def _check(config, num_devices: int) -> tuple[int, int]:
   return stages, num_devices // stages
 
 
+def scheduled_plan(config, model_cfg: model.GPTConfig, num_devices: int):
+  """The plan ``method=pipeline`` trains on ``num_devices`` devices
+  (:class:`acco_jax.pipeline.plans.Planned`), or None unless ``pipeline.schedule=skippipe`` with
+  ``pipeline.paths=scheduled``. ``bench/skippipe.py --part plan`` prints the same."""
+  p = config.pipeline
+  if p.schedule != "skippipe" or p.paths != "scheduled":
+    return None
+  lanes = num_devices // int(p.stages)
+  mbs, rows = int(config.batch.microbatches) * lanes, int(config.batch.microbatch_size)
+  return plans.make(p, model_cfg, num_devices, mbs, rows, equal=True)
+
+
 def build_run(config) -> build_lib.Run:
   """A :class:`acco_jax.run.build.Run` for ``method=pipeline`` (through
   :mod:`acco_jax.pipeline.family`)."""
@@ -272,10 +284,8 @@ def build_run(config) -> build_lib.Run:
     raise errors.UserValueError(
       f"pipeline.paths={p.paths!r} is unknown: choose one of {', '.join(orders.MODES)}"
     )
-  planned = None
-  if p.schedule == "skippipe" and p.paths == "scheduled":
-    rows = int(config.batch.microbatch_size)
-    planned = plans.make(p, model_cfg, stages * lanes, M * lanes, rows, equal=True)
+  planned = scheduled_plan(config, model_cfg, stages * lanes)
+  if planned is not None:
     schedule = ticks.from_plan(planned.plan, planned.partition)
   else:
     paths, policy = schedule_paths(p.schedule, stages, M, float(p.skip), bool(p.swap), int(p.seed))
