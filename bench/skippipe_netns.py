@@ -72,6 +72,7 @@ RUNS = common.RESULTS / "runs" / "skippipe_netns"
 CACHE = common.REPO / ".pytest_cache" / "acco_data"
 PROBE_PORT = 23999
 BURST = "16kb"  # htb's bucket per class: about 10 packets beyond the rate
+VETH_GBPS = 10.0  # what an unshaped veth pair is taken to carry (the control runs' topology)
 UNSHAPED_LATENCY_MS = 0.1  # the most a topology may ask of a link that is not delayed (no netem)
 # Every process single-threaded: 4 processes share the machine's 2 cores, and a stage's cost is
 # measured under the same flags.
@@ -355,8 +356,18 @@ def seconds_per_update(metrics: Path, skip: int) -> tuple[float, list[float]]:
   return (wall[ups[-1]] - wall[ups[0]]) / (ups[-1] - ups[0]), gaps
 
 
-def run_schedule(name: str, nodes: int, args) -> dict:
-  workdir = RUNS / name
+def unshaped(topo: topology_lib.Topology) -> topology_lib.Topology:
+  """``topo`` with every link at the veth's own speed (about 10 Gbit/s): the control runs."""
+  import dataclasses
+
+  import numpy as np
+
+  bw = np.where(np.isinf(topo.bandwidth_MxM), np.inf, VETH_GBPS * topology_lib.GBIT)
+  return dataclasses.replace(topo, name=topo.name + " unshaped", bandwidth_MxM=bw)
+
+
+def run_schedule(name: str, network: str, nodes: int, args) -> dict:
+  workdir = RUNS / f"{name}_{network}"
   subprocess.run(["rm", "-rf", str(workdir)], check=True)
   workdir.mkdir(parents=True)
   procs = []
@@ -385,6 +396,8 @@ def main(argv=None) -> int:
   ap.add_argument("--costs-only", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--topology", type=Path, default=TOPOLOGY)
   ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+  ap.add_argument("--networks", nargs="+", default=["shaped", "unshaped"],
+                  choices=["shaped", "unshaped"], help="unshaped: the control, no tc")  # fmt: skip
   ap.add_argument("--updates", type=int, default=24)
   ap.add_argument("--skip", type=int, default=4, help="updates left out of the timing")
   ap.add_argument("--cost-reps", type=int, default=50)
@@ -411,12 +424,17 @@ def main(argv=None) -> int:
   measured = json.loads(run.stdout)
   common.log(f"stage costs (s): {json.dumps(measured['op_s'])}")
   netem = has_netem()
-  preds = {name: predict(topo, measured, SCHEDULES[name]) for name in args.schedules}
+  topos = {"shaped": topo, "unshaped": unshaped(topo)}
+  preds = {
+    (name, net): predict(topos[net], measured, SCHEDULES[name])
+    for net in args.networks
+    for name in args.schedules
+  }
   if args.dry_run:
     for i in range(nodes):
       for cmd in tc_commands(topo, i, f"{netns.PREFIX}e{i}", netem):
         print(" ".join(cmd))
-    print(json.dumps(preds, indent=1))
+    print(json.dumps({f"{k[0]}@{k[1]}": v for k, v in preds.items()}, indent=1))
     return 0
   why = netns.netns_ok()
   if why:
@@ -433,19 +451,25 @@ def main(argv=None) -> int:
       c = checks[-1]
       common.log(f"link {pair}: rtt {c['rtt_s'] * 1e3:.1f} ms (expected {c['rtt_expected_s'] * 1e3:.1f}),"
                  f" 1 MiB {c['send_s'] * 1e3:.0f} ms (expected {c['send_expected_s'] * 1e3:.0f})")  # fmt: skip
-    for name in args.schedules:
-      results[name] = {**run_schedule(name, nodes, args), **preds[name]}
-      common.log(f"{name}: {results[name]['s_per_update']:.3f} s/update")
+    for net in args.networks:
+      for i in range(nodes):  # the control: shaping removed
+        if net == "unshaped":
+          netns.sh("ip", "netns", "exec", f"{netns.PREFIX}h{i}", "tc", "qdisc", "del", "dev",
+                   f"{netns.PREFIX}e{i}", "root", check=False)  # fmt: skip
+      for name in args.schedules:
+        r = {"schedule": name, "network": net, **run_schedule(name, net, nodes, args)}
+        results[f"{name}@{net}"] = {**r, **preds[name, net]}
+        common.log(f"{name} {net}: {r['s_per_update']:.3f} s/update")
   finally:
     netns.cleanup()
   rows = []
-  for name, r in results.items():
+  for r in results.values():
     r["measured_over_sim"] = r["s_per_update"] / r["sim_s"]
     r["measured_over_replay"] = r["s_per_update"] / r["replay_s"]
-    rows.append({"name": name, "meas": f"{r['s_per_update']:.3f}", "sim": f"{r['sim_s']:.3f}",
+    rows.append({"name": r["schedule"], "net": r["network"], "meas": f"{r['s_per_update']:.3f}", "sim": f"{r['sim_s']:.3f}",
                  "rs": f"{r['measured_over_sim']:.2f}", "rep": f"{r['replay_s']:.3f}",
                  "rr": f"{r['measured_over_replay']:.2f}", "sync": f"{r['sync_s']:.3f}"})  # fmt: skip
-  print(common.format_table(rows, [("name", "schedule"), ("meas", "measured s/update"),
+  print(common.format_table(rows, [("name", "schedule"), ("net", "network"), ("meas", "measured s/update"),
         ("sim", "simulated s"), ("rs", "measured/sim"), ("rep", "replayed ticks s"),
         ("rr", "measured/replay"), ("sync", "of which sync s")]))  # fmt: skip
   data = {"machine": common.machine(), "topology": str(args.topology), "model": MODEL,
