@@ -12,8 +12,8 @@ import pytest
 
 from acco_jax import layers, model
 from acco_jax.analysis import hlo
+from acco_jax.pipeline import assign, schedule, simulate, ticks, topology
 from acco_jax.pipeline import step as pipe
-from acco_jax.pipeline import ticks
 
 CFG = model.get_config("tiny", N=4, dtype="float32")
 S = 4
@@ -184,6 +184,76 @@ def test_pipeline_equals_single_device(params, paths, policy, lanes, devices):
   moved = {tuple(p) for c in permutes for p in c.groups}
   assert moved <= allowed, sorted(moved - allowed)
   assert {(a, b) for a, b in moved if a < S and b < S} == sched.pairs()
+
+
+# --------------------------------------------------------------- the scheduler's plan, mesh-wide
+
+
+def _plan(lanes, stages, skip, seed):
+  """A scheduled plan for ``lanes x stages`` nodes of the geo preset, 3 microbatches per lane."""
+  topo = topology.preset("geo", lanes * stages, seed=seed)
+  costs = simulate.transformer_costs(stages, 24, 2048, 32000, 1024, 4, 1e14, 2)
+  part = assign.assign(topo, costs, stages, seed=0, equal=True)
+  return part, schedule.schedule(topo, costs, part, 3 * lanes, skip, True, seed=0, iters=30)
+
+
+def _column(part, node):
+  """Device ``lane * S + stage`` of a node, written out from the partition."""
+  for s, nodes in enumerate(part):
+    if node in nodes:
+      return nodes.index(node) * len(part) + s
+  raise AssertionError(node)
+
+
+@pytest.mark.parametrize("lanes,stages,skip,seed", [(2, 4, 0.25, 1), (4, 2, 0.0, 3)])
+def test_scheduled_plan_runs_across_lanes(params, lanes, stages, skip, seed):
+  part, plan = _plan(lanes, stages, skip, seed)
+  routes = [
+    [_column(part, x) for x in (o, *n, o, *reversed(n), o)]
+    for o, n in zip(plan.origin, plan.nodes, strict=True)
+  ]
+  assert any(len({c // stages for c in r}) > 1 for r in routes), "no microbatch changes lanes"
+  sched = ticks.from_plan(plan, part)
+  # every device runs its node's steps in the plan's order, read back from the kind and microbatch
+  # tables alone: a microbatch's operations run one after another, so their count is the step
+  done, seen = {}, [[] for _ in range(lanes * stages)]
+  for t in range(sched.num_ticks):
+    ran = [(c, int(sched.mb[t, c])) for c in range(lanes * stages) if sched.kind[t, c]]
+    for c, m in ran:
+      assert routes[m][done.get(m, 0)] == c  # the step runs on the device its route gives
+      seen[c].append((m, done.get(m, 0)))
+    for _, m in ran:
+      done[m] = done.get(m, 0) + 1
+  for c in range(lanes * stages):
+    assert seen[c] == [tuple(x) for x in plan.order[part[c % stages][c // stages]]], c
+    assert sched.order(c) == seen[c]
+
+  # the loss and gradients: the mean over microbatches of each one's ordered loss, its whole rows
+  cfg = model.get_config("tiny", N=4, dtype="float32")
+  mesh = pipe.make_mesh(stages, lanes, jax.devices()[: lanes * stages])
+  batch = _batch(len(plan.paths), 2, seed=seed)
+  fn = jax.jit(pipe.make_loss_and_grad(cfg, mesh, sched))
+  args = (pipe.place_params(pipe.split_params(params), mesh), pipe.place_batch(batch, mesh, sched))
+  compiled = fn.lower(*args).compile()
+  loss, grads = compiled(*args)
+  per = cfg.N // stages
+  total = None
+  for m, path in enumerate(plan.paths):
+    order = np.array([b for s in (0, *path) for b in range(s * per, (s + 1) * per)], np.int32)
+    b = {k: v[m] for k, v in batch.items()}
+    out = _loss_and_grad(params, b, order)
+    total = out if total is None else jax.tree.map(np.add, total, out)
+  ref_loss, ref_grads = jax.tree.map(lambda v: np.asarray(v) / len(plan.paths), total)
+  np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)
+  got = pipe.merge_params(jax.device_get(grads))
+  for path, g in jax.tree_util.tree_leaves_with_path(ref_grads):
+    np.testing.assert_allclose(
+      np.asarray(_get(got, path)), g, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path)
+    )
+  # the compiled collective-permutes move data exactly over the consecutive hops of the routes
+  hops = {(a, b) for r in routes for a, b in zip(r, r[1:], strict=False) if a != b}
+  permutes = [c for c in hlo.hlo_collectives(compiled.as_text()) if c.kind == "collective-permute"]
+  assert {tuple(p) for c in permutes for p in c.groups} == hops
 
 
 def test_bench_bubble_table_smoke(tmp_path):

@@ -31,12 +31,18 @@ from acco_jax.pipeline.topology import Topology
 Partition = tuple[tuple[int, ...], ...]
 
 
-def stage_sizes(num_nodes: int, num_stages: int) -> list[int]:
-  """Nodes per stage: ``num_nodes // num_stages`` each, the remainder on stage 0."""
+def stage_sizes(num_nodes: int, num_stages: int, equal: bool = False) -> list[int]:
+  """Nodes per stage: ``num_nodes // num_stages`` each, the remainder on stage 0; with ``equal``
+  (a pipeline mesh, whose every stage has one device per data lane) a remainder is an error."""
   if num_nodes < num_stages:
     raise errors.UserValueError(
       f"{num_nodes} nodes cannot hold pipeline.stages={num_stages} stages: give the topology at "
       "least one node per stage or lower pipeline.stages"
+    )
+  if equal and num_nodes % num_stages:
+    raise errors.UserValueError(
+      f"{num_nodes} nodes do not split into pipeline.stages={num_stages} equal stages: use a "
+      f"multiple of {num_stages} nodes"
     )
   base = num_nodes // num_stages
   return [base + num_nodes % num_stages] + [base] * (num_stages - 1)
@@ -60,10 +66,12 @@ def cost(topo: Topology, costs: simulate.Costs, partition: Partition) -> float:
   return total / len(routes) + allreduce
 
 
-def random_partition(num_nodes: int, num_stages: int, rng: np.random.Generator) -> Partition:
+def random_partition(
+  num_nodes: int, num_stages: int, rng: np.random.Generator, equal: bool = False
+) -> Partition:
   perm = rng.permutation(num_nodes)
   out, i = [], 0
-  for size in stage_sizes(num_nodes, num_stages):
+  for size in stage_sizes(num_nodes, num_stages, equal):
     out.append(tuple(int(x) for x in sorted(perm[i : i + size])))
     i += size
   return tuple(out)
@@ -76,6 +84,7 @@ def assign(
   seed: int = 0,
   restarts: int = 4,
   sweeps: int = 6,
+  equal: bool = False,
 ) -> Partition:
   """The partition of lowest :func:`cost` found by swap local search (see the module docstring).
 
@@ -86,6 +95,7 @@ def assign(
     seed: seeds the random starts; equal seeds give equal partitions.
     restarts: random starts.
     sweeps: passes over all node pairs per start (a pass that improves nothing ends the start).
+    equal: as many nodes on every stage (a pipeline mesh's lanes); swaps keep the sizes.
 
   Returns:
     ``S`` tuples of node ids, sorted; stage 0 first.
@@ -94,7 +104,7 @@ def assign(
   m = topo.num_nodes
   best, best_cost = None, np.inf
   for _ in range(restarts):
-    part = [list(p) for p in random_partition(m, num_stages, rng)]
+    part = [list(p) for p in random_partition(m, num_stages, rng, equal)]
     where = {x: (s, i) for s, p in enumerate(part) for i, x in enumerate(p)}
     cur = cost(topo, costs, tuple(tuple(p) for p in part))
     for _ in range(sweeps):

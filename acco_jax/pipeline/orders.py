@@ -16,7 +16,7 @@ A stage call takes ``n = devices x k`` microbatches; microbatch ``g = device * k
 batch rows ``[g B, (g + 1) B)``. Its path comes from
 
   'scheduled'  the path scheduler's plan for n microbatches on the configured topology
-               (:mod:`acco_jax.pipeline.schedule`), the same plan every iteration;
+               (:func:`acco_jax.pipeline.plans.make`), the same plan every iteration;
   'random'     uniformly random paths of the skip ratio (:func:`paths.random_paths`), drawn anew
                each iteration from ``(seed, batch index)``, so a resumed run draws the same paths.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from acco_jax import errors, layers, model
-from acco_jax.pipeline import assign, paths, schedule, simulate, topology
+from acco_jax.pipeline import paths, plans
 
 MODES = ("scheduled", "random")
 
@@ -45,10 +45,9 @@ class LayerOrders:
     cfg: the model config (its blocks, and the sizes that price a transfer).
     num_mb: microbatches per stage call, over all devices (``devices x k``).
     rows_per_mb: rows per microbatch (B).
-    flops_per_s: the compute speed of a speed-1.0 node, for the scheduler's costs.
   """
 
-  def __init__(self, pcfg, cfg: model.GPTConfig, num_mb: int, rows_per_mb: int, flops_per_s=1e14):
+  def __init__(self, pcfg, cfg: model.GPTConfig, num_mb: int, rows_per_mb: int):
     self.num_stages = int(pcfg.stages)
     self.blocks = cfg.N
     paths.check_stages(cfg.N, self.num_stages)
@@ -65,16 +64,8 @@ class LayerOrders:
     self.skip, self.swap, self.mode = float(pcfg.skip), bool(pcfg.swap), pcfg.paths
     self.seed, self.num_mb, self.rows = int(pcfg.seed), int(num_mb), int(rows_per_mb)
     self.plan = None
-    if self.mode == "scheduled":
-      topo = topology.get(pcfg.topology, self.num_stages, self.seed)
-      costs = simulate.transformer_costs(
-        self.num_stages, cfg.N, cfg.D, cfg.V, cfg.L, rows_per_mb, flops_per_s
-      )
-      part = assign.assign(topo, costs, self.num_stages, seed=self.seed)
-      self.plan = schedule.schedule(
-        topo, costs, part, self.num_mb, self.skip, self.swap, seed=self.seed,
-        iters=int(pcfg.search_iters), memory=int(pcfg.memory), balance=int(pcfg.balance),
-      )  # fmt: skip
+    if self.mode == "scheduled":  # the topology's preset size: these workers are not its nodes
+      self.plan = plans.make(pcfg, cfg, 0, self.num_mb, self.rows).plan
 
   def paths(self, step: int) -> list[paths.Path]:
     """The ``num_mb`` paths of the stage call that reads global batch ``step``."""

@@ -27,6 +27,14 @@ microbatch's layer order ``paths.layer_order(path)``, and its gradient: block gr
 sharded over ``stage``; the shared parameters' gradient is summed over ``stage`` (only stage 0 adds
 to it: one all-reduce of the embedding-sized gradient per step). Over ``data`` gradients are averaged
 with ``pmean``.
+
+**Mesh-wide schedules** (``Schedule.lanes > 0``, :func:`acco_jax.pipeline.ticks.from_plan`): the
+tables have a column per device of the ``('data', 'stage')`` mesh, read at the device's linear index
+``lane * S + stage``, and each round's ``ppermute`` runs over both axes, so a microbatch changes
+lanes between stages. Microbatches are whole (every device sees the batch; a microbatch's origin
+reads its rows), each operation adds ``1 / M`` of its microbatch's loss and gradient, and the
+lanes that hold a stage *sum* their block gradients (``psum`` over ``data``; the shared parameters'
+over both axes): the mean over the M microbatches of the whole mesh.
 """
 
 from __future__ import annotations
@@ -84,27 +92,34 @@ def place_params(pipe: dict, mesh) -> dict:
   )
 
 
-def _batch_spec(mesh) -> P:
-  return P(None, DATA) if DATA in mesh.axis_names else P()
+def batch_spec(mesh, schedule: ticks.Schedule | None = None) -> P:
+  """Microbatches [M, B, L]: rows split over ``data`` lanes, or whole on every device for a
+  mesh-wide schedule."""
+  wide = schedule is not None and schedule.mesh_wide
+  return P(None, DATA) if DATA in mesh.axis_names and not wide else P()
 
 
-def place_batch(batch: dict, mesh) -> dict:
-  """``{'inputs', 'targets'[, 'weights']}`` of shape [M, B, L] (rows split over ``data`` lanes)."""
-  spec = NamedSharding(mesh, _batch_spec(mesh))
+def place_batch(batch: dict, mesh, schedule: ticks.Schedule | None = None) -> dict:
+  """``{'inputs', 'targets'[, 'weights']}`` of shape [M, B, L] (see :func:`batch_spec`)."""
+  spec = NamedSharding(mesh, batch_spec(mesh, schedule))
   return jax.tree.map(lambda x: jax.device_put(x, spec), batch)
 
 
 def make_loss_and_grad(cfg: model.GPTConfig, mesh, schedule: ticks.Schedule):
   """``f(pipe_params, batch) -> (loss, grads)``, jittable, for the batches of shape [M, B, L].
 
-  ``loss`` is the mean over the M microbatches (and the data lanes) of each microbatch's token-mean
-  cross-entropy; ``grads`` has the structure and shardings of ``pipe_params``.
+  ``loss`` is the mean over the M microbatches (and, per-lane tables, the data lanes) of each
+  microbatch's token-mean cross-entropy; ``grads`` has the structure and shardings of ``pipe_params``.
   """
   M, S = schedule.num_microbatches, schedule.num_stages
   if mesh.shape[STAGE] != S:
     raise ValueError(f"mesh has {mesh.shape[STAGE]} stages, schedule {S}")
   lanes = mesh.shape.get(DATA, 1)
   axes = tuple(mesh.axis_names)
+  wide = schedule.mesh_wide
+  if wide and schedule.lanes != lanes:
+    raise ValueError(f"mesh has {lanes} data lanes, the schedule {schedule.lanes}")
+  cols = axes if wide else STAGE  # the axes a table column and a permutation range over
   tables = {
     k: jnp.asarray(getattr(schedule, k))
     for k in ("kind", "mb", "slot_x", "slot_g", "local", "perm", "recv")
@@ -119,7 +134,7 @@ def make_loss_and_grad(cfg: model.GPTConfig, mesh, schedule: ticks.Schedule):
       blocks = vary(blocks, (DATA,))
     shared = vary(shared)
     B, L = batch["inputs"].shape[1:]
-    me = jax.lax.axis_index(STAGE)
+    me = jax.lax.axis_index(cols)
     zero_x = vary(jnp.zeros((B, L, cfg.D), jnp.dtype(cfg.dtype)))
     order = jnp.arange(jax.tree.leaves(blocks)[0].shape[0])
     run = lambda bl, x: layers.run_blocks(bl, cfg, x, order)
@@ -161,7 +176,7 @@ def make_loss_and_grad(cfg: model.GPTConfig, mesh, schedule: ticks.Schedule):
 
     ops = [op_idle, op_f0, op_f, op_h, op_b, op_b0]
     moves = [lambda v: jnp.zeros_like(v)] + [
-      (lambda v, p=p: jax.lax.ppermute(v, STAGE, p)) for p in perms[1:]
+      (lambda v, p=p: jax.lax.ppermute(v, cols, p)) for p in perms[1:]
     ]
 
     def tick(carry, row):
@@ -178,6 +193,11 @@ def make_loss_and_grad(cfg: model.GPTConfig, mesh, schedule: ticks.Schedule):
     f32 = lambda t: jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), t)
     acc = (vary(f32(blocks)), vary(f32(shared)), vary(jnp.zeros(())))
     (_, (db, ds, loss)), _ = jax.lax.scan(tick, (buf, acc), tables)
+    if wide:  # each device added 1/M of its microbatches: sum over the mesh
+      loss, ds = jax.lax.psum((loss, ds), axes)
+      if lanes > 1:
+        db = jax.lax.psum(db, DATA)
+      return loss, db, ds
     loss, ds = jax.lax.psum((loss, ds), STAGE)
     if lanes > 1:
       loss, db, ds = jax.lax.pmean((loss, db, ds), DATA)
@@ -186,7 +206,7 @@ def make_loss_and_grad(cfg: model.GPTConfig, mesh, schedule: ticks.Schedule):
   specs = {"blocks": P(STAGE), "shared": P()}
 
   def loss_and_grad(pipe, batch):
-    bspec = jax.tree.map(lambda _: _batch_spec(mesh), batch)
+    bspec = jax.tree.map(lambda _: batch_spec(mesh, schedule), batch)
     bl_spec = jax.tree.map(lambda _: specs["blocks"], pipe["blocks"])
     sh_spec = jax.tree.map(lambda _: specs["shared"], pipe["shared"])
     fn = jax.shard_map(

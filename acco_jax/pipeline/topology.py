@@ -146,17 +146,31 @@ def load(path: str) -> Topology:
   return Topology(os.path.basename(path), speed, region, lat, bw)
 
 
-def get(spec: str, num_stages: int, seed: int = 0) -> Topology:
-  """A preset by name (``default_nodes(num_stages)`` nodes), or a JSON file ending in ``.json``."""
+def get(spec: str, num_stages: int, seed: int = 0, num_nodes: int = 0) -> Topology:
+  """A preset by name, or a JSON file ending in ``.json``.
+
+  Args:
+    spec: a preset name or a JSON file's path.
+    num_stages: S; every stage needs a node.
+    seed: seeds a preset.
+    num_nodes: the nodes the run has (a pipeline: one per device): a preset is drawn with that
+      many, a file must have that many. 0: a preset has ``default_nodes(num_stages)``, a file any
+      number from S up.
+  """
   if spec.endswith(".json"):
     topo = load(spec)
+    if num_nodes and topo.num_nodes != num_nodes:
+      raise errors.UserValueError(
+        f"topology file {spec} has {topo.num_nodes} nodes, this pipeline has {num_nodes} devices "
+        f"(one node each): write a topology of {num_nodes} nodes or run on {topo.num_nodes} devices"
+      )
     if topo.num_nodes < num_stages:
       raise errors.UserValueError(
         f"topology file {spec} has {topo.num_nodes} nodes, fewer than pipeline.stages="
         f"{num_stages}: every stage needs a node; add nodes or lower pipeline.stages"
       )
     return topo
-  return preset(spec, default_nodes(num_stages), seed)
+  return preset(spec, num_nodes or default_nodes(num_stages), seed)
 
 
 def default_nodes(num_stages: int) -> int:

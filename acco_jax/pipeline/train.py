@@ -12,9 +12,17 @@ shard. Within a stage, data lanes average their gradients (DDP); ZeRO-1 over the
 implemented here.
 
 Schedules (``pipeline.schedule``): ``gpipe`` and ``1f1b`` run the full path for every microbatch;
-``skippipe`` draws one path per microbatch (``pipeline.skip``, ``pipeline.swap``, seeded by
-``pipeline.seed``) once per run and runs them under the 1F1B policy, so that one compiled program
-serves the whole run.
+``skippipe`` with
+
+  ``pipeline.paths=scheduled`` (the default) runs the path scheduler's plan for the run's devices
+    (:mod:`acco_jax.pipeline.plans`): device (lane l, stage s) is node ``partition[s][l]`` of the
+    topology, each microbatch goes through the nodes its route gives, across lanes, and each device
+    runs its steps in the plan's order (:func:`acco_jax.pipeline.ticks.from_plan`). The plan is
+    stored in every checkpoint and a resumed run keeps it;
+  ``pipeline.paths=random`` draws one path per microbatch (``pipeline.skip``, ``pipeline.swap``,
+    seeded by ``pipeline.seed``) and runs them in every lane under the 1F1B policy.
+
+Either way the paths are made once per run, so one compiled program serves the whole run.
 """
 
 from __future__ import annotations
@@ -29,9 +37,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax import errors, model
+from acco_jax.pipeline import orders, plans, ticks
 from acco_jax.pipeline import paths as paths_lib
 from acco_jax.pipeline import step as pipe
-from acco_jax.pipeline import ticks
 from acco_jax.run import build as build_lib
 from acco_jax.run import parallel
 
@@ -72,6 +80,8 @@ class PipelineTrainStep:
 
   Attributes:
     schedule: the :class:`acco_jax.pipeline.ticks.Schedule` every step runs.
+    planned: the scheduler's plan it was built from (:class:`acco_jax.pipeline.plans.Planned`), or
+      None.
     num_microbatches: M, microbatches per data lane per step.
     microbatches_per_stage: M times the data lanes (rows per step / microbatch rows).
   """
@@ -79,10 +89,14 @@ class PipelineTrainStep:
   quantized = False
   keeps_residual = False
 
-  def __init__(self, cfg: model.GPTConfig, tx, mesh, schedule: ticks.Schedule, params_like):
+  def __init__(
+    self, cfg: model.GPTConfig, tx, mesh, schedule: ticks.Schedule, params_like, planned=None
+  ):
     self.cfg, self.tx, self.mesh, self.schedule = cfg, tx, mesh, schedule
-    self.num_microbatches = schedule.num_microbatches
+    self.planned = planned
     self.lanes = mesh.shape.get(pipe.DATA, 1)
+    per_step = schedule.num_microbatches  # mesh-wide tables: every lane's microbatches
+    self.num_microbatches = per_step // self.lanes if schedule.mesh_wide else per_step
     self.microbatches_per_stage = self.num_microbatches * self.lanes
     self.num_devices = mesh.size
     self.plan = _Plan()
@@ -118,6 +132,28 @@ class PipelineTrainStep:
     sharding = jax.tree.map(lambda s: s.sharding, self.abstract_state(params))
     return jax.jit(self._build, out_shardings=sharding)(params)
 
+  def checkpoint_extra(self) -> dict:
+    """What a checkpoint records beyond the state: the scheduler's plan, if any."""
+    return {"plan": plans.record(self.planned)} if self.planned is not None else {}
+
+  def check_checkpoint(self, extra: dict) -> None:
+    """Before a restore reads arrays: a checkpoint with a plan needs this run's plan settings, and
+    its plan is the one the run goes on with (see :func:`acco_jax.pipeline.plans.check_resume`)."""
+    saved = extra.get("plan")
+    if self.planned is None:
+      if saved is not None:
+        raise errors.UserValueError(
+          "the checkpoint was written with a scheduled plan (pipeline.schedule=skippipe, "
+          "pipeline.paths=scheduled): resume with those settings, or start in a new workdir"
+        )
+      return
+    planned = plans.check_resume(saved, self.planned)
+    if planned.plan != self.planned.plan or planned.partition != self.planned.partition:
+      self.planned = planned
+      self.schedule = ticks.from_plan(planned.plan, planned.partition)
+      self._loss_and_grad = pipe.make_loss_and_grad(self.cfg, self.mesh, self.schedule)
+      self._compiled.clear()
+
   def reshard(self, saved):
     raise errors.UserValueError(
       "the checkpoint was written on another mesh: a pipeline run resumes on the same "
@@ -127,10 +163,13 @@ class PipelineTrainStep:
   # -- step ---------------------------------------------------------------------------------------
 
   def _step(self, state: PipeState, batch):
-    M = self.num_microbatches
+    M = self.schedule.num_microbatches
     mbs = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
     mbs = jax.lax.with_sharding_constraint(
-      mbs, jax.tree.map(lambda _: NamedSharding(self.mesh, pipe._batch_spec(self.mesh)), mbs)
+      mbs,
+      jax.tree.map(
+        lambda _: NamedSharding(self.mesh, pipe.batch_spec(self.mesh, self.schedule)), mbs
+      ),
     )
     loss, grads = self._loss_and_grad(state.params, mbs)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
@@ -211,12 +250,22 @@ def build_run(config) -> build_lib.Run:
   paths_lib.check_stages(model_cfg.N, stages)
   M = int(config.batch.microbatches)
   p = config.pipeline
-  paths, policy = schedule_paths(p.schedule, stages, M, float(p.skip), bool(p.swap), int(p.seed))
-  schedule = ticks.build(paths, stages, policy)
   mesh = pipe.make_mesh(stages, lanes, devices)
+  if p.paths not in orders.MODES:
+    raise errors.UserValueError(
+      f"pipeline.paths={p.paths!r} is unknown: choose one of {', '.join(orders.MODES)}"
+    )
+  planned = None
+  if p.schedule == "skippipe" and p.paths == "scheduled":
+    rows = int(config.batch.microbatch_size)
+    planned = plans.make(p, model_cfg, stages * lanes, M * lanes, rows, equal=True)
+    schedule = ticks.from_plan(planned.plan, planned.partition)
+  else:
+    paths, policy = schedule_paths(p.schedule, stages, M, float(p.skip), bool(p.swap), int(p.seed))
+    schedule = ticks.build(paths, stages, policy)
   shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
   tx = build_lib.inner_optimizer(config, shapes, decay_mask)
-  train = PipelineTrainStep(model_cfg, tx, mesh, schedule, shapes)
+  train = PipelineTrainStep(model_cfg, tx, mesh, schedule, shapes, planned)
   axis = pipe.DATA if lanes > 1 else None
   return build_lib.Run(
     mesh, tokens, model_cfg, shapes, train, 1, config.train.num_updates, M, None, batch_axis=axis

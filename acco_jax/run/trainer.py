@@ -87,6 +87,8 @@ def train_and_evaluate(
     def check(extra):  # before any array is read: the clearest message for a config change
       check_vocab(extra, run.model_cfg)
       check_comm(extra, config, train)  # LoCo steps keep no residual: always the same
+      if hasattr(train, "check_checkpoint"):  # e.g. a pipeline's scheduled plan
+        train.check_checkpoint(extra)
 
     target = train.abstract_state(run.params_shapes)
     restore_t0 = time.time()
@@ -240,7 +242,8 @@ def train_and_evaluate(
     ckpt.save(stage, state, extra={"stage": stage, "data": consumed, "tokens_seen": tokens_seen,
                                    "vocab": vocab_meta(run.model_cfg), "wire_bytes": wire_bytes,
                                    "comm": comm_meta(config, train),
-                                   "config": config.to_json_best_effort()})  # fmt: skip
+                                   "config": config.to_json_best_effort(),
+                                   **getattr(train, "checkpoint_extra", dict)()})  # fmt: skip
 
   wire_bytes = float(extra.get("wire_bytes", 0.0))  # LoCo: bytes sent per worker so far
   outer_rows = []  # LoCo: (stage, outer metrics on device), written at the next log line
