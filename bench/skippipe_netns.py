@@ -84,8 +84,11 @@ XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 SCHEDULES = {
   "gpipe": {"pipeline.schedule": "gpipe"},
   "1f1b": {"pipeline.schedule": "1f1b"},
-  "skippipe": {"pipeline.schedule": "skippipe"},
-}
+  "skippipe": {"pipeline.schedule": "skippipe", "pipeline.paths": "random"},
+  # the path scheduler's plan for this topology (pipeline.topology: the same JSON file)
+  "scheduled": {"pipeline.schedule": "skippipe", "pipeline.paths": "scheduled",
+                "pipeline.topology": str(TOPOLOGY)},
+}  # fmt: skip
 
 # The model and batch: 4 one-block stages of width 256, 4 microbatches of 4 x 128 tokens.
 MODEL = {
@@ -313,17 +316,44 @@ def predict(topo, measured: dict, overrides: dict) -> dict:
   config = config_for(overrides)
   p = config.pipeline
   S, M = int(p.stages), int(config.batch.microbatches)
+  costs = costs_of(measured)
+  sync = simulate.ring_allreduce_s(topo, list(range(S)), measured["shared_grad_bytes"])
+  if p.schedule == "skippipe" and p.paths == "scheduled":
+    r = predict_plan(topo, costs, config)
+    return {**r, "sim_s": r["sim_s"] + sync, "replay_s": r["replay_s"] + sync, "sync_s": sync}
   paths, policy = pipe_train.schedule_paths(
     p.schedule, S, M, float(p.skip), bool(p.swap), int(p.seed)
   )
   schedule = ticks.build(paths, S, policy)
   routes = [simulate.Route(0, tuple(path), tuple(path)) for path in paths]  # node s holds stage s
-  costs = costs_of(measured)
   sim = simulate.simulate(topo, costs, routes, policy).makespan
   replay = simulate.replay(topo, costs, routes, runtime_order(schedule)).makespan
-  sync = simulate.ring_allreduce_s(topo, list(range(S)), measured["shared_grad_bytes"])
   return {"policy": policy, "ticks": schedule.num_ticks, "sim_s": sim + sync,
           "replay_s": replay + sync, "sync_s": sync}  # fmt: skip
+
+
+def predict_plan(topo, costs: simulate.Costs, config) -> dict:
+  """The scheduler's plan as the run makes it (``pipeline/plans.py``), priced with the measured
+  costs. Device ``s`` (namespace ``s``, shaped as topology node ``s``) runs the plan's node
+  ``partition[s][0]``: routes and orders are mapped onto the devices before simulating."""
+  from acco_jax.pipeline import plans
+  from acco_jax.run import build as build_lib
+
+  S, M = int(config.pipeline.stages), int(config.batch.microbatches)
+  cfg = build_lib.model_config(config, 257)
+  planned = plans.make(config.pipeline, cfg, S, M, int(config.batch.microbatch_size), equal=True)
+  device = {part[0]: s for s, part in enumerate(planned.partition)}
+  plan = planned.plan
+  routes = [
+    simulate.Route(device[r.origin], r.path, tuple(device[x] for x in r.nodes))
+    for r in plan.routes()
+  ]
+  order = [plan.order[planned.partition[s][0]] for s in range(S)]
+  sim = simulate.simulate(topo, costs, routes, "fifo").makespan
+  replay = simulate.replay(topo, costs, routes, order).makespan
+  return {"policy": "plan", "partition": [list(x) for x in planned.partition],
+          "paths": [list(r.path) for r in plan.routes()], "sim_s": sim,
+          "replay_s": replay}  # fmt: skip
 
 
 # -- runs -----------------------------------------------------------------------------------------
