@@ -61,10 +61,16 @@ def prepare_tokens(config) -> data.TokenData:
 
 
 def batch_stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None):
-  """Batches of ``rows`` rows of ``tokens`` (this process's share), as the config packs them."""
+  """Batches of ``rows`` rows of ``tokens`` (this process's share), as the config packs them.
+
+  A replicated batch (``run.batch_axis`` None: a pipeline of one data lane) is read whole by every
+  process, so that the processes hold the same rows.
+  """
+  shared = run.batch_axis is None
   return data.batches(
     tokens, seq_len=config.data.seq_len, global_batch_rows=rows, seed=seed,
-    process_index=jax.process_index(), process_count=jax.process_count(),
+    process_index=0 if shared else jax.process_index(),
+    process_count=1 if shared else jax.process_count(),
     shuffle=shuffle, num_epochs=epochs,
   )  # fmt: skip
 

@@ -125,7 +125,7 @@ def train_and_evaluate(
         prime["order"] = run.orders.prime_rows(
           train.num_microbatches, jax.process_index(), jax.process_count()
         )
-      state = train.init(params, parallel.global_batch(prime, mesh))
+      state = train.init(params, parallel.global_batch(prime, mesh, run.batch_axis))
     events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
   if start >= run.total_stages:  # nothing left: report the finished run, train nothing
     ckpt.close()
