@@ -333,24 +333,18 @@ def predict(topo, measured: dict, overrides: dict) -> dict:
 
 
 def predict_plan(topo, costs: simulate.Costs, config) -> dict:
-  """The scheduler's plan as the run makes it (``pipeline/plans.py``), priced with the measured
-  costs. Device ``s`` (namespace ``s``, shaped as topology node ``s``) runs the plan's node
-  ``partition[s][0]``: routes and orders are mapped onto the devices before simulating."""
-  from acco_jax.pipeline import plans
+  """The scheduler's plan as the run makes it (``pipeline/train.scheduled_plan``), priced with the
+  measured costs. The runtime puts node ``i`` on device ``i`` (namespace ``i``, shaped as topology
+  node ``i``), so the plan's routes and per-node order run on the links it was made for."""
+  from acco_jax.pipeline import train as pipe_train
   from acco_jax.run import build as build_lib
 
-  S, M = int(config.pipeline.stages), int(config.batch.microbatches)
+  S = int(config.pipeline.stages)
   cfg = build_lib.model_config(config, 257)
-  planned = plans.make(config.pipeline, cfg, S, M, int(config.batch.microbatch_size), equal=True)
-  device = {part[0]: s for s, part in enumerate(planned.partition)}
+  planned = pipe_train.scheduled_plan(config, cfg, S)
   plan = planned.plan
-  routes = [
-    simulate.Route(device[r.origin], r.path, tuple(device[x] for x in r.nodes))
-    for r in plan.routes()
-  ]
-  order = [plan.order[planned.partition[s][0]] for s in range(S)]
-  sim = simulate.simulate(topo, costs, routes, "fifo").makespan
-  replay = simulate.replay(topo, costs, routes, order).makespan
+  sim = simulate.simulate(topo, costs, plan.routes(), "fifo").makespan
+  replay = simulate.replay(topo, costs, plan.routes(), plan.order).makespan
   return {"policy": "plan", "partition": [list(x) for x in planned.partition],
           "paths": [list(r.path) for r in plan.routes()], "sim_s": sim,
           "replay_s": replay}  # fmt: skip

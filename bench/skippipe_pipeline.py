@@ -115,7 +115,9 @@ def train_one(run, cfg) -> tuple[dict, list[float]]:
   state = train.init(model.init_params(run.model_cfg, cfg.train.seed))
   losses = []
   for _ in range(cfg.train.num_updates):
-    state, m = train.step(state, parallel.global_batch(next(stream), run.mesh, run.batch_axis))
+    state, m = train.step(
+      state, parallel.global_batch(next(stream), run.mesh, run.batch_axis, run.batch_whole)
+    )
     losses.append(float(jax.device_get(m["loss"])))
   return jax.device_get(train.params(state)), losses
 

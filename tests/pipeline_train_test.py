@@ -88,6 +88,10 @@ def test_resume_keeps_the_saved_plan():
   )
   assert run.train.planned.plan == other
   assert run.train.schedule.columns == ticks.from_plan(other, planned.partition).columns
+  moved = plans.record(planned)
+  moved["partition"] = moved["partition"][::-1]  # another stage assignment: another device layout
+  with pytest.raises(errors.UserValueError, match="stage assignment .* is not the one this version"):
+    run.train.check_checkpoint({"plan": moved})
   broken = plans.record(planned)
   broken["plan"]["order"][0] = broken["plan"]["order"][0][1:]  # a step left out
   with pytest.raises(ValueError, match="every step of every route exactly once"):

@@ -165,7 +165,13 @@ class PipelineTrainStep:
         )
       return
     planned = plans.check_resume(saved, self.planned)
-    if planned.plan != self.planned.plan or planned.partition != self.planned.partition:
+    if planned.partition != self.planned.partition:  # the mesh is laid out by the partition
+      raise errors.UserValueError(
+        f"the checkpoint's stage assignment {[list(p) for p in planned.partition]} is not the one "
+        f"this version makes for the same settings ({[list(p) for p in self.planned.partition]}): "
+        "resume with the version that wrote it, or start in a new workdir"
+      )
+    if planned.plan != self.planned.plan:
       self.planned = planned
       self.schedule = ticks.from_plan(planned.plan, planned.partition)
       self._loss_and_grad = pipe.make_loss_and_grad(self.cfg, self.mesh, self.schedule)
@@ -279,21 +285,35 @@ def build_run(config) -> build_lib.Run:
   paths_lib.check_stages(model_cfg.N, stages)
   M = int(config.batch.microbatches)
   p = config.pipeline
-  mesh = pipe.make_mesh(stages, lanes, devices)
   if p.paths not in orders.MODES:
     raise errors.UserValueError(
       f"pipeline.paths={p.paths!r} is unknown: choose one of {', '.join(orders.MODES)}"
     )
   planned = scheduled_plan(config, model_cfg, stages * lanes)
-  if planned is not None:
-    schedule = ticks.from_plan(planned.plan, planned.partition)
+  if (
+    planned is not None
+  ):  # node i is the run's device i: device (lane l, stage s) is partition[s][l]
+    part = planned.partition
+    devices = [devices[part[s][lane]] for lane in range(lanes) for s in range(stages)]
+    schedule = ticks.from_plan(planned.plan, part)
   else:
     paths, policy = schedule_paths(p.schedule, stages, M, float(p.skip), bool(p.swap), int(p.seed))
     schedule = ticks.build(paths, stages, policy)
+  mesh = pipe.make_mesh(stages, lanes, devices)
   shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
   tx = build_lib.inner_optimizer(config, shapes, decay_mask)
   train = PipelineTrainStep(model_cfg, tx, mesh, schedule, shapes, planned)
-  axis = pipe.DATA if lanes > 1 else None
+  axis = pipe.DATA if lanes > 1 and not schedule.mesh_wide else None
   return build_lib.Run(
-    mesh, tokens, model_cfg, shapes, train, 1, config.train.num_updates, M, None, batch_axis=axis
+    mesh,
+    tokens,
+    model_cfg,
+    shapes,
+    train,
+    1,
+    config.train.num_updates,
+    M,
+    None,
+    batch_axis=axis,
+    batch_whole=True,
   )

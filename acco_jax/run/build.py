@@ -35,6 +35,9 @@ class Run(NamedTuple):
   base_microbatches: int  # per device per stage without heterogeneous budgets
   budgets: np.ndarray | None  # fixed per-device budgets per stage (hetero.budgets), else None
   batch_axis: Any = parallel.DATA  # the mesh axes a batch's rows are sharded over
+  # every process reads the whole global batch (a pipeline: a lane's devices sit on several
+  # processes, which must hold the same rows)
+  batch_whole: bool = False
   loco: bool = False  # a low-communication method (train is an acco_jax.loco.step.LocoStep)
   orders: Any = None  # SkipPipe paths: acco_jax.pipeline.orders.LayerOrders (pipeline.stages > 0)
   policy: Any = None  # hetero.adaptive's per-device budgets: acco_jax.dp.hetero.BudgetPolicy
@@ -63,10 +66,11 @@ def prepare_tokens(config) -> data.TokenData:
 def batch_stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None):
   """Batches of ``rows`` rows of ``tokens`` (this process's share), as the config packs them.
 
-  A replicated batch (``run.batch_axis`` None: a pipeline of one data lane) is read whole by every
-  process, so that the processes hold the same rows.
+  With ``run.batch_whole`` (a pipeline) every process reads the whole batch, so that processes
+  whose devices share rows hold the same ones (:func:`acco_jax.run.parallel.global_batch` places
+  each device's part).
   """
-  shared = run.batch_axis is None
+  shared = run.batch_whole
   return data.batches(
     tokens, seq_len=config.data.seq_len, global_batch_rows=rows, seed=seed,
     process_index=0 if shared else jax.process_index(),

@@ -222,9 +222,15 @@ def make_mesh(num_devices: int = 0, axis: str = DATA) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(np.array(devices), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def global_batch(local_batch: dict, mesh: jax.sharding.Mesh, axis: str = DATA) -> dict:
-  """Process-local rows -> global arrays sharded over ``axis`` (rows concatenated over processes)."""
+def global_batch(
+  local_batch: dict, mesh: jax.sharding.Mesh, axis: str = DATA, whole: bool = False
+) -> dict:
+  """Process-local rows -> global arrays sharded over ``axis`` (rows concatenated over processes);
+  with ``whole`` every process holds the whole global batch and each device takes its part."""
   sharding = NamedSharding(mesh, P(axis))
-  return jax.tree.map(
-    lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_batch
-  )
+
+  def put(x):
+    x = np.asarray(x)
+    return jax.make_array_from_process_local_data(sharding, x, x.shape if whole else None)
+
+  return jax.tree.map(put, local_batch)

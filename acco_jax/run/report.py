@@ -41,7 +41,7 @@ def evaluate(run: Run, config, params, eval_fn=None, order=None) -> dict:
   it = batch_stream(run, config, run.tokens.eval, rows, seed=0, shuffle=False)
   loss_sum = tokens = 0.0
   for _ in range(config.train.eval_batches):
-    batch = parallel.global_batch(next(it), run.mesh, run.batch_axis)
+    batch = parallel.global_batch(next(it), run.mesh, run.batch_axis, run.batch_whole)
     aux = jax.device_get(eval_fn(params, batch))
     loss_sum, tokens = loss_sum + float(aux["loss_sum"]), tokens + float(aux["tokens"])
   loss = loss_sum / max(tokens, 1.0)

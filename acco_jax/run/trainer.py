@@ -125,7 +125,9 @@ def train_and_evaluate(
         prime["order"] = run.orders.prime_rows(
           train.num_microbatches, jax.process_index(), jax.process_count()
         )
-      state = train.init(params, parallel.global_batch(prime, mesh, run.batch_axis))
+      state = train.init(
+        params, parallel.global_batch(prime, mesh, run.batch_axis, run.batch_whole)
+      )
     events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
   if start >= run.total_stages:  # nothing left: report the finished run, train nothing
     ckpt.close()
@@ -184,7 +186,8 @@ def train_and_evaluate(
   # The next batches are read and placed on the devices by a background thread while a stage runs;
   # `consumed` is the data position after the last batch a stage took (what a checkpoint stores).
   consumed = stream.get_state()
-  feed = data.Prefetcher(stream, lambda b: parallel.global_batch(b, mesh, run.batch_axis), depth=2)
+  place = lambda b: parallel.global_batch(b, mesh, run.batch_axis, run.batch_whole)
+  feed = data.Prefetcher(stream, place, depth=2)
   pending = None  # a logged stage's device metrics, read after the next stage is dispatched
 
   def readable(tree):
