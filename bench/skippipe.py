@@ -28,6 +28,9 @@ Four tables (``--part``):
 * ``pipeline-convergence`` (``bench/skippipe_pipeline.py``): ``method=pipeline`` on 2 data lanes x
   4 stages, the scheduled plan against random paths and the full pipeline at equal updates, and
   per stage how often it is visited and what it learned (not part of ``all``).
+* ``plan``: the scheduled plan ``train.py --config C --config.method=pipeline`` trains on
+  ``--devices`` devices (the same function on the same config): its stage assignment, simulated
+  time and each microbatch's route over lanes; writes ``skippipe_plan.json``.
 * ``omission``: for the models of ``convergence`` (normal, and SkipPipe at skip 0.5), the eval loss
   of the full model, of every other stage (stages 0, 2, 4, 6: half the blocks) and of random
   half-paths (stage 0 and 3 random stages in order), relative to the full model.
@@ -40,6 +43,8 @@ Usage::
   python bench/skippipe.py --part convergence --seeds 0 1 2  # also writes the omission table;
                                                              # rerun: goes on from written runs
   python bench/skippipe.py --part pipeline-convergence       # about 10 minutes
+  python bench/skippipe.py --part plan --config configs/gpt2_skippipe.py:tiny --devices 8
+                                        # the plan train.py --config.method=pipeline trains
   python bench/skippipe.py --smoke --out /tmp/sp             # CI: a sliver of each part
 
 Writes ``bench/results/skippipe_sim.json``, ``skippipe_sim_allreduce.json`` and
@@ -63,7 +68,7 @@ import numpy as np
 TOPOLOGIES = ("single-cluster", "multi-cluster", "geo")
 SKIPS = (0.0, 0.25, 0.33, 0.5)
 PARTS = ("sim", "sim-allreduce", "timeline", "convergence", "collect", "pipeline-convergence",
-         "all")  # fmt: skip
+         "plan", "all")  # fmt: skip
 
 
 def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draws=5, iters=400,
@@ -348,6 +353,8 @@ def main() -> None:
   ap.add_argument("--updates", type=int, default=CONV["num_updates"])
   ap.add_argument("--out", default=str(common.RESULTS))
   ap.add_argument("--smoke", action="store_true", help="a sliver of each part (CI)")
+  ap.add_argument("--config", default="configs/gpt2_skippipe.py:tiny", help="--part plan: a config")
+  ap.add_argument("--devices", type=int, default=8, help="--part plan: the run's devices")
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   ap.add_argument("--worker-args", help=argparse.SUPPRESS)
   args = ap.parse_args()
@@ -395,6 +402,11 @@ def main() -> None:
       fig = Path(__file__).resolve().parents[1] / "docs" / "figures" / "skippipe_timeline.png"
       spans = timeline(fig)
     print(f"\nwrote {fig}: " + ", ".join(f"{k} {v} s" for k, v in spans.items()))
+  if args.part == "plan":  # the plan train.py trains for --config (bench/skippipe_pipeline.py)
+    import skippipe_pipeline
+
+    skippipe_pipeline.plan_report(args.config, args.devices, out / "skippipe_plan.json")
+    return
   if args.part == "pipeline-convergence":  # bench/skippipe_pipeline.py; not part of 'all'
     import skippipe_pipeline
 

@@ -279,6 +279,41 @@ def run(out_dir: Path, seeds: list[int], updates: int | None = None, smoke: bool
   return result
 
 
+def plan_report(spec: str, devices: int = 8, out: Path | None = None) -> dict:
+  """The scheduled plan ``train.py --config SPEC --config.method=pipeline`` trains on ``devices``
+  devices: the same function (``pipeline/train.scheduled_plan``) on the same config. Prints it and
+  returns it as a dict (``plans.record`` plus the simulated time)."""
+  import importlib
+
+  from acco_jax.pipeline import plans
+  from acco_jax.pipeline import train as pipe_train
+  from acco_jax.run import build as build_lib
+
+  path, _, arg = spec.partition(":")
+  name = Path(path).stem
+  config = importlib.import_module(f"configs.{name}").get_config(arg or None)
+  config.method = "pipeline"
+  tokens = build_lib.prepare_tokens(config)
+  model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
+  planned = pipe_train.scheduled_plan(config, model_cfg, devices)
+  if planned is None:
+    raise SystemExit(f"{spec} runs no scheduled plan (pipeline.schedule=skippipe, paths=scheduled)")
+  record = plans.record(planned)
+  S = len(planned.partition)
+  print(f"plan for {spec} on {devices} devices, topology {planned.topology.name}: "
+        f"{planned.plan.makespan:.4g} s simulated ({planned.plan.policy} order)")  # fmt: skip
+  print("stage assignment (node = device):", record["partition"])
+  where = {x: (s, lane) for s, p in enumerate(planned.partition) for lane, x in enumerate(p)}
+  for b, r in enumerate(planned.plan.routes()):
+    hops = " -> ".join(f"s{where[x][0]}/lane{where[x][1]}" for x in (r.origin, *r.nodes))
+    print(f"  microbatch {b}: path {r.path}: {hops} -> back to lane {where[r.origin][1]}")
+  assert len(where) == devices and all(len(p) == devices // S for p in planned.partition)
+  if out is not None:
+    common.write_json(out, {"benchmark": "skippipe_plan", "config": spec, "devices": devices,
+                            **record})  # fmt: skip
+  return record
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

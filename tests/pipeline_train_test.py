@@ -5,6 +5,8 @@ reruns, so bit-exact) and refuses, in one line, a resume that would make another
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -90,9 +92,27 @@ def test_resume_keeps_the_saved_plan():
   assert run.train.schedule.columns == ticks.from_plan(other, planned.partition).columns
   moved = plans.record(planned)
   moved["partition"] = moved["partition"][::-1]  # another stage assignment: another device layout
-  with pytest.raises(errors.UserValueError, match="stage assignment .* is not the one this version"):
+  with pytest.raises(
+    errors.UserValueError, match="stage assignment .* is not the one this version"
+  ):
     run.train.check_checkpoint({"plan": moved})
   broken = plans.record(planned)
   broken["plan"]["order"][0] = broken["plan"]["order"][0][1:]  # a step left out
   with pytest.raises(ValueError, match="every step of every route exactly once"):
     run.train.check_checkpoint({"plan": broken})
+
+
+def test_bench_reports_the_plan_train_trains(tmp_path):
+  """``bench/skippipe.py --part plan`` prints and writes the plan ``train.py`` trains for the same
+  config (configs/gpt2_skippipe.py:tiny, method=pipeline, 8 devices)."""
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  cmd = [sys.executable, str(repo / "bench" / "skippipe.py"), "--part", "plan", "--config",
+         "configs/gpt2_skippipe.py:tiny", "--devices", "8", "--out", str(tmp_path)]  # fmt: skip
+  proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  reported = json.loads((tmp_path / "skippipe_plan.json").read_text())
+  config = gpt2_skippipe.get_config("tiny")
+  config.method = "pipeline"
+  planned = trainer.build(config).train.planned
+  assert reported["plan"] == json.loads(json.dumps(plans.record(planned)))["plan"]
+  assert reported["partition"] == [list(p) for p in planned.partition]
