@@ -3,7 +3,12 @@ r"""GPT-2 trained with SkipPipe paths (acco_jax.pipeline) on the `zero1` method.
   python train.py --config configs/gpt2_skippipe.py --workdir runs/skippipe            # CPU
   python train.py --config configs/gpt2_skippipe.py:gpt2 --workdir runs/skippipe-124m  # GPUs
   python train.py --config configs/gpt2_skippipe.py --workdir runs/skippipe-pipe \
-    --config.method=pipeline   # the same kind of paths on a 'stage' mesh axis (gpt2_pipeline.py)
+    --config.method=pipeline   # the scheduler's plan on a ('data', 'stage') pipeline mesh
+  python bench/skippipe.py --part plan --config configs/gpt2_skippipe.py:tiny   # print that plan
+
+With method=pipeline every device is a node of the topology (a preset drawn with the device count),
+each stage has one node per data lane, and microbatches cross lanes on the routes the scheduler
+picks (acco_jax.pipeline.plans, ticks.from_plan).
 
 Every microbatch runs stage 0's blocks and then a scheduled path through the other stages, with a
 quarter of the stages left out and swaps allowed; the path scheduler plans for the geo preset.
