@@ -109,11 +109,24 @@ def test_eager_ddp_inner_matches_reference():
   assert_trees_close(train.params(state), glob)
 
 
-def test_one_worker_eager_is_blocking():
-  """M = 1: Δ̃ = Δ̄(t), the estimate is the commit. Float tolerance (other programs)."""
+ONE_WORKER = {
+  "diloco": lambda mode: loco.diloco(sync_every=3, outer_overlap=mode),
+  "streaming_fp4": lambda mode: loco.streaming_diloco(
+    sync_every=4, fragments=2, overlap_steps=0, alpha=0.5, quantize="fp4", block=16,
+    outer_overlap=mode,
+  ),  # fmt: skip
+  "sparseloco": lambda mode: loco.sparseloco(2, topk=4, chunk=4, bits=2, outer_overlap=mode),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_WORKER))
+def test_one_worker_eager_is_blocking(name):
+  """M = 1: Δ̃ = Δ̄(t), the estimate is the commit (per fragment for Streaming DiLoCo; the decoded
+  sparse share for SparseLoCo, whose error feedback then sees the same Δ). Float tolerance (other
+  programs)."""
   batches = toy_batches(10, 8 * K * B)
-  train, state, _ = run(loco.diloco(sync_every=3, outer_overlap="eager"), 1, 8, batches)
-  none, ref_state, _ = run(loco.diloco(sync_every=3), 1, 8, batches)
+  train, state, _ = run(ONE_WORKER[name]("eager"), 1, 8, batches)
+  none, ref_state, _ = run(ONE_WORKER[name]("none"), 1, 8, batches)
   assert_trees_close(train.params(state), none.params(ref_state))
   assert_trees_close(workers(train, state)[0], workers(none, ref_state)[0])
 
