@@ -112,7 +112,12 @@ def test_eager_ddp_inner_matches_reference():
 ONE_WORKER = {
   "diloco": lambda mode: loco.diloco(sync_every=3, outer_overlap=mode),
   "streaming_fp4": lambda mode: loco.streaming_diloco(
-    sync_every=4, fragments=2, overlap_steps=0, alpha=0.5, quantize="fp4", block=16,
+    sync_every=4,
+    fragments=2,
+    overlap_steps=0,
+    alpha=0.5,
+    quantize="fp4",
+    block=16,
     outer_overlap=mode,
   ),  # fmt: skip
   "sparseloco": lambda mode: loco.sparseloco(2, topk=4, chunk=4, bits=2, outer_overlap=mode),
