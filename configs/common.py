@@ -91,6 +91,8 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.loco.layout = "strided"  # strided (block l in fragment l mod P) | sequential
   c.loco.overlap_steps = 0  # tau in [0, H/P): inner steps a fragment's reduction is in flight
   c.loco.alpha = 0.0  # merge: local <- alpha * local + (1 - alpha) * global (0 = replace)
+  c.loco.outer_overlap = "none"  # none (blocking) | delayed | eager: a sync's reduction runs
+  # during the next phase (diloco, streaming_diloco, sparseloco; acco_jax.loco.overlap)
   c.loco.quantize = "none"  # outer pseudo-gradients on the wire: none (float32) | fp4 (E3M0)
   c.loco.quantize_block = 2048  # values per FP4 power-of-two scale (within a device's shard)
   # sparseloco / demo: top-k per chunk of a device's shard, error feedback, all-gather

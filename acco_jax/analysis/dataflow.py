@@ -94,12 +94,25 @@ def _collect(jaxpr, in_loop: bool, found: list):
       _collect(sub, in_loop or name in LOOPS, found)
 
 
-def dataflow_report(closed_jaxpr, *, psum_limit: int = 64) -> DataflowReport:
+def _over(eqn, axis: str | None) -> bool:
+  """Whether a collective runs over ``axis`` (every collective when ``axis`` is None)."""
+  if axis is None:
+    return True
+  names = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+  names = names if isinstance(names, tuple | list) else (names,)
+  return axis in names
+
+
+def dataflow_report(
+  closed_jaxpr, *, psum_limit: int = 64, axis: str | None = None
+) -> DataflowReport:
   """Analyses ``jax.make_jaxpr(step)(...)`` (see :class:`DataflowReport`).
 
   ``jit``/``shard_map``/call sub-jaxprs are inlined (their variables are aliased to the outer ones),
   loops are single nodes, and every variable carries the set of loops and data-moving collectives it
-  depends on.
+  depends on. ``axis``: only collectives over that mesh axis count for ``loop_feeds_comm`` and
+  ``comm_feeds_loop`` (e.g. the workers' ``replica`` axis, leaving a loop's own data-axis
+  collectives out).
   """
   deps: dict = {}  # var -> frozenset of node tags it depends on
   state = {"loops": 0, "loop_feeds": False, "comm_feeds": False}
@@ -133,7 +146,7 @@ def dataflow_report(closed_jaxpr, *, psum_limit: int = 64) -> DataflowReport:
         big = name.startswith("psum") and any(
           int(np.prod(v.aval.shape)) > psum_limit for v in eqn.invars
         )
-        if name in DATA_MOVERS or big:
+        if (name in DATA_MOVERS or big) and _over(eqn, axis):
           if any(t[0] == "loop" for t in ins):
             state["loop_feeds"] = True
           out = ins | {("comm", id(eqn), i)}

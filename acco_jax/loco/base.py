@@ -47,6 +47,7 @@ import optax
 from acco_jax.loco.compress import Compressor, get_compressor
 from acco_jax.loco.compress.bits import BITS
 from acco_jax.loco.compress.sparse import AGGREGATES
+from acco_jax.loco.overlap import OVERLAPS
 
 PyTree = Any
 
@@ -112,6 +113,8 @@ class LocoMethod(NamedTuple):
     pairing: a :class:`Pairing` (each worker averages with one peer) or None.
     payload: ``delta`` (``θ_g − θ_m``) or ``gradient`` (the inner step keeps the gradient and
       leaves the parameters alone; DeMo).
+    outer_overlap: ``none`` (blocking), ``delayed`` or ``eager``: the reduction of a sync runs
+      during the next phase (:mod:`acco_jax.loco.overlap`).
   """
 
   name: str
@@ -125,6 +128,7 @@ class LocoMethod(NamedTuple):
   sparse: Sparsify | None = None
   pairing: Pairing | None = None
   payload: str = "delta"
+  outer_overlap: str = "none"
 
   @property
   def aggregate(self) -> str:
@@ -176,8 +180,27 @@ def check(method: LocoMethod) -> None:
     raise ValueError(f"{method.name} updates every step: loco.sync_every={h} must be 1")
   if method.sparse is not None:
     _check_sparse(method.sparse)
+  _check_overlap(method)
   if method.pairing is not None and method.pairing.count < 1:
     raise ValueError(f"loco.pairings={method.pairing.count} must be >= 1 (random matchings drawn)")
+
+
+def _check_overlap(method: LocoMethod) -> None:
+  mode = method.outer_overlap
+  if mode not in OVERLAPS:
+    raise ValueError(f"loco.outer_overlap={mode!r}: choose one of {', '.join(OVERLAPS)}")
+  if mode == "none":
+    return
+  if method.aggregate == "pairs" or method.payload == "gradient":
+    raise ValueError(
+      f"loco.outer_overlap={mode!r} applies to diloco, streaming_diloco and sparseloco, not to "
+      f"{method.name}; set loco.outer_overlap='none'"
+    )
+  if method.overlap_steps:
+    raise ValueError(
+      f"loco.outer_overlap={mode!r} already keeps a fragment's reduction in flight until the next "
+      f"sync: set loco.overlap_steps=0 (got {method.overlap_steps})"
+    )
 
 
 def _check_sparse(s: Sparsify) -> None:

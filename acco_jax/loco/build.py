@@ -58,9 +58,10 @@ def loco_method(config) -> loco.LocoMethod:
   """The low-communication method of ``config.method`` from the ``loco`` group (one-line errors)."""
   c = config.loco
   outer = loco.default_outer(c.outer_lr, c.outer_momentum)
+  mode = dict(outer_overlap=c.outer_overlap)
   try:
     if config.method == "diloco":
-      return loco.diloco(c.sync_every, outer)
+      return loco.diloco(c.sync_every, outer, **mode)
     if config.method == "noloco":
       return loco.noloco(
         c.sync_every, outer_lr=c.outer_lr, momentum=c.outer_momentum, pairings=c.pairings,
@@ -69,14 +70,14 @@ def loco_method(config) -> loco.LocoMethod:
     sparse = dict(topk=c.topk, chunk=c.chunk, decay=c.ef_decay, aggregate=c.aggregate)
     if config.method == "sparseloco":
       return loco.sparseloco(
-        c.sync_every, bits=c.bits, outer_lr=c.outer_lr, ef_scale=c.ef_scale, **sparse
+        c.sync_every, bits=c.bits, outer_lr=c.outer_lr, ef_scale=c.ef_scale, **sparse, **mode
       )
     if config.method == "demo":
       lr = optim.schedule(config.opt, config.train.num_updates)
       return loco.demo(lr, weight_decay=config.opt.weight_decay, **sparse)
     return loco.streaming_diloco(
       c.sync_every, c.fragments, layout=c.layout, overlap_steps=c.overlap_steps, alpha=c.alpha,
-      quantize=c.quantize, block=c.quantize_block, outer=outer,
+      quantize=c.quantize, block=c.quantize_block, outer=outer, **mode,
     )  # fmt: skip
   except ValueError as e:
     raise errors.UserValueError(str(e).replace("the FP4 block", "loco.quantize_block")) from None
@@ -91,6 +92,11 @@ def _check_loco(config) -> loco.LocoMethod:
     raise errors.UserValueError(
       f"{config.method} syncs every parameter at once (loco.fragments=1, overlap_steps=0, "
       "alpha=0); use method=streaming_diloco for fragments, overlap or alpha"
+    )
+  if c.outer_overlap != "none" and config.method in ("noloco", "demo"):
+    raise errors.UserValueError(
+      f"loco.outer_overlap={c.outer_overlap!r} applies to diloco, streaming_diloco and sparseloco, "
+      f"not to {config.method}; set loco.outer_overlap='none'"
     )
   if config.method == "demo" and c.sync_every != 1:
     raise errors.UserValueError(

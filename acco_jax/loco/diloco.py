@@ -22,16 +22,24 @@ import optax
 from acco_jax.loco.base import LocoMethod, check, default_outer
 
 
-def diloco(sync_every: int = 500, outer: optax.GradientTransformation | None = None) -> LocoMethod:
+def diloco(
+  sync_every: int = 500,
+  outer: optax.GradientTransformation | None = None,
+  *,
+  outer_overlap: str = "none",
+) -> LocoMethod:
   """DiLoCo.
 
   Args:
     sync_every: ``H``, inner steps between outer steps.
     outer: the outer optax transform; default ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+    outer_overlap: ``none``, ``delayed`` or ``eager`` (:mod:`acco_jax.loco.overlap`).
 
   Returns:
     The :class:`acco_jax.loco.LocoMethod` (one fragment, no overlap, replace).
   """
-  method = LocoMethod("diloco", int(sync_every), outer or default_outer())
+  method = LocoMethod(
+    "diloco", int(sync_every), outer or default_outer(), outer_overlap=outer_overlap
+  )
   check(method)
   return method

@@ -100,16 +100,17 @@ def inner_step(step, inner, batch, counts, token=None):
   return step.inner.program.stage_fn("sync")(inner, _per_worker_batch(step, batch), counts, token)
 
 
-def send(step, state, p: int):
+def send(step, state, p: int, ref=None):
   """Fragment ``p``'s pseudo-gradient, compressed, and its mean over workers (all-reduce).
 
-  Returns the payload, the mean as one ``[M, D, n_p]`` buffer (the fragment's shards end to end:
-  one all-reduce, and one value for the window's barrier to hold) and whether all was finite.
+  The pseudo-gradient is measured from ``ref`` (fragment ``p``'s view of each worker's start
+  point; default ``θ_g``). Returns the payload, the mean as one ``[M, D, n_p]`` buffer (the
+  fragment's shards end to end: one all-reduce, and one value for the window's barrier to hold)
+  and whether all was finite.
   """
   idx = step.parts[p]
-  delta = base.pseudo_gradient(
-    base.select(state.outer.params, idx), base.select(state.inner.params, idx)
-  )
+  ref = base.select(state.outer.params, idx) if ref is None else ref
+  delta = base.pseudo_gradient(ref, base.select(state.inner.params, idx))
   payload = {k: step.method.compressor.roundtrip(v)[0] for k, v in delta.items()}
   finite = finite_per_worker(payload)
   flat = jnp.concatenate([payload[f"{i:04d}"] for i in idx], axis=-1)
@@ -213,13 +214,13 @@ def build(step, kind: str, p: int | None, sharding):
 # -- the syncs that do not all-reduce --------------------------------------------------------------
 
 
-def payload(step, state, idx) -> dict:
-  """The view of what a worker sends: ``Δ = θ_g − θ_m``, or the gradient its inner step kept."""
+def payload(step, state, idx, ref=None) -> dict:
+  """The view of what a worker sends: ``Δ = θ_g − θ_m`` (or ``ref − θ_m``, ``ref`` a view of the
+  worker's start point), or the gradient its inner step kept."""
   if step.method.payload == "gradient":
     return base.select(kept_gradient(state.inner.opt_state), idx)
-  return base.pseudo_gradient(
-    base.select(state.outer.params, idx), base.select(state.inner.params, idx)
-  )
+  ref = base.select(state.outer.params, idx) if ref is None else ref
+  return base.pseudo_gradient(ref, base.select(state.inner.params, idx))
 
 
 def sync_index(step, state) -> jax.Array:
@@ -227,11 +228,12 @@ def sync_index(step, state) -> jax.Array:
   return state.step // step.method.sync_every - 1
 
 
-def exchange(step, state, p: int):
-  """Returns ``(state, the outer update's input view per worker, metrics)`` for fragment ``p``."""
+def exchange(step, state, p: int, ref=None):
+  """Returns ``(state, the outer update's input view per worker, metrics)`` for fragment ``p``
+  (``ref``: as :func:`payload`, sparse methods only)."""
   if step.method.aggregate == "pairs":
     return _pairs(step, state, p)
-  return _sparse(step, state, p)
+  return _sparse(step, state, p, ref)
 
 
 def _pairs(step, state, p):
@@ -257,9 +259,9 @@ def _pairs(step, state, p):
   return state, grad, {"outer_finite": finite_per_worker(delta), "outer_pairing": which}
 
 
-def _sparse(step, state, p):
+def _sparse(step, state, p, ref=None):
   idx = step.parts[p]
-  x = payload(step, state, idx)
+  x = payload(step, state, idx, ref)
   buffers = base.select(state.comp, idx)
   keys, spec, codec = list(x), step.method.sparse, step.codec
 
@@ -273,6 +275,18 @@ def _sparse(step, state, p):
   def decode(everyone):
     return dict(zip(keys, codec.mean(everyone), strict=True))
 
-  kept, mean = step.comm.gather(encode, decode, (x, buffers), (sync_index(step, state),))
+  t = sync_index(step, state)
+  kept, mean = step.comm.gather(encode, decode, (x, buffers), (t,))
   state = state._replace(comp=base.replace(state.comp, kept))
   return state, mean, {"outer_finite": finite_per_worker(x)}
+
+
+def sparse_share(step, state_before, state_after, p: int, ref=None) -> dict:
+  """What worker ``m`` put into the sparse average of fragment ``p``: the decoded ``ê_m`` it sent,
+  ``β e + c_t x − e_new`` (the error feedback before and after the sync)."""
+  idx, spec = step.parts[p], step.method.sparse
+  x = payload(step, state_before, idx, ref)
+  t = sync_index(step, state_before)
+  c = spec.scale(t) if spec.scale is not None else 1.0
+  old, new = base.select(state_before.comp, idx), base.select(state_after.comp, idx)
+  return jax.tree.map(lambda e, xi, n: spec.decay * e + c * xi - n, old, x, new)

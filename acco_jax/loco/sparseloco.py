@@ -64,6 +64,7 @@ def sparseloco(
   aggregate: str = "mean_contributors",
   outer_lr: float = 1.0,
   ef_scale: str = "one",
+  outer_overlap: str = "none",
 ) -> LocoMethod:
   """SparseLoCo.
 
@@ -77,6 +78,8 @@ def sparseloco(
     outer_lr: ``α`` of the outer SGD (no momentum).
     ef_scale: what multiplies ``Δ`` into the error feedback: ``one`` (``e ← β e + Δ``, the paper)
       or ``outer_lr`` (``e ← β e + α Δ``, the reference code).
+    outer_overlap: ``none``, ``delayed`` or ``eager``; the decoded sparse average stands in for
+      ``Δ̄`` (:mod:`acco_jax.loco.overlap`).
 
   Returns:
     The :class:`acco_jax.loco.LocoMethod`.
@@ -90,6 +93,8 @@ def sparseloco(
   sparse = Sparsify(
     float(decay), int(topk), int(chunk), "scaled", "none", int(bits), aggregate, scale
   )
-  method = LocoMethod("sparseloco", int(sync_every), optax.sgd(outer_lr), sparse=sparse)
+  method = LocoMethod(
+    "sparseloco", int(sync_every), optax.sgd(outer_lr), sparse=sparse, outer_overlap=outer_overlap
+  )
   check(method)
   return method

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from acco_jax import errors
 from acco_jax.dp.step import TrainState, TrainStep
-from acco_jax.loco import base, programs
+from acco_jax.loco import base, overlap, phase, programs
 from acco_jax.loco.accounting import SyncAccounting
 from acco_jax.loco.base import LocoMethod, OuterState
 from acco_jax.loco.replica import REPLICA, ReplicaCollectives
@@ -55,6 +55,9 @@ class LocoState(NamedTuple):
     step: int32, inner steps done.
     comp: each worker's compressor state, ``[M, D, s]`` shards: SparseLoCo's error feedback,
       DeMo's momentum (``()`` for the other methods).
+    overlap: with ``loco.outer_overlap`` ``delayed`` or ``eager``, each worker's
+      :class:`acco_jax.loco.overlap.OverlapState` (start point, last average, own share;
+      ``[M, D, s]`` shards); ``()`` when blocking, so those checkpoints are unchanged.
   """
 
   inner: TrainState
@@ -63,6 +66,7 @@ class LocoState(NamedTuple):
   inflight_fragment: jax.Array
   step: jax.Array
   comp: PyTree = ()
+  overlap: PyTree = ()
 
 
 class Call(NamedTuple):
@@ -72,8 +76,11 @@ class Call(NamedTuple):
     apply: the fragment whose in-flight mean is applied first, or ``None``.
     send: the fragment sent before this call's inner steps (a window), or ``None``.
     stages: inner steps this call runs (``τ`` for a window, else 1).
-    sync: the fragment synced after them (``τ = 0``), or ``None``.
+    sync: the fragment synced after them (``τ = 0``; with an outer overlap, the blocking sync
+      that lands the run's last pseudo-gradient), or ``None``.
     land: the window's fragment is applied right after its steps (the run ends there).
+    phase: the fragment whose overlapped phase this call runs (``stages`` = ``H/P`` inner steps
+      with its reduction in flight, :mod:`acco_jax.loco.phase`), or ``None``.
   """
 
   apply: int | None
@@ -81,6 +88,7 @@ class Call(NamedTuple):
   stages: int
   sync: int | None
   land: bool = False
+  phase: int | None = None
 
 
 class LocoStep(SyncAccounting):
@@ -135,6 +143,7 @@ class LocoStep(SyncAccounting):
       inflight_fragment=rep,
       step=rep,
       comp=jax.tree.map(leaf, state_shape.comp),
+      overlap=jax.tree.map(leaf, state_shape.overlap),
     )
 
   @property
@@ -161,6 +170,7 @@ class LocoStep(SyncAccounting):
       inflight_fragment=jnp.int32(-1),
       step=jnp.int32(0),
       comp=jax.tree.map(copies, zeros) if self.method.sparse else (),
+      overlap=jax.tree.map(copies, overlap.init_overlap(self.method.outer_overlap, one.params)),
     )
 
   def abstract_state(self, params: PyTree) -> LocoState:
@@ -186,6 +196,8 @@ class LocoStep(SyncAccounting):
     of the run applies its fragment in the same call, so nothing is in flight after the last step.
     """
     m = self.method
+    if m.outer_overlap != "none":
+      return self._plan_overlap(steps_done, total)
     apply = base.apply_fragment(m, steps_done) if m.overlap_steps and steps_done else None
     send = base.send_fragment(m, steps_done)
     if send is not None and steps_done + m.overlap_steps > total:
@@ -194,6 +206,17 @@ class LocoStep(SyncAccounting):
     sync = None if m.overlap_steps else base.apply_fragment(m, steps_done + stages)
     land = send is not None and steps_done + stages == total
     return Call(apply, send, stages, sync, land)
+
+  def _plan_overlap(self, steps_done: int, total: int) -> Call:
+    """An outer overlap's schedule: from a fragment's sync point, a phase program of ``K = H/P``
+    steps if it ends within the run; the sync point no phase follows (the run's last) syncs
+    blocking, so nothing is pending at the end. Before the first sync: plain inner steps."""
+    m, k, s = self.method, self.method.period, steps_done
+    if s >= k and s % k == 0 and s + k <= total:
+      last = base.apply_fragment(m, s + k) if s + 2 * k > total else None
+      return Call(None, None, k, last, phase=base.apply_fragment(m, s))
+    sync = base.apply_fragment(m, s + 1)
+    return Call(None, None, 1, sync if sync is not None and s + 1 + k > total else None)
 
   # -- programs ----------------------------------------------------------------------------------
 
@@ -207,7 +230,8 @@ class LocoStep(SyncAccounting):
     on the first call; ``state_like``: a state or its ``ShapeDtypeStruct`` tree."""
     key = (kind, p)
     if key not in self._programs:
-      self._programs[key] = programs.build(self, kind, p, self._sharding(state_like))
+      build = phase.build if kind in ("phase", "flush") else programs.build
+      self._programs[key] = build(self, kind, p, self._sharding(state_like))
     return self._programs[key]
 
   # -- public API --------------------------------------------------------------------------------
@@ -240,13 +264,16 @@ class LocoStep(SyncAccounting):
     if call.apply is not None:
       state, metrics = self._program("apply", call.apply, state)(state)
     batches = [self.put_batch(b) for b in batches]
-    if call.send is not None:
+    if call.phase is not None:
+      state, inner = self._program("phase", call.phase, state)(state, batches, self._counts())
+    elif call.send is not None:
       state, inner = self._program("window", call.send, state)(state, batches, self._counts())
     else:
       state, inner = self._program("stage", None, state)(state, batches[0], self._counts())
     metrics = {**metrics, **inner}
     if call.sync is not None:
-      state, outer = self._program("sync", call.sync, state)(state)
+      kind = "sync" if self.method.outer_overlap == "none" else "flush"
+      state, outer = self._program(kind, call.sync, state)(state)
       metrics = {**metrics, **outer}
     if call.land:
       state, outer = self._program("apply", call.send, state)(state)

@@ -39,6 +39,7 @@ def streaming_diloco(
   quantize: str = "fp4",
   block: int = 2048,
   outer: optax.GradientTransformation | None = None,
+  outer_overlap: str = "none",
 ) -> LocoMethod:
   """Streaming DiLoCo.
 
@@ -51,6 +52,8 @@ def streaming_diloco(
     quantize: ``fp4`` (E3M0 with a power-of-two scale per ``block`` values) or ``none``.
     block: values per FP4 scale.
     outer: the outer optax transform; default ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+    outer_overlap: ``none``, ``delayed`` or ``eager``: each fragment's reduction runs for the
+      ``H/P`` steps until the next fragment's sync (:mod:`acco_jax.loco.overlap`; needs ``τ = 0``).
 
   Returns:
     The :class:`acco_jax.loco.LocoMethod`.
@@ -58,6 +61,7 @@ def streaming_diloco(
   method = LocoMethod(
     "streaming_diloco", int(sync_every), outer or default_outer(), int(fragments), layout,
     int(overlap_steps), float(alpha), get_compressor(quantize, block=int(block)),
+    outer_overlap=outer_overlap,
   )  # fmt: skip
   check(method)
   return method

@@ -284,8 +284,12 @@ def train_and_evaluate(
       if run.loco:
         state, m = train.run(state, list(batches), stage, run.total_stages)
         sent = call.sync if call.sync is not None else call.send
-        if sent is not None:
-          wire_bytes += train.wire_bytes(sent)
+        for p in (
+          call.phase,
+          sent,
+        ):  # an overlapped phase sends one fragment, its last sync another
+          if p is not None:
+            wire_bytes += train.wire_bytes(p)
         if "outer_fragment" in m:
           outer_rows.append((stage + call.stages, m))
       else:
