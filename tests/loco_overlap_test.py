@@ -124,7 +124,10 @@ ONE_WORKER = {
 }
 
 
-@pytest.mark.parametrize("name", list(ONE_WORKER))
+@pytest.mark.parametrize(
+  "name",
+  [n if n == "diloco" else pytest.param(n, marks=pytest.mark.slow) for n in ONE_WORKER],
+)  # Streaming DiLoCo and SparseLoCo compile many programs: .ci/run's slow step runs them
 def test_one_worker_eager_is_blocking(name):
   """M = 1: Δ̃ = Δ̄(t), the estimate is the commit (per fragment for Streaming DiLoCo; the decoded
   sparse share for SparseLoCo, whose error feedback then sees the same Δ). Float tolerance (other

@@ -35,12 +35,12 @@ class Run(NamedTuple):
   base_microbatches: int  # per device per stage without heterogeneous budgets
   budgets: np.ndarray | None  # fixed per-device budgets per stage (hetero.budgets), else None
   batch_axis: Any = parallel.DATA  # the mesh axes a batch's rows are sharded over
-  # every process reads the whole global batch (a pipeline: a lane's devices sit on several
-  # processes, which must hold the same rows)
-  batch_whole: bool = False
   loco: bool = False  # a low-communication method (train is an acco_jax.loco.step.LocoStep)
   orders: Any = None  # SkipPipe paths: acco_jax.pipeline.orders.LayerOrders (pipeline.stages > 0)
   policy: Any = None  # hetero.adaptive's per-device budgets: acco_jax.dp.hetero.BudgetPolicy
+  # every process reads the whole global batch (a pipeline: a lane's devices sit on several
+  # processes, which must hold the same rows)
+  batch_whole: bool = False
 
 
 def model_config(config, vocab_size: int) -> model.GPTConfig:
