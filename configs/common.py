@@ -35,6 +35,11 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   # sums are quantized and cross the network (1 = every device quantizes its own gradients;
   # 0 = the devices of one process when there are several processes, else 1).
   c.comm.node_size = 0
+  # How the sharded methods (acco, zero1, dpu, wp) split the optimizer over the data axis:
+  # elementwise (acco_jax.dp.flat: every leaf cut into N chunks; any elementwise optimizer) or
+  # owner (each weight matrix whole on one device, for Muon and Adafactor: issue 39, not built
+  # yet). auto: elementwise.
+  c.comm.layout = "auto"  # auto | elementwise | owner
 
   c.model = ml_collections.ConfigDict()
   c.model.size = "tiny"  # acco_jax.model.SIZES name; fields below override it when > 0

@@ -174,6 +174,10 @@ CONFIGS += [  # quantized communication (the comm group)
    r"comm.node_size=3 does not divide the 8 devices of the 'data' axis"),
   ("comm-quantize-with-dpu", {"method": "dpu", "comm.quantize": "int8"}, ValueError,
    r"comm.quantize='int8' applies to method acco or zero1, not dpu; set comm.quantize=none"),
+  ("unknown-comm-layout", {"comm.layout": "rows"}, ValueError,
+   r"comm.layout='rows' is unknown: choose one of auto, elementwise, owner"),
+  ("comm-layout-owner-not-built", {"method": "zero1", "comm.layout": "owner"}, ValueError,
+   r"comm.layout='owner' \(each weight matrix whole on one device\) is not built yet"),
 ]  # fmt: skip
 CONFIGS += [  # health (acco_jax.run.health.check_config)
   ("unknown-on-slow", {"health.on_slow": "drop"}, ValueError,

@@ -380,7 +380,9 @@ def check_elementwise(tx, plan: CommPlan, params_like, layout) -> None:
     raise ValueError(
       f"method {plan.name!r} shards the optimizer elementwise (ZeRO-1), but the inner "
       "optimizer keeps state shaped differently from the parameters (e.g. Adafactor's factored "
-      "moments); use an elementwise optimizer (adamw, adam, sgd, lion) or method='ddp'"
+      "moments, Muon's whole-matrix update): that needs the owner layout, comm.layout=owner "
+      "(issue 39, not built yet); until then use an elementwise optimizer (adamw, adam, sgd, "
+      "lion) or method='ddp'"
     )
 
 

@@ -130,12 +130,31 @@ def _check_config(config) -> None:
     raise errors.UserValueError(
       f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'"
     )
+  _check_layout(config)
   for key, allowed in _DTYPES.items():
     value = config[key.split(".")[0]][key.split(".")[1]] if "." in key else config[key]
     if value not in allowed:
       raise errors.UserValueError(
         f"{key}={value!r} is not a dtype this field takes: choose one of {', '.join(allowed)}"
       )
+
+
+LAYOUTS = ("auto", "elementwise", "owner")
+
+
+def _check_layout(config) -> None:
+  """``comm.layout``: a known value, and not ``owner`` while that layout is not built."""
+  comm = config.get("comm")
+  layout = "auto" if comm is None else comm.get("layout", "auto")
+  if layout not in LAYOUTS:
+    raise errors.UserValueError(
+      f"comm.layout={layout!r} is unknown: choose one of {', '.join(LAYOUTS)}"
+    )
+  if layout == "owner":
+    raise errors.UserValueError(
+      "comm.layout='owner' (each weight matrix whole on one device) is not built yet (issue 39): "
+      "set comm.layout=auto"
+    )
 
 
 def vocab_meta(cfg: model.GPTConfig) -> dict:
