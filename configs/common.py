@@ -37,8 +37,8 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.comm.node_size = 0
   # How the sharded methods (acco, zero1, dpu, wp) split the optimizer over the data axis:
   # elementwise (acco_jax.dp.flat: every leaf cut into N chunks; any elementwise optimizer) or
-  # owner (each weight matrix whole on one device, for Muon and Adafactor: issue 39, not built
-  # yet). auto: elementwise.
+  # owner (acco_jax.dp.owner: each weight matrix whole on one device, for Muon and Adafactor;
+  # through the API only so far, issue 39). auto: elementwise.
   c.comm.layout = "auto"  # auto | elementwise | owner
 
   c.model = ml_collections.ConfigDict()

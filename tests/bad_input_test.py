@@ -177,7 +177,7 @@ CONFIGS += [  # quantized communication (the comm group)
   ("unknown-comm-layout", {"comm.layout": "rows"}, ValueError,
    r"comm.layout='rows' is unknown: choose one of auto, elementwise, owner"),
   ("comm-layout-owner-not-built", {"method": "zero1", "comm.layout": "owner"}, ValueError,
-   r"comm.layout='owner' \(each weight matrix whole on one device\) is not built yet"),
+   r"comm.layout='owner' \(each weight matrix whole on one device\) runs through the API"),
 ]  # fmt: skip
 CONFIGS += [  # health (acco_jax.run.health.check_config)
   ("unknown-on-slow", {"health.on_slow": "drop"}, ValueError,

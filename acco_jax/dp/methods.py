@@ -31,6 +31,7 @@ from acco_jax.run.optim import find_state
 PyTree = Any
 
 METHODS = ("acco", "ddp", "zero1", "dpu", "wp")
+LAYOUTS = ("auto", "elementwise", "owner")
 
 
 class CommPlan(NamedTuple):
@@ -57,6 +58,9 @@ class CommPlan(NamedTuple):
       hold), so nothing is lost over time.
     node_size: devices per node. Within a node the gradients are reduce-scattered in
       ``comm_dtype``; only node sums are quantized and cross nodes. 1: every device quantizes.
+    layout: how a sharded method splits the optimizer over the data axis: ``elementwise``
+      (:mod:`acco_jax.dp.flat`, every leaf in ``N`` chunks) or ``owner`` (:mod:`acco_jax.dp.owner`,
+      each weight matrix whole on one device: Muon, Adafactor). ``auto``: elementwise.
   """
 
   name: str
@@ -71,6 +75,7 @@ class CommPlan(NamedTuple):
   block: int = 256
   error_feedback: bool = True
   node_size: int = 1
+  layout: str = "auto"
 
   def wire_bytes(self, values: int) -> int:
     """Bytes of ``values`` values in this plan's quantized format (integers and block scales)."""
@@ -106,6 +111,14 @@ def _tree_sub(a: PyTree, b: PyTree) -> PyTree:
   return jax.tree.map(lambda x, y: x - y.astype(x.dtype), a, b)
 
 
+def _layout(layout: str, quantize: str) -> str:
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout={layout!r} is unknown: choose one of {', '.join(LAYOUTS)}")
+  if layout == "owner" and quantize != "none":
+    raise ValueError(f"layout='owner' does not take quantize={quantize!r} yet: use quantize='none'")
+  return layout
+
+
 def _quantized(quantize: str, block: int, error_feedback: bool, node_size: int) -> dict:
   quantize_lib.check(quantize, block, error_feedback, node_size)
   return dict(quantize=quantize, block=block, error_feedback=error_feedback, node_size=node_size)
@@ -138,6 +151,7 @@ def acco(
   block: int = 256,
   error_feedback: bool = True,
   node_size: int = 1,
+  layout: str = "auto",
 ) -> MethodTransformation:
   r"""ACCO: two-stage (estimate, then commit) updates that hide communication without staleness.
 
@@ -173,6 +187,8 @@ def acco(
       ``jnp.float32`` for exactness).
     quantize, block, error_feedback, node_size: quantized communication (see :class:`CommPlan`;
       ``none`` by default).
+    layout: ``auto``, ``elementwise`` or ``owner`` (see :class:`CommPlan`); with ``owner`` the
+      inner optimizer may be any per-leaf transform (``optax.contrib.muon``, ``adafactor``).
 
   Returns:
     A :class:`MethodTransformation` with state :class:`AccoState` and plan ``acco``.
@@ -212,6 +228,7 @@ def acco(
     keep_after_commit=True,
     two_stage=True,
     **_quantized(quantize, block, error_feedback, node_size),
+    layout=_layout(layout, quantize),
   )
   return _method(init_fn, update_fn, plan)
 
@@ -250,6 +267,7 @@ def zero1(
   block: int = 256,
   error_feedback: bool = True,
   node_size: int = 1,
+  layout: str = "auto",
 ) -> MethodTransformation:
   r"""ZeRO-1: the same update as :func:`ddp`, with master weights and inner state sharded 1/N.
 
@@ -262,6 +280,8 @@ def zero1(
     comm_dtype: dtype of the reduce-scatter and all-gather.
     quantize, block, error_feedback, node_size: quantized communication (see :class:`CommPlan`;
       ``none`` by default).
+    layout: ``auto``, ``elementwise`` or ``owner`` (see :class:`CommPlan`); with ``owner`` the
+      inner optimizer may be any per-leaf transform (``optax.contrib.muon``, ``adafactor``).
 
   Returns:
     The inner transform with plan ``zero1``.
@@ -270,7 +290,9 @@ def zero1(
     Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020.
   """
   quant = _quantized(quantize, block, error_feedback, node_size)
-  return _passthrough(inner, CommPlan("zero1", axis_name, comm_dtype, sharded=True, **quant))
+  layout = _layout(layout, quantize)
+  plan = CommPlan("zero1", axis_name, comm_dtype, sharded=True, **quant, layout=layout)
+  return _passthrough(inner, plan)
 
 
 def dpu(
@@ -380,9 +402,8 @@ def check_elementwise(tx, plan: CommPlan, params_like, layout) -> None:
     raise ValueError(
       f"method {plan.name!r} shards the optimizer elementwise (ZeRO-1), but the inner "
       "optimizer keeps state shaped differently from the parameters (e.g. Adafactor's factored "
-      "moments, Muon's whole-matrix update): that needs the owner layout, comm.layout=owner "
-      "(issue 39, not built yet); until then use an elementwise optimizer (adamw, adam, sgd, "
-      "lion) or method='ddp'"
+      "moments, Muon's whole-matrix update): use the owner layout (comm.layout=owner; "
+      "layout='owner' in acco or zero1), an elementwise optimizer (adamw, sgd, lion) or ddp"
     )
 
 

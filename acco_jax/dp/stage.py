@@ -340,7 +340,10 @@ class StageProgram:
   def _update_one(self, reduced, opt_state, params):
     g_rows, valid = reduced
     grads = self.layout.rows_to_shards(g_rows)
-    updates, new_opt_state = self.tx.update(grads, opt_state, params)
+    update = self.tx.update
+    if self.plan.sharded and self.plan.layout == "owner":  # each device's slots on their own
+      update = jax.vmap(update, spmd_axis_name=self.plan.axis_name)
+    updates, new_opt_state = update(grads, opt_state, params)
     new = (optax.apply_updates(params, updates), new_opt_state)
     if self.skip_nonfinite:
       new = jax.tree.map(lambda a, b: jnp.where(valid, a, b), new, (params, opt_state))

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from acco_jax.dp import methods, quantize
 from acco_jax.dp.flat import FlatLayout
+from acco_jax.dp.owner import OwnerLayout
 from acco_jax.dp.quantized_comm import QuantizedComm
 from acco_jax.dp.reshard import reshard_state, saved_num_devices
 from acco_jax.dp.stage import StageProgram
@@ -38,7 +39,8 @@ class TrainState(NamedTuple):
   Attributes:
     w: ``[N*S]`` compute weights in ``comm_dtype``, replicated: θ or θ̃ as a flat buffer.
     params: the optimizer's view of the weights, a tree of ``[N, s_l]`` float32 shards, sharded over
-      the data axis (replicated for DDP). For ACCO/WP this holds θ̃/θ̂; the committed θ is in the state.
+      the data axis (replicated for DDP); with the owner layout, its ``shards`` view. For ACCO/WP
+      this holds θ̃/θ̂; the committed θ is in the state.
     opt_state: the method transform's state over ``params``, sharded like it.
     buf: ``[N, N*S]`` per-device gradient sums waiting to be reduced (delayed methods), else ``None``.
     buf_count: ``[N]`` int32 microbatch counts of ``buf`` (delayed methods), else ``None``.
@@ -60,7 +62,9 @@ class TrainStep:
   """A compiled data-parallel training step for one method. Build it with :func:`make_train_step`.
 
   Attributes:
-    layout: the :class:`FlatLayout` of the parameters.
+    layout: the :class:`FlatLayout` of the parameters, or their
+      :class:`acco_jax.dp.owner.OwnerLayout` (``layout='owner'``: the optimizer runs vmapped over
+      the devices' slots).
     plan: the method's :class:`acco_jax.acco.CommPlan`.
     mesh: the mesh the step runs on.
     num_microbatches: ``k``, microbatches per device per stage (the maximum when counts vary).
@@ -96,9 +100,15 @@ class TrainStep:
     )
     self.num_devices = self.mesh.shape[axis]
     self.num_microbatches = int(num_microbatches)
-    self.layout = FlatLayout(params_like, self.num_devices)
     self.comm_dtype = jnp.dtype(self.plan.comm_dtype)
-    methods.check_elementwise(self.tx, self.plan, params_like, self.layout)
+    self.owner = self.plan.sharded and self.plan.layout == "owner"
+    if self.owner:
+      if replica_axis is not None:
+        raise ValueError("layout='owner' does not run with workers over a replica axis yet")
+      self.layout = OwnerLayout(params_like, self.num_devices)
+    else:
+      self.layout = FlatLayout(params_like, self.num_devices)
+      methods.check_elementwise(self.tx, self.plan, params_like, self.layout)
     self.qcomm = QuantizedComm(self.plan, self.num_devices, self.layout.shard_size, replica_axis)
     self.quantized, self.quantized_reduce = self.qcomm.quantized, self.qcomm.reduce
     self.program = StageProgram(
@@ -170,7 +180,7 @@ class TrainStep:
     return TrainState(
       w=layout.ravel(params, self.comm_dtype),
       params=shards,
-      opt_state=self.tx.init(shards),
+      opt_state=jax.vmap(self.tx.init)(shards) if self.owner else self.tx.init(shards),
       buf=self._zeros_buf() if plan.delayed else None,
       buf_count=self._zeros_count() if plan.delayed else None,
       stage=jnp.zeros((), jnp.int32),
@@ -266,6 +276,8 @@ class TrainStep:
     optimizer state move bit for bit, the gradient buffers keep their sums over devices (see
     :mod:`acco_jax.dp.reshard`).
     """
+    if self.owner:
+      raise ValueError("layout='owner' cannot restore a state saved on another device count yet")
     return reshard_state(saved, self.layout, self.tx)
 
   def saved_num_devices(self, saved: TrainState) -> int:

@@ -152,8 +152,8 @@ def _check_layout(config) -> None:
     )
   if layout == "owner":
     raise errors.UserValueError(
-      "comm.layout='owner' (each weight matrix whole on one device) is not built yet (issue 39): "
-      "set comm.layout=auto"
+      "comm.layout='owner' (each weight matrix whole on one device) runs through the API "
+      "(acco_jax.zero1/acco(..., layout='owner')), not train.py yet: set comm.layout=auto"
     )
 
 

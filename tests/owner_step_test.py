@@ -1,0 +1,107 @@
+"""Per-leaf optimizers under zero1 and acco with the owner layout, against single-device references.
+
+Muon orthogonalises each weight matrix's momentum, Adafactor factors each matrix's second moment:
+neither is elementwise, so the elementwise ZeRO-1 layout refuses them; with ``layout='owner'`` each
+matrix is whole on one device and the result must be plain optax's on the mean gradient.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import acco_jax
+from tests.methods_test import (
+  FULL,
+  UNEQUAL,
+  N,
+  as_f32,
+  assert_trees_close,
+  first_microbatch,
+  init_params,
+  loss_fn,
+  make_batches,
+  ref_acco,
+  ref_sync,
+  run_library,
+)
+
+
+def params_with_stack():
+  """The methods_test model plus a leaf stacking 11 matrices (8 devices: 3 empty slots)."""
+  p = init_params()
+  p["stack"] = np.random.default_rng(3).normal(size=(11, 4, 6)) * 0.3
+  return as_f32(p)
+
+
+def muon():
+  # the stacked leaf is 11 matrices of 4 x 6 (batch axis 0), the 2-D kernels one matrix each
+  dims = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+  return optax.contrib.muon(
+    3e-2, adam_learning_rate=1e-2, weight_decay=0.01,
+    muon_weight_dimension_numbers=lambda p: jax.tree.map(
+      lambda x: dims if x.ndim == 3 else optax.contrib.MuonDimensionNumbers() if x.ndim == 2
+      else None, p
+    ),
+  )  # fmt: skip
+
+
+def adafactor():
+  return optax.adafactor(1e-2, min_dim_size_to_factor=3)
+
+
+def loss_with_stack(p, mb):
+  if "stack" not in p:
+    return loss_fn(p, mb)
+  return loss_fn(p, mb) + 0.1 * jnp.mean(jnp.tanh(mb["x"][:, :4] @ p["stack"]) ** 2)
+
+
+@pytest.fixture(autouse=True)
+def _stacked_loss(monkeypatch):
+  import tests.methods_test as mt
+
+  monkeypatch.setattr(mt, "loss_fn", loss_with_stack)
+  monkeypatch.setattr(mt, "grad", jax.jit(jax.grad(loss_with_stack)))
+
+
+# Adafactor factors a 3-D leaf over its two largest axes (the stack among them): per leaf, not per
+# matrix, so its case has no stacked leaf
+@pytest.mark.parametrize(
+  "inner,params",
+  [(muon, params_with_stack), (adafactor, lambda: as_f32(init_params()))],
+  ids=["muon", "adafactor"],
+)
+def test_zero1_owner_equals_plain_optax_on_the_mean_gradient(inner, params):
+  params, batches = params(), make_batches(6)
+  ref = ref_sync(inner(), params, batches, [FULL] * 6)
+  tx = acco_jax.zero1(inner(), comm_dtype=jnp.float32, layout="owner")
+  train, state = run_library(tx, params, batches, [FULL] * 6)
+  assert_trees_close(train.params(state), ref, rtol=1e-4, atol=1e-5)
+  # the state is sharded: each owned matrix's momentum lives on one device
+  assert all(x.sharding.spec[0] == "data" for x in jax.tree.leaves(state.params))
+
+
+@pytest.mark.parametrize("counts", [FULL, UNEQUAL], ids=["equal", "unequal"])
+def test_acco_owner_matches_reference_with_muon(counts):
+  params, stages = params_with_stack(), 8
+  batches = make_batches(stages)
+  tx = acco_jax.acco(muon(), comm_dtype=jnp.float32, layout="owner")
+  train, state = run_library(tx, params, batches, [counts] * stages)
+  theta, w, _ = ref_acco(muon(), params, first_microbatch(), batches, [counts] * stages)
+  assert_trees_close(train.params(state), theta, rtol=1e-4, atol=1e-5)
+  assert_trees_close(train.compute_params(state), w, rtol=1e-4, atol=1e-5)
+
+
+def test_owner_layout_refusals():
+  params, mesh = params_with_stack(), jax.make_mesh((N,), ("data",))
+  with pytest.raises(ValueError, match="does not take quantize='int8'"):
+    acco_jax.zero1(muon(), layout="owner", quantize="int8")
+  with pytest.raises(ValueError, match="layout='rows' is unknown"):
+    acco_jax.acco(muon(), layout="rows")
+  train = acco_jax.make_train_step(
+    loss_with_stack, acco_jax.zero1(muon(), layout="owner"), mesh, num_microbatches=1,
+    params=params,
+  )  # fmt: skip
+  with pytest.raises(ValueError, match="another device count"):
+    train.reshard(None)
