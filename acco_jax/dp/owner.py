@@ -1,4 +1,4 @@
-r"""Owner layout (``layout='owner'``, issue 39): each weight matrix whole on one device of the data axis.
+r"""Owner layout (``layout='owner'``, issue 39): each weight matrix whole on one device.
 
 The elementwise layout (:mod:`acco_jax.dp.flat`) cuts every leaf into ``N`` chunks, so an optimizer
 whose update needs a whole matrix (Muon's Newton–Schulz iterations, Adafactor's factored moments)
@@ -150,7 +150,7 @@ class OwnerLayout:
     """Elements of the slots that hold no item: ``N * slot_size - owned_elements``."""
     return self.num_shards * self.slot_size - self.owned_elements
 
-  # -- tree (original shapes) <-> shards ------------------------------------------------------------
+  # -- tree (original shapes) <-> shards -----------------------------------------------------------
 
   def to_shards(self, tree: PyTree, dtype=None) -> dict:
     """Tree of original shapes -> ``{"owned": [[N, a, b]...], "elementwise": [[N, s_l]...]}``."""
@@ -185,7 +185,7 @@ class OwnerLayout:
         out[i] = x.astype(dtype if dtype is not None else self.dtypes[i])
     return self.treedef.unflatten(out)
 
-  # -- shards <-> rows [n, R]; n = N globally or 1 on one device ------------------------------------
+  # -- shards <-> rows [n, R]; n = N globally or 1 on one device -----------------------------------
 
   def shards_to_rows(self, shards: dict) -> jax.Array:
     """Shards with leading ``n`` -> rows ``[n, R]``: the slots, then the elementwise chunks."""
