@@ -82,6 +82,21 @@ def test_zero1_owner_equals_plain_optax_on_the_mean_gradient(inner, params):
   assert all(x.sharding.spec[0] == "data" for x in jax.tree.leaves(state.params))
 
 
+@pytest.mark.parametrize(
+  "inner,params",
+  [(muon, params_with_stack), (adafactor, lambda: as_f32(init_params()))],
+  ids=["muon", "adafactor"],
+)
+def test_ddp_gives_a_non_elementwise_optimizer_the_whole_parameters(inner, params):
+  """Not the owner layout: DDP's optimizer sees the tree of original shapes, not [N, s_l] chunks."""
+  params, batches = params(), make_batches(4)
+  ref = ref_sync(inner(), params, batches, [FULL] * 4)
+  train, state = run_library(acco_jax.ddp(inner(), comm_dtype=jnp.float32), params, batches,
+                             [FULL] * 4)  # fmt: skip
+  assert_trees_close(train.params(state), ref, rtol=1e-4, atol=1e-5)
+  assert jax.tree.structure(state.params) == jax.tree.structure(params)
+
+
 @pytest.mark.parametrize("counts", [FULL, UNEQUAL], ids=["equal", "unequal"])
 def test_acco_owner_matches_reference_with_muon(counts):
   params, stages = params_with_stack(), 8

@@ -162,6 +162,40 @@ class FlatLayout:
     return leaves
 
 
+class TreeLayout(FlatLayout):
+  """The flat layout whose optimizer view (``shards``) is the tree of original shapes.
+
+  For a method that does not shard the optimizer (DDP) and an inner optimizer that is not
+  elementwise (Muon, Adafactor): on ``[N, s_l]`` chunks it would see other shapes than the
+  parameters'. The flat buffer, its rows and its collectives are :class:`FlatLayout`'s.
+  """
+
+  def to_shards(self, tree: PyTree, dtype=None) -> PyTree:
+    """Tree -> the same tree (optionally cast to ``dtype``)."""
+    self._leaves(tree)
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
+
+  def from_shards(self, shards: PyTree, dtype=None) -> PyTree:
+    """The view -> tree of original shapes and dtypes (or ``dtype``)."""
+    leaves = self._leaves(shards)
+    out = [jnp.asarray(x, dtype or s.dtype) for x, s in zip(leaves, self.specs, strict=True)]
+    return self.treedef.unflatten(out)
+
+  def shards_to_rows(self, shards: PyTree) -> jax.Array:
+    """The view (a tree of original shapes) -> rows ``[N, S]``."""
+    return super().shards_to_rows(super().to_shards(shards))
+
+  def rows_to_shards(self, rows: jax.Array) -> PyTree:
+    """Rows ``[N, S]`` -> the view, in the rows' dtype."""
+    return super().from_shards(super().rows_to_shards(rows), rows.dtype)
+
+  def resized(self, num_shards: int) -> TreeLayout:
+    raise ValueError(
+      "a state whose optimizer sees whole parameters (ddp with a non-elementwise "
+      "optimizer) cannot move to another device count yet"
+    )
+
+
 # -- converting host arrays between layouts of different N (elastic restore) ----------------------
 
 

@@ -384,8 +384,17 @@ def get_method(name: str, inner, **kwargs) -> MethodTransformation:
 
 def check_elementwise(tx, plan: CommPlan, params_like, layout) -> None:
   """Rejects inner optimizers whose state depends on the parameter shapes (not elementwise)."""
-  if not plan.sharded:
-    return
+  if plan.sharded and not is_elementwise(tx, params_like, layout):
+    raise ValueError(
+      f"method {plan.name!r} shards the optimizer elementwise (ZeRO-1), but the inner "
+      "optimizer keeps state shaped differently from the parameters (e.g. Adafactor's factored "
+      "moments, Muon's whole-matrix update): use the owner layout (comm.layout=owner; "
+      "layout='owner' in acco or zero1), an elementwise optimizer (adamw, sgd, lion) or ddp"
+    )
+
+
+def is_elementwise(tx, params_like, layout) -> bool:
+  """Whether ``tx`` keeps the same state on ``layout``'s ``[N, s_l]`` chunks as on the params."""
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.float32), params_like)
   full = jax.eval_shape(tx.init, shapes)
   flat = jax.eval_shape(tx.init, layout.shard_shapes())
@@ -394,17 +403,10 @@ def check_elementwise(tx, plan: CommPlan, params_like, layout) -> None:
     allowed.setdefault(spec.shape, set()).add((layout.num_shards, spec.chunk))
   full_leaves, full_def = jax.tree.flatten(full)
   flat_leaves, flat_def = jax.tree.flatten(flat)
-  ok = full_def == flat_def and all(
+  return full_def == flat_def and all(
     a.shape == b.shape or b.shape in allowed.get(a.shape, ())
     for a, b in zip(full_leaves, flat_leaves, strict=True)
   )
-  if not ok:
-    raise ValueError(
-      f"method {plan.name!r} shards the optimizer elementwise (ZeRO-1), but the inner "
-      "optimizer keeps state shaped differently from the parameters (e.g. Adafactor's factored "
-      "moments, Muon's whole-matrix update): use the owner layout (comm.layout=owner; "
-      "layout='owner' in acco or zero1), an elementwise optimizer (adamw, sgd, lion) or ddp"
-    )
 
 
 # -- State inspection -----------------------------------------------------------------------------

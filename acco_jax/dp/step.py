@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax.dp import methods, quantize
-from acco_jax.dp.flat import FlatLayout
+from acco_jax.dp.flat import FlatLayout, TreeLayout
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.dp.quantized_comm import QuantizedComm
 from acco_jax.dp.reshard import reshard_state, saved_num_devices
@@ -109,6 +109,9 @@ class TrainStep:
     else:
       self.layout = FlatLayout(params_like, self.num_devices)
       methods.check_elementwise(self.tx, self.plan, params_like, self.layout)
+      whole = not self.plan.sharded and replica_axis is None
+      if whole and not methods.is_elementwise(tx, params_like, self.layout):
+        self.layout = TreeLayout(params_like, self.num_devices)  # ddp(muon): whole parameters
     self.qcomm = QuantizedComm(self.plan, self.num_devices, self.layout.shard_size, replica_axis)
     self.quantized, self.quantized_reduce = self.qcomm.quantized, self.qcomm.reduce
     self.program = StageProgram(
