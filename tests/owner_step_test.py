@@ -114,6 +114,11 @@ def test_owner_layout_refusals():
     acco_jax.zero1(muon(), layout="owner", quantize="int8")
   with pytest.raises(ValueError, match="layout='rows' is unknown"):
     acco_jax.acco(muon(), layout="rows")
+  with pytest.raises(ValueError, match="its update of one leaf reads others"):
+    acco_jax.make_train_step(
+      loss_with_stack, acco_jax.acco(optax.chain(optax.clip_by_global_norm(0.1), muon()),
+                                     layout="owner"), mesh, num_microbatches=1, params=params,
+    )  # fmt: skip
   train = acco_jax.make_train_step(
     loss_with_stack, acco_jax.zero1(muon(), layout="owner"), mesh, num_microbatches=1,
     params=params,

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from acco_jax.dp import methods, quantize
 from acco_jax.dp.flat import FlatLayout, TreeLayout
-from acco_jax.dp.owner import OwnerLayout
+from acco_jax.dp.owner import OwnerLayout, check_per_leaf
 from acco_jax.dp.quantized_comm import QuantizedComm
 from acco_jax.dp.reshard import reshard_state, saved_num_devices
 from acco_jax.dp.stage import StageProgram
@@ -106,6 +106,7 @@ class TrainStep:
       if replica_axis is not None:
         raise ValueError("layout='owner' does not run with workers over a replica axis yet")
       self.layout = OwnerLayout(params_like, self.num_devices)
+      check_per_leaf(self.tx, self.plan.name, jax.eval_shape(self.layout.to_shards, params_like))
     else:
       self.layout = FlatLayout(params_like, self.num_devices)
       methods.check_elementwise(self.tx, self.plan, params_like, self.layout)
