@@ -125,3 +125,29 @@ def test_owner_layout_refusals():
   )  # fmt: skip
   with pytest.raises(ValueError, match="another device count"):
     train.reshard(None)
+
+
+@pytest.mark.parametrize("name", ["acco", "zero1"])
+@pytest.mark.parametrize("inner", [muon, lambda: optax.adamw(1e-2)], ids=["muon", "adamw"])
+def test_owner_step_moves_one_row_each_way_and_overlaps_like_elementwise(name, inner):
+  """The compiled stage has the elementwise layout's two collectives, of the owners' rows; the
+  vmapped optimizer adds none (each device updates its own slots) and ACCO still overlaps."""
+  from acco_jax.analysis import dataflow, hlo
+  from tests.step_test import stage_program
+
+  params, mesh = params_with_stack(), jax.make_mesh((N,), ("data",))
+  tx = acco_jax.get_method(name, inner(), comm_dtype=jnp.float32, layout="owner")
+  train = acco_jax.make_train_step(loss_with_stack, tx, mesh, num_microbatches=2, params=params)
+  state = train.init(params, first_microbatch())
+  fn, args = stage_program(train, state)
+  report = dataflow.dataflow_report(jax.make_jaxpr(fn)(*args), psum_limit=16)
+  assert report.collectives_in_loop == () and report.large_psums == ()
+  if inner is not muon:  # the analysis counts Newton-Schulz's loops as microbatch loops
+    assert report.loops == (2 if train.plan.delayed else 1)
+    assert report.overlappable == train.plan.delayed
+  found = hlo.hlo_collectives(fn.lower(*args).compile().as_text())
+  row_bytes = train.layout.padded_size * 4
+  big = sorted((c.kind, c.bytes) for c in found if c.bytes >= 256)
+  assert big == [("all-gather", row_bytes), ("reduce-scatter", row_bytes)], found
+  sharded = [x for x in jax.tree.leaves((state.params, state.opt_state)) if x.ndim >= 2]
+  assert all(x.sharding.spec[0] == "data" for x in sharded)
