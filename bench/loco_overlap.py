@@ -13,7 +13,8 @@ directories ``<out>/runs/loco_compare/<label>/seed<k>/``, resumable). The cases:
 * Streaming DiLoCo at H = 50, 2 fragments, α = 0.5, FP4, with ``loco.overlap_steps=0``: the phase
   programs replace τ (a fragment's reduction runs for the ``H/P`` steps until the next fragment's
   sync), so the blocking run is the same method without τ;
-* SparseLoCo at H = 15 (where it is competitive with DiLoCo in ``loco_compare``).
+* SparseLoCo at H = 15 (where it is competitive with DiLoCo in ``loco_compare``);
+* DiLoCo at H = 15 with plain averaging as its outer step (``loco.outer_lr=1``, no momentum).
 
 ``--updates`` shortens every run (the same for every mode, so the comparison stays at equal
 tokens). Reported per case and mode: the final eval loss (mean ± std over seeds) and the paired
@@ -46,6 +47,11 @@ CASES = {
   "diloco H=50": "diloco@loco.sync_every=50",
   "streaming_diloco H=50": "streaming_diloco@loco.sync_every=50,loco.overlap_steps=0",
   "sparseloco H=15": "sparseloco@loco.sync_every=15",
+  # DiLoCo's outer step as plain averaging (SGD at lr 1, no momentum): is the staleness or its
+  # interaction with the paper's Nesterov (0.7, 0.9) step what costs?
+  "diloco H=15 plain averaging": (
+    "diloco@loco.sync_every=15,loco.outer_lr=1.0,loco.outer_momentum=0.0"
+  ),
 }
 
 

@@ -25,7 +25,7 @@ def test_every_run_is_a_valid_config(case, mode, smoke):
   assert config.loco.overlap_steps == 0
   assert config.train.num_updates == (loco_compare.SMOKE["num_updates"] if smoke else 200)
   if not smoke:
-    assert config.loco.sync_every == int(case.rpartition("=")[2])
+    assert config.loco.sync_every == int(case.split()[1].partition("=")[2])
 
 
 def test_the_table_pairs_each_mode_with_none_by_seed():
