@@ -356,13 +356,15 @@ HOPS = {
 }
 
 
-def project(label: str, prog: dict, steps: float, gbit: float) -> dict:
+def project(label: str, prog: dict, steps: float, gbit: float, outer_overlap: str = "none") -> dict:
   """Modelled seconds to ``steps`` inner steps at ``gbit`` Gbit/s between workers.
 
   Data-parallel methods: :func:`acco_jax.analysis.perfmodel.step_time` on 8 nodes of 8 GPUs. LoCo methods:
   an inner step is ZeRO-1 on one node of 8 GPUs; each sync of fragment ``p`` (every ``H`` steps)
   takes ``hops x latency + wire_p / bandwidth`` (``wire_p``: the accounting's bytes a worker sends,
-  scaled from the CPU model to GPT-2's parameter count) and is hidden behind ``τ`` inner steps.
+  scaled from the CPU model to GPT-2's parameter count) and is hidden behind ``τ`` inner steps, or,
+  with ``outer_overlap`` delayed or eager, behind the ``H/P`` inner steps of the phase it runs
+  across (``P`` fragments; the whole ``H`` for DiLoCo and SparseLoCo).
   """
   from acco_jax.analysis import perfmodel as pm
 
@@ -377,10 +379,13 @@ def project(label: str, prog: dict, steps: float, gbit: float) -> dict:
     m = a["workers"]
     inner = pm.step_time("zero1", _work(a, compute, 1), pm.Cluster(1, a["gpus_per_worker"], intra))
     hops = {"ar": 2 * (m - 1), "ag": m - 1, "pair": 1}[HOPS[label]]
+    hidden = acct["overlap_steps"]
+    if outer_overlap != "none":
+      hidden = acct["sync_every"] // len(acct["sync_wire"])
     exposed = 0.0
     for wire in acct["sync_wire"].values():
       t = hops * inter.latency + wire * scale / inter.bandwidth
-      exposed += max(0.0, t - acct["overlap_steps"] * inner.time) / acct["sync_every"]
+      exposed += max(0.0, t - hidden * inner.time) / acct["sync_every"]
     step_s, compute_s = inner.time + exposed, inner.compute
   else:
     cluster = pm.Cluster(a["workers"], a["gpus_per_worker"], intra, inter)

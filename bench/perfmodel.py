@@ -24,16 +24,24 @@ Usage::
   python bench/perfmodel.py --quantized  # comm.quantize: time per update vs bandwidth on the
                                        # 4 x 8 A100 setting, the bandwidth below which ACCO stops
                                        # being compute-bound; perfmodel_quantized.{json,png}
+  python bench/perfmodel.py --loco     # loco.outer_overlap none vs delayed / eager for DiLoCo,
+                                       # Streaming DiLoCo and SparseLoCo, 0.1 .. 400 Gbit/s, the
+                                       # bandwidth below which each stops being compute-bound;
+                                       # perfmodel_loco.{json,md}
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import json
+import math
 import sys
 from pathlib import Path
 
 import common
+import loco_compare
 
 sys.path.insert(0, str(common.REPO))
 from acco_jax.analysis import perfmodel as pm  # noqa: E402
@@ -326,18 +334,110 @@ def plot_quantized(out: dict, path: Path) -> bool:
   return True
 
 
+# -- outer overlaps of the LoCo family ----------------------------------------------------------
+
+LOCO_GBITS = (0.1, 1.0, 10.0, 100.0, 400.0)
+# label -> (loco_compare method, H, loco.outer_overlap, tau). delayed times like eager: both hide a
+# sync's reduction behind the inner steps of the next phase (H, or H/P for P fragments).
+LOCO_VARIANTS = {
+  "diloco H=15 none": ("diloco", 15, "none", 0),
+  "diloco H=15 eager / delayed": ("diloco", 15, "eager", 0),
+  "diloco H=50 none": ("diloco", 50, "none", 0),
+  "diloco H=50 eager / delayed": ("diloco", 50, "eager", 0),
+  "streaming_diloco H=50 P=2 none, tau=1": ("streaming_diloco", 50, "none", 1),
+  "streaming_diloco H=50 P=2 none, tau=0": ("streaming_diloco", 50, "none", 0),
+  "streaming_diloco H=50 P=2 eager / delayed": ("streaming_diloco", 50, "eager", 0),
+  "sparseloco H=15 none": ("sparseloco", 15, "none", 0),
+  "sparseloco H=15 eager / delayed": ("sparseloco", 15, "eager", 0),
+  "sparseloco H=50 none": ("sparseloco", 50, "none", 0),
+  "sparseloco H=50 eager / delayed": ("sparseloco", 50, "eager", 0),
+}
+LOCO_SLACK = 0.1  # "within 10% of compute": the exposed sync time at most this share of a step
+
+
+def loco_program(programs: dict, method: str, h: int, tau: int) -> dict:
+  """The recorded accounting of ``method`` (bench/results/loco_compare.json: bytes per sync of the
+  CPU model, scaled to GPT-2 by ``loco_compare.project``) at ``H = h`` and ``τ = tau``."""
+  prog = copy.deepcopy(programs[method])
+  prog["accounting"].update(sync_every=h, overlap_steps=tau)
+  return prog
+
+
+def loco_point(label: str, prog: dict, gbit: float) -> dict:
+  """Time per inner step at ``gbit`` Gbit/s between workers: total, compute-bound part, exposed."""
+  method, _, overlap, _ = LOCO_VARIANTS[label]
+  p = loco_compare.project(method, prog, 1.0, gbit, overlap)
+  return {
+    "step_s": p["step_s"],
+    "exposed_s": p["exposed_s"],
+    "inner_s": p["step_s"] - p["exposed_s"],
+  }
+
+
+def loco_below(label: str, prog: dict, slack: float) -> float:
+  """The bandwidth (nominal Gbit/s) below which the exposed sync time exceeds ``slack`` x the inner
+  step (``slack = 0``: below which a sync is no longer hidden); ``inf`` if it is never within."""
+  exceeds = lambda g: (lambda q: q["exposed_s"] > slack * q["inner_s"])(loco_point(label, prog, g))
+  lo, hi = 1e-4, 1e6
+  if exceeds(hi):
+    return math.inf
+  for _ in range(200):
+    mid = (lo * hi) ** 0.5
+    lo, hi = (mid, hi) if exceeds(mid) else (lo, mid)
+  return hi
+
+
+def loco(args) -> int:
+  recorded = json.loads((common.RESULTS / "loco_compare.json").read_text())
+  a = loco_compare.PROJECTION
+  rows, data = [], {}
+  for label, (method, h, overlap, tau) in LOCO_VARIANTS.items():
+    prog = loco_program(recorded["programs"], method, h, tau)
+    hidden, slack = loco_below(label, prog, 0.0), loco_below(label, prog, LOCO_SLACK)
+    points = {str(g): loco_point(label, prog, g) for g in LOCO_GBITS}
+    parts = len(prog["accounting"]["sync_wire"])
+    window = tau if overlap == "none" else h // parts
+    data[label] = {"method": method, "H": h, "outer_overlap": overlap, "tau": tau,
+                   "hidden_behind_steps": window, "hidden_above_gbit": hidden,
+                   "within_slack_above_gbit": slack, "points": points}  # fmt: skip
+    gb = lambda g: "never" if not math.isfinite(g) else f"{g:.2f}"
+    row = {"label": label, "window": str(window), "hidden": gb(hidden), "slack": gb(slack)}
+    for g, q in points.items():
+      row[g] = f"{q['step_s'] / q['inner_s']:.2f}"
+    rows.append(row)
+  inner = next(iter(data.values()))["points"][str(LOCO_GBITS[0])]["inner_s"]
+  head = (f"{a['model']} on {a['workers']} workers of {a['gpus_per_worker']} H100 (inner step: "
+          f"ZeRO-1 over NVLink, {1e3 * inner:.0f} ms); a sync: hops x {1e6 * a['latency_inter_s']:.0f}"
+          f" us + its bytes at {100 * a['link_efficiency']:.0f}% of the link between workers")  # fmt: skip
+  columns = [("label", "variant"), ("window", "sync hidden behind (inner steps)"),
+             ("hidden", "compute-bound above (Gbit/s)"),
+             ("slack", f"within {100 * LOCO_SLACK:.0f}% above (Gbit/s)"),
+             *((str(g), f"x inner step at {g:g} Gbit/s") for g in LOCO_GBITS)]  # fmt: skip
+  text = common.format_table(rows, columns)
+  print(head + "\n\n" + text)
+  out = {"machine": common.machine(), "projection": a, "gbit": LOCO_GBITS,
+         "slack": LOCO_SLACK, "variants": data, "table": text}  # fmt: skip
+  path = common.write_json(Path(args.out), out)
+  Path(args.out).with_suffix(".md").write_text(text + "\n")
+  print(f"\nwrote {path}")
+  return 0
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default=None, help="default bench/results/perfmodel[_quantized].json")
   ap.add_argument("--figure", default=None, help="default docs/figures/perfmodel_*.png")
   ap.add_argument("--quantized", action="store_true", help="the comm.quantize variants")
+  ap.add_argument("--loco", action="store_true", help="the LoCo family's outer overlaps")
   args = ap.parse_args(argv)
-  name = "perfmodel_quantized" if args.quantized else "perfmodel"
+  name = "perfmodel_quantized" if args.quantized else "perfmodel_loco" if args.loco else "perfmodel"
   args.out = args.out or str(common.RESULTS / f"{name}.json")
   figure = "perfmodel_quantized.png" if args.quantized else "perfmodel_speedup.png"
   args.figure = args.figure or str(common.REPO / "docs" / "figures" / figure)
   if args.quantized:
     return quantized(args)
+  if args.loco:
+    return loco(args)
 
   results = []
   for cal in ("A", "B"):

@@ -10,6 +10,12 @@ position, the per-stage metrics (the last row logged for each stage: stages afte
 checkpoint are redone and logged again) and the final evaluation must all be identical. A kill
 counts as "during a checkpoint write" when a tmp directory of that process is left behind.
 
+One call of the trainer may span several stages (a LoCo method's overlapped phase runs ``H``
+inner steps in one program, logs one row at its end and checkpoints only there), so the kill points
+and the comparison count *logged rows*, not stages: the rows are the stages that end a call, the
+same set in both runs (the plan is a function of the steps done, so a resumed run makes the same
+calls), and a kill inside a multi-stage call resumes from the checkpoint before it.
+
 A persistent compilation cache, filled by the reference run, keeps each restart to a few seconds.
 """
 
@@ -31,7 +37,7 @@ import pytest
 from acco_jax.dp.updates import stage_plan
 from acco_jax.run import trainer
 from acco_jax.run.checkpoint import Checkpointer
-from configs import gpt2_acco, gpt2_skippipe, gpt2_zero1
+from configs import gpt2_acco, gpt2_diloco, gpt2_skippipe, gpt2_zero1
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +51,7 @@ MODULES = {
   "acco": (gpt2_acco, {}),
   "zero1": (gpt2_zero1, {}),
   "pipeline": (gpt2_skippipe, {"method": "pipeline"}),
+  "diloco_eager": (gpt2_diloco, {}),
 }
 OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved asynchronously
   "train.num_updates": 12,
@@ -57,6 +64,26 @@ OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved a
   "ckpt.async_save": True,
   "data.cache_dir": str(DATA_CACHE),
 }
+# group.field overrides of one method, on top of OVERRIDES. Eager DiLoCo: 4 workers x 2 devices,
+# H = 3, 24 inner steps: steps 1-3 one call each, then 7 phase programs of 3 steps (the sync's
+# reduction in flight across the next phase; each worker's start point, the last average and its
+# own share checkpointed at phase ends), the last one ending with the blocking sync. 10 rows.
+METHOD_OVERRIDES = {
+  "diloco_eager": {
+    "loco.outer_overlap": "eager",
+    "loco.sync_every": 3,
+    "loco.workers": 4,
+    "train.num_updates": 24,
+  },
+}
+
+
+MULTI_STAGE_CALLS = ("diloco_eager",)  # methods whose calls may span several stages
+
+
+def overrides_for(method: str) -> dict:
+  """The group.field overrides of ``method``'s runs."""
+  return {**OVERRIDES, **METHOD_OVERRIDES.get(method, {})}
 
 
 def config_for(method: str):
@@ -64,7 +91,7 @@ def config_for(method: str):
   config = module.get_config("tiny")
   for key, value in top.items():
     config[key] = value
-  for key, value in OVERRIDES.items():
+  for key, value in overrides_for(method).items():
     group, field = key.split(".")
     config[group][field] = value
   return config
@@ -74,7 +101,7 @@ def train_cmd(method: str, workdir: pathlib.Path) -> list[str]:
   module, top = MODULES[method]
   config = f"{REPO / 'configs' / (module.__name__.split('.')[-1] + '.py')}:tiny"
   flags = [f"--config.{k}={str(v).lower() if isinstance(v, bool) else v}"
-           for k, v in {**top, **OVERRIDES}.items()]  # fmt: skip
+           for k, v in {**top, **overrides_for(method)}.items()]  # fmt: skip
   return [sys.executable, str(REPO / "train.py"), "--config", config, "--workdir", str(workdir),
           *flags]  # fmt: skip
 
@@ -202,10 +229,11 @@ def per_stage(workdir: pathlib.Path) -> tuple[dict, list, list]:
   return stages, evals, restored
 
 
-def final_state(config, workdir: pathlib.Path):
+def final_state(config, workdir: pathlib.Path, step: int | None = None):
+  """(step, train state, extra) of the checkpoint at ``step`` (default: the latest)."""
   run = trainer.build(config)
   with Checkpointer(workdir / "checkpoints") as ckpt:
-    step = ckpt.latest_step()
+    step = ckpt.latest_step() if step is None else step
     state, extra = ckpt.restore(step, run.train.abstract_state(run.params_shapes))
   return step, state, extra
 
@@ -215,7 +243,7 @@ def bits(x) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["acco", "zero1", "pipeline"])
+@pytest.mark.parametrize("method", ["acco", "zero1", "pipeline", "diloco_eager"])
 def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   t_start = time.perf_counter()
   env = train_env(tmp_path / "compile_cache")
@@ -223,8 +251,10 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
 
   ref_dir, crash_dir = tmp_path / "reference", tmp_path / "crashed"
   ref_summary = finish(start(method, ref_dir, env, tmp_path / "ref.log"), tmp_path / "ref.log")
+  # the stages that end a call (one row each): every stage, or fewer where a call spans several
+  row_stages = sorted(per_stage(ref_dir)[0])
 
-  # Kill 1: a random time after stage 2u+1..2u+4 of the first run (u stages per update), when its
+  # Kill 1: a random time after row 2u+1..2u+4 of the first run (u stages per update), when its
   # first checkpoint is complete (the second save waits for it). Then, in random order, one kill at
   # once when a checkpoint write appears and one at a random point (never past the end).
   spu, total = stage_plan(config_for(method))[1:]
@@ -232,8 +262,9 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   plan += rng.sample([("ckpt", rng.randint(1, 2), 0.0), ("rows", None, rng.uniform(0, 0.25))], 2)
   kills = []
   for i, (kind, count, delay) in enumerate(plan):
-    if count is None:
-      count = rng.randint(1, min(8, total - latest_finalized(crash_dir) - 2))
+    if count is None:  # rows the resumed run logs: those after its checkpoint
+      left = sum(s > latest_finalized(crash_dir) for s in row_stages)
+      count = rng.randint(1, min(8, left - 2))
     log = tmp_path / f"kill{i}.log"
     kills.append(run_and_kill(method, crash_dir, env, log, kind, count, delay))
   last_log = tmp_path / "last.log"
@@ -249,7 +280,12 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   ref_stages, ref_evals, ref_restored = per_stage(ref_dir)
   stages, evals, restored = per_stage(crash_dir)
   assert ref_restored == [] and len(restored) >= 1, restored
-  assert sorted(ref_stages) == list(range(1, total + 1))
+  if method in MULTI_STAGE_CALLS:  # phase calls of H stages after the first H single steps
+    h = config.loco.sync_every
+    assert sorted(ref_stages) == [*range(1, h + 1), *range(2 * h, total + 1, h)], ref_stages
+  else:
+    assert sorted(ref_stages) == list(range(1, total + 1))
+  assert sorted(stages) == sorted(ref_stages), (sorted(stages), sorted(ref_stages))
   diff = {s: (ref_stages[s], stages.get(s)) for s in ref_stages if stages.get(s) != ref_stages[s]}
   assert not diff, f"per-stage metrics differ after the kills {kills}: {diff}"
   assert evals[-1] == ref_evals[-1]
@@ -271,3 +307,6 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
     if a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(bits(a), bits(b))
   ]
   assert not differ, f"final state leaves differ: {differ}"
+  if method == "diloco_eager":  # between two phases a checkpoint holds the sync still to land
+    _, mid, _ = final_state(config, ref_dir, row_stages[-2])  # the last sync clears it at the end
+    assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(mid.overlap.own))

@@ -51,7 +51,7 @@ def build_run(config) -> build_lib.Run:
     raise errors.UserValueError(str(e)) from None
   total = config.train.num_updates
   axes = tuple(mesh.axis_names)
-  return build_lib.Run(mesh, tokens, model_cfg, shapes, train, 1, total, k, None, axes, True)
+  return build_lib.Run(mesh, tokens, model_cfg, shapes, train, 1, total, k, None, axes, loco=True)
 
 
 def loco_method(config) -> loco.LocoMethod:
