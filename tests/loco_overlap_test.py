@@ -38,12 +38,18 @@ def outer(c, u, d):
 
 
 def ref_overlap(params, batches, M, D, H, mode):
-  """DiLoCo with ``mode`` = delayed | eager: Δ_m(t) = s_m(t−1) − θ_m(t) at every sync t; the
-  average is committed one sync later; the sync no phase follows blocks."""
+  """DiLoCo with ``mode`` = delayed | eager: Δ_m(t) = s_m(t−1) − θ_m(t) at every sync t.
+
+  delayed: the average is committed one sync later and every worker starts from the committed
+  model. eager: each worker takes its own outer step on Δ̃_m(t) = Δ̄(t−1) − Δ_m(t−1)/M + Δ_m(t)/M
+  (its own outer parameters and momentum) and starts from it. The sync no phase follows blocks
+  (eager: its step uses Δ̄(T) for the own fresh share). Returns worker 0's outer parameters and
+  the workers' parameters.
+  """
   tx = inner_opt()
   zeros = jax.tree.map(jnp.zeros_like, params)
   theta, opt = [params] * M, [tx.init(params)] * M
-  start, c, u = [params] * M, params, zeros
+  start, c, u = [params] * M, [params] * M, [zeros] * M  # eager: per worker; delayed: all equal
   last_mean, last_own, pending = zeros, [zeros] * M, None
   avg = lambda xs: jax.tree.map(lambda *v: sum(v[1:], v[0]) / len(v), *xs)
   for s, batch in enumerate(batches):
@@ -54,23 +60,24 @@ def ref_overlap(params, batches, M, D, H, mode):
     done = s + 1
     if done % H:
       continue
-    if pending is not None:  # the reduction issued one sync ago lands now
-      c, u = outer(c, u, pending)
     deltas = [jax.tree.map(lambda a, b: a - b, start[m], theta[m]) for m in range(M)]
     mean = avg(deltas)
-    if done + H > len(batches):  # no phase follows: blocking
-      c, u = outer(c, u, mean)
-      theta, start, pending = [c] * M, [c] * M, None
-      continue
+    last = done + H > len(batches)  # no phase follows: blocking
     for m in range(M):
       if mode == "eager":
-        est = jax.tree.map(lambda a, o, f: a - o / M + f / M, last_mean, last_own[m], deltas[m])
-        start[m] = outer(c, u, est)[0]  # a copy of u: the estimate is not committed
+        fresh = mean if last else jax.tree.map(lambda f: f / M, deltas[m])
+        est = jax.tree.map(lambda a, o, f: a - o / M + f, last_mean, last_own[m], fresh)
+        c[m], u[m] = outer(c[m], u[m], est)
       else:
-        start[m] = c
-      theta[m] = start[m]
+        if pending is not None:  # the reduction issued one sync ago lands now
+          c[m], u[m] = outer(c[m], u[m], pending)
+        if last:
+          c[m], u[m] = outer(c[m], u[m], mean)
+      start[m] = theta[m] = c[m]
     last_mean, last_own, pending = mean, deltas, mean
-  return c, theta
+    if last:
+      last_mean, last_own, pending = zeros, [zeros] * M, None
+  return c[0], theta
 
 
 def workers(train, state):
@@ -140,9 +147,10 @@ def test_one_worker_eager_is_blocking(name):
 
 
 def test_identical_data_eager_start_point_identity():
-  """Every worker given the same rows: all Δ_m are equal, the workers stay identical and
-  s(t) = Outer(C(t−1), (1 − 1/M) Δ(t−1) + Δ(t)/M; u(t−1)) with Δ(t) = s(t−1) − θ(t), read from
-  the state before and after each phase (all but the last, whose sync then blocks)."""
+  """Every worker given the same rows: all Δ_m are equal, the workers stay identical and eager is
+  blocking DiLoCo on the others' share one sync late and its own now,
+  s(t) = C(t) = Outer(C(t−1), (1 − 1/M) Δ(t−1) + Δ(t)/M; u(t−1)) with Δ(t) = s(t−1) − θ(t), C and
+  u read from the state before and after each phase (all but the last, whose sync then blocks)."""
   M, D, H = 4, 2, 2
   one = toy_batches(10, D * K * B)
   batches = [jax.tree.map(lambda x: np.concatenate([x] * M), b) for b in one]

@@ -8,11 +8,12 @@ fragment syncs):
 .. code-block:: none
 
   phase p   Δ_m = s_m − θ_m on fragment p; compress; reduce over workers   } no data dependence:
-            start point s_m ← C (delayed) | Outer(C, Δ̃_m; copy of u) (eager) } in flight together
+            start point s_m ← C (delayed) | C_m ← Outer(C_m, Δ̃_m; u_m) (eager)} in flight together
             θ_m ← α θ_m + (1 − α) s_m; K inner steps on every worker       }
-            commit: C ← Outer(C, Δ̄), u updated; keep s_m, Δ̄, Δ_m
-  flush p   Δ_m = s_m − θ_m; compress; reduce; C ← Outer(C, Δ̄); θ_m ← α θ_m + (1 − α) C;
-            s_m ← C, Δ̄ = Δ_m = 0 (blocking: the last sync of a run lands)
+            delayed: C ← Outer(C, Δ̄), u updated; keep s_m (and Δ̄, Δ_m: eager)
+  flush p   Δ_m = s_m − θ_m; compress; reduce; C ← Outer(C, Δ̄) (delayed) | C_m ← Outer(C_m,
+            Δ̄(T−1) − Δ_m(T−1)/M + Δ̄(T); u_m) (eager); θ_m ← α θ_m + (1 − α) C; s_m ← C,
+            Δ̄ = Δ_m = 0 (blocking: the last sync of a run lands)
 
 The phase program is Streaming DiLoCo's window (:func:`acco_jax.loco.programs.build`) stretched
 to the whole period: an ``optimization_barrier`` lets the inner steps start once the payload and
@@ -35,7 +36,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax.loco import base, programs
-from acco_jax.loco.overlap import eager_delta
 from acco_jax.loco.replica import REPLICA
 
 
@@ -78,26 +78,31 @@ def build(step, kind: str, p: int, sharding):
   method, idx, m = step.method, step.parts[p], step.num_workers
   k = method.period
 
-  def start_point(state, own):
-    committed = base.select(state.outer.params, idx)
-    if method.outer_overlap == "delayed":
-      return committed
+  eager = method.outer_overlap == "eager"
+
+  def estimate(state, fresh):
+    """Eager: ``Δ̃_m = Δ̄(t−1) − Δ_m(t−1)/M + fresh`` (``fresh``: its own ``Δ_m(t)/M`` in a phase,
+    the landed ``Δ̄(T)`` in the flush)."""
     ov = state.overlap
-    est = eager_delta(base.select(ov.mean, idx), base.select(ov.own, idx), own, m)
-    update = functools.partial(base.outer_update, method, fragment=p, parts=step.parts)
-    _, point = jax.vmap(update, spmd_axis_name=REPLICA)(state.outer, est)  # a copy of u
-    return point
+    return jax.tree.map(
+      lambda a, o, f: a - o / m + f, base.select(ov.mean, idx), base.select(ov.own, idx), fresh
+    )
 
   def keep(state, start, mean=None, own=None):
     ov = state.overlap._replace(start=base.replace(state.overlap.start, start))
-    if method.outer_overlap == "eager":
+    if eager:
       ov = ov._replace(mean=base.replace(ov.mean, mean), own=base.replace(ov.own, own))
     return state._replace(overlap=ov)
 
   def phase(state, batches, counts):
     ref = base.select(state.overlap.start, idx)
     state, own, token, mean_of, extra = _reduce(step, state, p, ref)
-    start = start_point(state, own)
+    outer = {}
+    if eager:  # each worker's own outer step on its estimate: the start point
+      fresh = jax.tree.map(lambda x: x / m, own)
+      state, start, outer = _commit(step, state, p, estimate(state, fresh))
+    else:  # delayed: the model committed through the previous sync
+      start = base.select(state.outer.params, idx)
     state = _move(step, state, p, start)
     # The inner steps start once the payload and the start point exist (not the reduction), and
     # the reduction joins the first step's microbatch loop: in flight across it, as in a window.
@@ -114,14 +119,18 @@ def build(step, kind: str, p: int, sharding):
     inner, metrics = lax.fori_loop(1, k, body, tuple(first)) if k > 1 else first
     state = state._replace(inner=inner, step=state.step + k)
     mean = mean_of(token)
-    state, _, outer = _commit(step, state, p, mean)
+    if not eager:  # delayed: the average lands one phase late, committed for the next start
+      state, _, outer = _commit(step, state, p, mean)
     state = keep(state, start, mean, own)
     return state, {**metrics, **outer, **extra}
 
   def flush(state):
     ref = base.select(state.overlap.start, idx)
     state, _, token, mean_of, extra = _reduce(step, state, p, ref)
-    state, new_g, outer = _commit(step, state, p, mean_of(token))
+    mean = mean_of(token)
+    # eager: the last step lands the others' late share and everyone's last one, so that every
+    # worker has applied every average once; delayed: the last average, committed
+    state, new_g, outer = _commit(step, state, p, estimate(state, mean) if eager else mean)
     state = _move(step, state, p, new_g)
     zeros = {key: jnp.zeros_like(v) for key, v in new_g.items()}
     return keep(state, new_g, zeros, zeros), {**outer, **extra}
