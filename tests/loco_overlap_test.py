@@ -85,8 +85,15 @@ def workers(train, state):
   return [jax.tree.map(lambda x, m=m: np.asarray(x[m]), out) for m in range(train.num_workers)]
 
 
-@pytest.mark.parametrize("mode", ["eager", "delayed"])
-@pytest.mark.parametrize("steps", [9, 10])
+@pytest.mark.parametrize(
+  "mode,steps",
+  [
+    ("eager", 9),
+    ("delayed", 10),
+    pytest.param("eager", 10, marks=pytest.mark.slow),
+    pytest.param("delayed", 9, marks=pytest.mark.slow),
+  ],
+)  # (the slow variants run in .ci/run's slow step: the README command's time is bounded)
 def test_matches_reference_three_syncs_four_workers(mode, steps):
   """3 syncs of 4 workers x 2 devices (and a tail step after the last one)."""
   M, D, H = 4, 2, 3
@@ -108,6 +115,7 @@ def test_matches_reference_three_syncs_four_workers(mode, steps):
   assert gap > 1e-3  # the reference tells the mode from blocking DiLoCo
 
 
+@pytest.mark.slow
 def test_eager_ddp_inner_matches_reference():
   M, D, H = 2, 4, 2
   batches = toy_batches(6, M * D * K * B)

@@ -69,9 +69,12 @@ def _stacked_loss(monkeypatch):
 # matrix, so its case has no stacked leaf
 @pytest.mark.parametrize(
   "inner,params",
-  [(muon, params_with_stack), (adafactor, lambda: as_f32(init_params()))],
+  [
+    (muon, params_with_stack),
+    pytest.param(adafactor, lambda: as_f32(init_params()), marks=pytest.mark.slow),
+  ],
   ids=["muon", "adafactor"],
-)
+)  # (the slow variants run in .ci/run's slow step: the README command's time is bounded)
 def test_zero1_owner_equals_plain_optax_on_the_mean_gradient(inner, params):
   params, batches = params(), make_batches(6)
   ref = ref_sync(inner(), params, batches, [FULL] * 6)
@@ -84,7 +87,10 @@ def test_zero1_owner_equals_plain_optax_on_the_mean_gradient(inner, params):
 
 @pytest.mark.parametrize(
   "inner,params",
-  [(muon, params_with_stack), (adafactor, lambda: as_f32(init_params()))],
+  [
+    (muon, params_with_stack),
+    pytest.param(adafactor, lambda: as_f32(init_params()), marks=pytest.mark.slow),
+  ],
   ids=["muon", "adafactor"],
 )
 def test_ddp_gives_a_non_elementwise_optimizer_the_whole_parameters(inner, params):
@@ -97,7 +103,9 @@ def test_ddp_gives_a_non_elementwise_optimizer_the_whole_parameters(inner, param
   assert jax.tree.structure(state.params) == jax.tree.structure(params)
 
 
-@pytest.mark.parametrize("counts", [FULL, UNEQUAL], ids=["equal", "unequal"])
+@pytest.mark.parametrize(
+  "counts", [FULL, pytest.param(UNEQUAL, marks=pytest.mark.slow)], ids=["equal", "unequal"]
+)
 def test_acco_owner_matches_reference_with_muon(counts):
   params, stages = params_with_stack(), 8
   batches = make_batches(stages)
@@ -127,7 +135,7 @@ def test_owner_layout_refusals():
     train.reshard(None)
 
 
-@pytest.mark.parametrize("name", ["acco", "zero1"])
+@pytest.mark.parametrize("name", ["acco", pytest.param("zero1", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("inner", [muon, lambda: optax.adamw(1e-2)], ids=["muon", "adamw"])
 def test_owner_step_moves_one_row_each_way_and_overlaps_like_elementwise(name, inner):
   """The compiled stage has the elementwise layout's two collectives, of the owners' rows; the

@@ -1,7 +1,7 @@
 """method=pipeline through the trainer: SkipPipe's scheduled plan (configs/gpt2_skippipe.py:tiny) on 2
 data lanes x 4 stages (8 simulated devices), with microbatches that change lanes between stages,
-trains, stores its plan in the checkpoint, resumes, and refuses, in one line, a resume that would
-make another plan (bit-exact resume after SIGKILLs: crash_resume_test.py, slow)."""
+trains, stores its plan in the checkpoint and refuses, in one line, a resume that would make another
+plan (bit-exact resume after SIGKILLs: crash_resume_test.py, slow)."""
 
 import json
 import pathlib
@@ -24,7 +24,7 @@ def _config():
   config.data.cache_dir = str(pathlib.Path(__file__).parent / ".." / ".pytest_cache" / "acco_data")
   config.ckpt.async_save = False
   config.pipeline.search_iters = 40
-  config.train.num_updates, config.train.log_every = 4, 1
+  config.train.num_updates, config.train.log_every = 2, 1
   config.train.eval_every, config.train.eval_batches, config.train.sample_tokens = 0, 1, 0
   return config
 
@@ -34,7 +34,7 @@ def _losses(workdir):
   return {r["stage"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
-def test_scheduled_plan_trains_resumes_and_refuses_another_plan(tmp_path):
+def test_scheduled_plan_trains_and_refuses_another_plan(tmp_path):
   config = _config()
   run = trainer.build(config)
   sched, planned = run.train.schedule, run.train.planned
@@ -44,13 +44,10 @@ def test_scheduled_plan_trains_resumes_and_refuses_another_plan(tmp_path):
   assert again.plan == planned.plan
   assert any(len({c // 4 for c in cols}) > 1 for cols in sched.columns), sched.columns
 
-  # stopped after 2 updates and resumed: bit-exact against an uninterrupted run is
-  # crash_resume_test.py's (slow: SIGKILLs at random points, the same plan)
-  first = trainer.train_and_evaluate(config, str(tmp_path / "run"), max_stages=2)
-  assert first["stopped"] == 2
+  # one launch of 2 updates (resumes, bit-exact after SIGKILLs: crash_resume_test.py, slow)
   trainer.train_and_evaluate(config, str(tmp_path / "run"))
   losses = _losses(tmp_path / "run")
-  assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
+  assert sorted(losses) == [1, 2] and losses[2] < losses[1]
   # the checkpoint holds the plan; the state holds each stage's blocks on that stage's devices
   with Checkpointer(tmp_path / "run" / "checkpoints") as ckpt:
     _, extra = ckpt.restore(None, run.train.abstract_state(run.params_shapes))
