@@ -200,15 +200,7 @@ def build(method, M, D, inner="zero1"):
 
 PHASED = {
   "diloco": lambda: loco.diloco(sync_every=2, outer_overlap="eager"),
-  "streaming_fp4": lambda: loco.streaming_diloco(
-    sync_every=4,
-    fragments=2,
-    overlap_steps=0,
-    alpha=0.5,
-    quantize="fp4",
-    block=16,
-    outer_overlap="eager",
-  ),  # fmt: skip
+  "streaming_fp4": lambda: ONE_WORKER["streaming_fp4"]("eager"),
 }  # (SparseLoCo's decode loops over the gathered wires: this jaxpr-level check cannot tell that
 # loop from an inner step's, so it is left out here)
 

@@ -45,6 +45,14 @@ class LeafSpec(NamedTuple):
   offset: int  # start of this leaf's chunk inside a row of length S
 
 
+def concat_rows(parts: list) -> jax.Array:
+  """``[n, s_i]`` pieces end to end along the last axis, in their common dtype."""
+  dtypes = {x.dtype for x in parts}
+  if len(dtypes) > 1:
+    parts = [x.astype(jnp.result_type(*dtypes)) for x in parts]
+  return jnp.concatenate(parts, axis=-1)
+
+
 class FlatLayout:
   """Maps a parameter pytree to a padded, shard-major flat buffer and back.
 
@@ -126,11 +134,7 @@ class FlatLayout:
 
   def shards_to_rows(self, shards: PyTree) -> jax.Array:
     """Tree of ``[n, s_l]`` -> rows ``[n, S]`` (concatenation along the last axis)."""
-    leaves = self._leaves(shards)
-    dtypes = {x.dtype for x in leaves}
-    if len(dtypes) > 1:
-      leaves = [x.astype(jnp.result_type(*dtypes)) for x in leaves]
-    return jnp.concatenate(leaves, axis=-1)
+    return concat_rows(self._leaves(shards))
 
   def rows_to_shards(self, rows: jax.Array) -> PyTree:
     """Rows ``[n, S]`` -> tree of ``[n, s_l]`` (a split along the last axis)."""

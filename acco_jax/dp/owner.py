@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from acco_jax.dp import flat as flat_lib
 from acco_jax.dp.flat import FlatLayout
 
 PyTree = Any
@@ -192,10 +193,7 @@ class OwnerLayout:
     parts = [x.reshape(x.shape[0], -1) for x in shards["owned"]]
     if self.flat:
       parts.append(self.flat.shards_to_rows(shards["elementwise"]))
-    dtypes = {x.dtype for x in parts}
-    if len(dtypes) > 1:
-      parts = [x.astype(jnp.result_type(*dtypes)) for x in parts]
-    return jnp.concatenate(parts, axis=-1)
+    return flat_lib.concat_rows(parts)
 
   def rows_to_shards(self, rows: jax.Array) -> dict:
     """Rows ``[n, R]`` -> shards with leading ``n``."""
