@@ -45,6 +45,14 @@ class LeafSpec(NamedTuple):
   offset: int  # start of this leaf's chunk inside a row of length S
 
 
+def leaves_of(tree: PyTree, treedef) -> list:
+  """``tree``'s leaves; a one-line error unless its structure is ``treedef`` (a layout's)."""
+  leaves, got = jax.tree.flatten(tree)
+  if got != treedef:
+    raise ValueError(f"pytree structure does not match the layout: got {got}, expected {treedef}")
+  return leaves
+
+
 def concat_rows(parts: list) -> jax.Array:
   """``[n, s_i]`` pieces end to end along the last axis, in their common dtype."""
   dtypes = {x.dtype for x in parts}
@@ -158,12 +166,7 @@ class FlatLayout:
     return FlatLayout(self.treedef.unflatten(leaves), num_shards)
 
   def _leaves(self, tree: PyTree) -> list:
-    leaves, treedef = jax.tree.flatten(tree)
-    if treedef != self.treedef:
-      raise ValueError(
-        f"pytree structure does not match the layout: got {treedef}, expected {self.treedef}"
-      )
-    return leaves
+    return leaves_of(tree, self.treedef)
 
 
 class TreeLayout(FlatLayout):

@@ -218,12 +218,7 @@ class OwnerLayout:
     return self.from_shards(self.rows_to_shards(rows), dtype)
 
   def _leaves(self, tree: PyTree) -> list:
-    leaves, treedef = jax.tree.flatten(tree)
-    if treedef != self.treedef:
-      raise ValueError(
-        f"pytree structure does not match the layout: got {treedef}, expected {self.treedef}"
-      )
-    return leaves
+    return flat_lib.leaves_of(tree, self.treedef)
 
 
 def check_per_leaf(tx, name: str, view_like) -> None:
