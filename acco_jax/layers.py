@@ -89,7 +89,7 @@ def block(block_params: Params, cfg: model.GPTConfig, x_BxLxD) -> jax.Array:
   return nnx.merge(block_def, _cast(block_params, cfg))(x_BxLxD, None, True)
 
 
-def run_blocks(blocks_N: Params, cfg: model.GPTConfig, x_BxLxD, order_K) -> jax.Array:
+def run_blocks(blocks_N: Params, cfg: model.GPTConfig, x_BxLxD, order_K, count=None) -> jax.Array:
   """Applies the stacked blocks in the order ``order_K`` (int [K]; K = 0 is the identity map).
 
   Args:
@@ -97,20 +97,29 @@ def run_blocks(blocks_N: Params, cfg: model.GPTConfig, x_BxLxD, order_K) -> jax.
     cfg: model config; ``cfg.remat`` rematerialises each block in the backward pass.
     x_BxLxD: the residual stream, in the compute dtype.
     order_K: block indices, a traced or concrete int array.
+    count: if given (a traced or concrete int), only the first ``count`` entries of ``order_K``
+      run; the others are skipped by a ``lax.cond`` (not computed; zero gradients). A pipeline
+      stage with fewer blocks than the largest runs this way.
 
   Returns:
-    The residual stream after the K blocks.
+    The residual stream after the K (or ``count``) blocks.
   """
 
-  def one(x_BxLxD, i):
-    return block(jax.tree.map(lambda p: p[i], blocks_N), cfg, x_BxLxD), None
+  def apply(x_BxLxD, i):
+    return block(jax.tree.map(lambda p: p[i], blocks_N), cfg, x_BxLxD)
+
+  def one(x_BxLxD, i_k):
+    i, k = i_k
+    if count is None:
+      return apply(x_BxLxD, i), None
+    return jax.lax.cond(k < count, apply, lambda x, _: x, x_BxLxD, i), None
 
   if cfg.remat:
     one = jax.checkpoint(one)
   order_K = jnp.asarray(order_K, jnp.int32)
   if order_K.shape[0] == 0:
     return x_BxLxD
-  return jax.lax.scan(one, x_BxLxD, order_K)[0]
+  return jax.lax.scan(one, x_BxLxD, (order_K, jnp.arange(order_K.shape[0])))[0]
 
 
 def head_logits(params: Params, cfg: model.GPTConfig, x_BxLxD) -> jax.Array:

@@ -76,10 +76,11 @@ def cpu_worker(args) -> dict:
   rng = np.random.default_rng(0)
   tok = rng.integers(0, cfg.V, size=(M, lanes * B, cfg.L + 1), dtype=np.int32)
   batch = pipe.place_batch({"inputs": tok[..., :-1], "targets": tok[..., 1:]}, mesh)
-  pp = pipe.place_params(pipe.split_params(params), mesh)
+  packing = pipe.packing_for(params, S, lanes=lanes)
+  pp = pipe.place_params(packing.pack(params), mesh)
   rows = []
   for name, paths, sched in _schedules(S, M):
-    fn = jax.jit(pipe.make_loss_and_grad(cfg, mesh, sched))
+    fn = jax.jit(pipe.make_loss_and_grad(cfg, mesh, sched, packing))
     t0 = time.perf_counter()
     compiled = fn.lower(pp, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -128,10 +129,11 @@ def aot_worker(args) -> dict:
   deep = model.get_config("gpt2", N=16, **gpt2)
   for S, lanes, c in ((4, 2, cfg), (6, 1, cfg), (8, 1, deep)):
     c_shapes = jax.eval_shape(lambda c=c: model.init_params(c, 0))
-    c_tx = optim.inner_optimizer(opt, 100, pipe_train.decay_mask(c_shapes))
     for policy in ("gpipe", "1f1b"):
       sched = ticks.build([paths.full_path(S)] * M, S, policy)
       mesh = pipe.make_mesh(S, lanes, devices)
+      buffers = pipe.packing_for(c_shapes, S, lanes=lanes)
+      c_tx = optim.inner_optimizer(opt, 100, buffers.decay_mask())
       train = pipe_train.PipelineTrainStep(c, c_tx, mesh, sched, c_shapes)
       state = train.abstract_state(c_shapes)
       spec = P(pipe.DATA) if lanes > 1 else P()

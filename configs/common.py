@@ -126,6 +126,10 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.pipeline.search_iters = 400  # the scheduler's local-search moves
   # method=pipeline (configs/gpt2_pipeline.py): blocks sharded over a 'stage' mesh axis
   c.pipeline.schedule = "1f1b"  # gpipe | 1f1b (full paths) | skippipe (partial, reordered paths)
+  # blocks per stage: auto (balanced by time, stage 0 runs the head too; skippipe: equal where
+  # they divide) or a comma list, e.g. "1,4,4,3"
+  c.pipeline.blocks_per_stage = "auto"
+  c.pipeline.data_method = "ddp"  # ddp | zero1 | acco over the data lanes of each stage
 
   # Health of multi-process runs (acco_jax.run.monitor).
   c.health = ml_collections.ConfigDict()

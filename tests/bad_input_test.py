@@ -205,6 +205,15 @@ CONFIGS += [  # SkipPipe paths (the pipeline group; the tiny model has 2 blocks)
    FileNotFoundError, r"topology file /no/such.json does not exist"),
   ("pipeline-with-loco", {"method": "diloco", "pipeline.stages": 2}, ValueError,
    r"pipeline.stages=2: SkipPipe paths run with the data-parallel methods"),
+  ("pipeline-split-not-summing", {"method": "pipeline", "pipeline.stages": 2,
+   "pipeline.blocks_per_stage": "2,1"}, ValueError,
+   r"pipeline.blocks_per_stage='2,1' must list 2 block counts .* sum to the model's 2 blocks"),
+  ("pipeline-unknown-data-method", {"method": "pipeline", "pipeline.stages": 2,
+   "pipeline.data_method": "fsdp"}, ValueError,
+   r"pipeline.data_method='fsdp' is unknown: choose one of ddp, zero1, acco"),
+  ("pipeline-acco-odd-microbatches", {"method": "pipeline", "pipeline.stages": 2,
+   "pipeline.data_method": "acco", "batch.microbatches": 3}, ValueError,
+   r"batch.microbatches=3: pipeline.data_method=acco splits an update into two flushes"),
 ]  # fmt: skip
 
 
@@ -574,8 +583,8 @@ def test_cuda_platform_without_cuda(tmp_path):
 PIPELINE_CONFIGS = [
   ("pipeline-stages-not-dividing-devices", {"pipeline.stages": 3},
    r"pipeline.stages=3 must be >= 2 and divide the 8 devices"),
-  ("pipeline-stages-not-dividing-blocks", {"pipeline.stages": 8},
-   r"pipeline.stages=8 does not split the model's 4 blocks into equal stages"),
+  ("pipeline-more-stages-than-blocks", {"pipeline.stages": 8},
+   r"pipeline.stages=8 must be between 1 and the model's 4 blocks \(each stage holds one or more\)"),
   ("pipeline-unknown-schedule", {"pipeline.schedule": "zb"},
    r"pipeline.schedule='zb' is unknown: choose one of gpipe, 1f1b, skippipe"),
   ("pipeline-skip-leaves-no-stage", {"pipeline.schedule": "skippipe", "pipeline.skip": 1.0},

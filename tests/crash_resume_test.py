@@ -35,9 +35,10 @@ import numpy as np
 import pytest
 
 from acco_jax.dp.updates import stage_plan
+from acco_jax.pipeline.train import flush_plan
 from acco_jax.run import trainer
 from acco_jax.run.checkpoint import Checkpointer
-from configs import gpt2_acco, gpt2_diloco, gpt2_skippipe, gpt2_zero1
+from configs import gpt2_acco, gpt2_diloco, gpt2_pipeline, gpt2_skippipe, gpt2_zero1
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +52,7 @@ MODULES = {
   "acco": (gpt2_acco, {}),
   "zero1": (gpt2_zero1, {}),
   "pipeline": (gpt2_skippipe, {"method": "pipeline"}),
+  "pipeline_acco": (gpt2_pipeline, {}),
   "diloco_eager": (gpt2_diloco, {}),
 }
 OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved asynchronously
@@ -68,7 +70,13 @@ OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved a
 # H = 3, 24 inner steps: steps 1-3 one call each, then 7 phase programs of 3 steps (the sync's
 # reduction in flight across the next phase; each worker's start point, the last average and its
 # own share checkpointed at phase ends), the last one ending with the blocking sync. 10 rows.
+# ACCO over the 4 data lanes of 2 stages of 1 and 3 blocks: 25 flushes (one fills the buffer).
 METHOD_OVERRIDES = {
+  "pipeline_acco": {
+    "pipeline.stages": 2,
+    "pipeline.blocks_per_stage": "1,3",
+    "pipeline.data_method": "acco",
+  },
   "diloco_eager": {
     "loco.outer_overlap": "eager",
     "loco.sync_every": 3,
@@ -243,7 +251,7 @@ def bits(x) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["acco", "zero1", "pipeline", "diloco_eager"])
+@pytest.mark.parametrize("method", ["acco", "zero1", "pipeline", "pipeline_acco", "diloco_eager"])
 def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   t_start = time.perf_counter()
   env = train_env(tmp_path / "compile_cache")
@@ -257,7 +265,8 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   # Kill 1: a random time after row 2u+1..2u+4 of the first run (u stages per update), when its
   # first checkpoint is complete (the second save waits for it). Then, in random order, one kill at
   # once when a checkpoint write appears and one at a random point (never past the end).
-  spu, total = stage_plan(config_for(method))[1:]
+  config = config_for(method)
+  spu, total = (flush_plan if config.method == "pipeline" else stage_plan)(config)[1:]
   plan = [("rows", rng.randint(2 * spu + 1, 2 * spu + 4), rng.uniform(0, 0.25))]
   plan += rng.sample([("ckpt", rng.randint(1, 2), 0.0), ("rows", None, rng.uniform(0, 0.25))], 2)
   kills = []

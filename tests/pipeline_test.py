@@ -61,20 +61,20 @@ def _run(params, paths, policy, lanes, devices=8):
   sched = ticks.build(paths, S, policy)
   mesh = pipe.make_mesh(S, lanes, jax.devices()[:devices])
   batch = _batch(len(paths), 2 * lanes)
-  fn = jax.jit(pipe.make_loss_and_grad(CFG, mesh, sched))
-  args = (pipe.place_params(pipe.split_params(params), mesh), pipe.place_batch(batch, mesh))
+  pk = pipe.packing_for(params, S, lanes=lanes)
+  fn = jax.jit(pipe.make_loss_and_grad(CFG, mesh, sched, pk))
+  args = (pipe.place_params(pk.pack(params), mesh), pipe.place_batch(batch, mesh))
   compiled = fn.lower(*args).compile()
   loss, grads = compiled(*args)
-  return sched, batch, loss, grads, compiled.as_text()
+  return sched, batch, loss, pk.unpack(jax.device_get(grads)), compiled.as_text()
 
 
 def _assert_equal(params, batch, paths, lanes, loss, grads):
   ref_loss, ref_grads = _reference(params, batch, paths, lanes)
   np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)
-  got = pipe.merge_params(jax.device_get(grads))
   for path, g in jax.tree_util.tree_leaves_with_path(ref_grads):
     np.testing.assert_allclose(
-      np.asarray(_get(got, path)), g, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path)
+      np.asarray(_get(grads, path)), g, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path)
     )
 
 
@@ -232,8 +232,9 @@ def test_scheduled_plan_runs_across_lanes(params, lanes, stages, skip, seed):
   cfg = model.get_config("tiny", N=4, dtype="float32")
   mesh = pipe.make_mesh(stages, lanes, jax.devices()[: lanes * stages])
   batch = _batch(len(plan.paths), 2, seed=seed)
-  fn = jax.jit(pipe.make_loss_and_grad(cfg, mesh, sched))
-  args = (pipe.place_params(pipe.split_params(params), mesh), pipe.place_batch(batch, mesh, sched))
+  pk = pipe.packing_for(params, stages, lanes=lanes)
+  fn = jax.jit(pipe.make_loss_and_grad(cfg, mesh, sched, pk))
+  args = (pipe.place_params(pk.pack(params), mesh), pipe.place_batch(batch, mesh, sched))
   compiled = fn.lower(*args).compile()
   loss, grads = compiled(*args)
   per = cfg.N // stages
@@ -245,7 +246,7 @@ def test_scheduled_plan_runs_across_lanes(params, lanes, stages, skip, seed):
     total = out if total is None else jax.tree.map(np.add, total, out)
   ref_loss, ref_grads = jax.tree.map(lambda v: np.asarray(v) / len(plan.paths), total)
   np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)
-  got = pipe.merge_params(jax.device_get(grads))
+  got = pk.unpack(jax.device_get(grads))
   for path, g in jax.tree_util.tree_leaves_with_path(ref_grads):
     np.testing.assert_allclose(
       np.asarray(_get(got, path)), g, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path)

@@ -48,12 +48,12 @@ def test_scheduled_plan_trains_and_refuses_another_plan(tmp_path):
   trainer.train_and_evaluate(config, str(tmp_path / "run"))
   losses = _losses(tmp_path / "run")
   assert sorted(losses) == [1, 2] and losses[2] < losses[1]
-  # the checkpoint holds the plan; the state holds each stage's blocks on that stage's devices
+  # the checkpoint holds the plan; the state holds each stage's buffers on that stage's devices
   with Checkpointer(tmp_path / "run" / "checkpoints") as ckpt:
     _, extra = ckpt.restore(None, run.train.abstract_state(run.params_shapes))
   assert extra["plan"] == json.loads(json.dumps(plans.record(planned)))
   state = run.train.abstract_state(run.params_shapes)
-  spec = jax.tree.leaves(state.params["blocks"])[0].sharding.spec
+  spec = jax.tree.leaves(state.params)[0].sharding.spec
   assert spec[0] == "stage", spec
 
   # another skip ratio would make another plan: refused before anything is read or written

@@ -1,5 +1,6 @@
 """The pipeline family as the run shell sees it (:mod:`acco_jax.run.registry`): ``method=pipeline``,
-one update per stage; its builder (:func:`acco_jax.pipeline.train.build_run`) is imported on
+one update per flush (``pipeline.data_method=acco``: :func:`acco_jax.pipeline.train.updates_done`);
+its builder (:func:`acco_jax.pipeline.train.build_run`) is imported on
 call."""
 
 from acco_jax.run import registry
@@ -11,4 +12,10 @@ def _build(config):
   return train.build_run(config)
 
 
-FAMILY = registry.Family("pipeline", ("pipeline",), build=_build)
+def _updates_done(config, stage: int) -> int:
+  from acco_jax.pipeline import train
+
+  return train.updates_done(config, stage)
+
+
+FAMILY = registry.Family("pipeline", ("pipeline",), build=_build, updates_done=_updates_done)

@@ -1,10 +1,14 @@
 """A pipeline over the ``stage`` mesh axis that runs a :class:`~acco_jax.pipeline.ticks.Schedule`.
 
-The only pipeline module with ``shard_map`` and collectives. Placement: the model's N blocks are
-stacked (``layers.stack_blocks``) and the leading axis is sharded over ``stage``, so stage ``s`` holds
-blocks ``s*N/S .. (s+1)*N/S - 1``. The embedding, the final LayerNorm and the head (``shared``) are
-replicated and used by stage 0 only. On an optional ``('data', 'stage')`` mesh each data lane runs
-the same schedule on its own rows of every microbatch.
+The only pipeline module with ``shard_map`` and collectives. Placement: each stage's parameters are
+packed into flat buffers (:mod:`acco_jax.pipeline.packing`), ``{g: [S, P_g]}`` sharded over
+``stage``: stage ``s`` holds its ``counts[s]`` blocks, and stage 0 also the embedding, the final
+LayerNorm and the tied head (``shared``), held nowhere else. Stages may hold different numbers of
+blocks: every stage runs the same program over ``K = max(counts)`` block slots and skips the slots
+past its own count (``layers.run_blocks(..., count)``). On an optional ``('data', 'stage')`` mesh
+each data lane runs the same schedule on its own rows of every microbatch, and the lanes' gradients
+are averaged (``reduce='mean'``), reduce-scattered (ZeRO-1) or left per lane (ACCO, reduced during
+the next flush by :func:`reduce_lanes`); :func:`gather_lanes` is ZeRO-1's all-gather.
 
 **One compiled program per schedule.** A ``lax.scan`` runs the ticks; its inputs are the tick tables.
 Per tick each device reads its row (``axis_index('stage')``), runs its operation through a
@@ -23,18 +27,17 @@ stage's residuals while one B runs, instead of every microbatch's residuals of e
 (B costs about 3 forwards instead of 2).
 
 The result is the mean over microbatches (and data lanes) of ``layers.loss_fn_ordered`` with each
-microbatch's layer order ``paths.layer_order(path)``, and its gradient: block gradients come back
-sharded over ``stage``; the shared parameters' gradient is summed over ``stage`` (only stage 0 adds
-to it: one all-reduce of the embedding-sized gradient per step). Over ``data`` gradients are averaged
-with ``pmean``.
+microbatch's layer order (stage 0's blocks, then each visited stage's), and its gradient, in the
+buffers' layout: the embedding's gradients from the head (H) and from the input (B0) meet on stage
+0, the only stage that holds it, so no collective over ``stage`` carries parameter gradients.
 
 **Mesh-wide schedules** (``Schedule.lanes > 0``, :func:`acco_jax.pipeline.ticks.from_plan`): the
 tables have a column per device of the ``('data', 'stage')`` mesh, read at the device's linear index
 ``lane * S + stage``, and each round's ``ppermute`` runs over both axes, so a microbatch changes
 lanes between stages. Microbatches are whole (every device sees the batch; a microbatch's origin
 reads its rows), each operation adds ``1 / M`` of its microbatch's loss and gradient, and the
-lanes that hold a stage *sum* their block gradients (``psum`` over ``data``; the shared parameters'
-over both axes): the mean over the M microbatches of the whole mesh.
+lanes that hold a stage *sum* their gradients over ``data``: the mean over the M microbatches of the
+whole mesh.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax import layers, model
+from acco_jax.dp.quantized_comm import all_gather_invariant
+from acco_jax.pipeline import packing as packing_lib
 from acco_jax.pipeline import ticks
 
 STAGE, DATA = "stage", "data"
@@ -65,31 +70,22 @@ def make_mesh(num_stages: int, data_lanes: int = 1, devices=None) -> jax.shardin
   return jax.sharding.Mesh(arr, (DATA, STAGE), axis_types=(auto, auto))
 
 
-def split_params(params: model.Params) -> dict:
-  """Model parameters -> ``{'blocks': stacked [N, ...], 'shared': {wte, wpe, ln_f}}``."""
-  return {
-    "blocks": layers.stack_blocks(params["blocks"]),
-    "shared": {k: v for k, v in params.items() if k != "blocks"},
-  }
+def packing_for(params_like, num_stages: int, counts=None, lanes: int = 1):
+  """The :class:`acco_jax.pipeline.packing.StagePacking` of a model on ``num_stages`` stages:
+  ``counts`` blocks per stage (default: equal stages), buffers a multiple of ``lanes`` long."""
+  n = len(params_like["blocks"])
+  counts = packing_lib.equal_counts(n, num_stages) if counts is None else counts
+  return packing_lib.StagePacking(params_like, counts, multiple=lanes)
 
 
-def merge_params(pipe: dict) -> model.Params:
-  """The inverse of :func:`split_params`."""
-  return {**pipe["shared"], "blocks": layers.unstack_blocks(pipe["blocks"])}
+def param_spec(mesh, sharded: bool = False) -> P:
+  """Buffers ``[S, P_g]``: over ``stage``, and over ``data`` too when ``sharded`` (ZeRO-1, ACCO)."""
+  return P(STAGE, DATA) if sharded and DATA in mesh.axis_names else P(STAGE)
 
 
-def param_specs(pipe) -> dict:
-  """PartitionSpecs: blocks sharded over ``stage`` on their leading axis, shared replicated."""
-  return {
-    "blocks": jax.tree.map(lambda _: P(STAGE), pipe["blocks"]),
-    "shared": jax.tree.map(lambda _: P(), pipe["shared"]),
-  }
-
-
-def place_params(pipe: dict, mesh) -> dict:
-  return jax.tree.map(
-    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), pipe, param_specs(pipe)
-  )
+def place_params(packed: dict, mesh, sharded: bool = False) -> dict:
+  spec = NamedSharding(mesh, param_spec(mesh, sharded))
+  return jax.tree.map(lambda x: jax.device_put(x, spec), packed)
 
 
 def batch_spec(mesh, schedule: ticks.Schedule | None = None) -> P:
@@ -105,15 +101,38 @@ def place_batch(batch: dict, mesh, schedule: ticks.Schedule | None = None) -> di
   return jax.tree.map(lambda x: jax.device_put(x, spec), batch)
 
 
-def make_loss_and_grad(cfg: model.GPTConfig, mesh, schedule: ticks.Schedule):
-  """``f(pipe_params, batch) -> (loss, grads)``, jittable, for the batches of shape [M, B, L].
+REDUCE = ("mean", "scatter", "none")
 
-  ``loss`` is the mean over the M microbatches (and, per-lane tables, the data lanes) of each
-  microbatch's token-mean cross-entropy; ``grads`` has the structure and shardings of ``pipe_params``.
+
+def make_loss_and_grad(
+  cfg: model.GPTConfig, mesh, schedule: ticks.Schedule, packing, reduce: str = "mean"
+):
+  """``f(packed, batch) -> (loss, grads)``, jittable, for batches of shape [M, B, L].
+
+  Args:
+    cfg: the model's config.
+    mesh: a mesh of :func:`make_mesh`.
+    schedule: the tick tables every call runs.
+    packing: the :class:`acco_jax.pipeline.packing.StagePacking` of ``packed`` (its ``counts``
+      blocks per stage; ``slots`` of them stacked per stage).
+    reduce: what becomes of the data lanes' gradients:
+
+      ``mean``: their mean, ``{g: [S, P_g]}`` sharded over ``stage`` (DDP over the lanes);
+      ``scatter``: the same mean reduce-scattered, sharded over ``stage`` and ``data`` (ZeRO-1);
+      ``none``: each lane's share, ``{g: [lanes, S, P_g]}`` sharded over ``data`` and ``stage``,
+      whose sum over lanes is the mean (ACCO reduces it during the next flush).
+
+  ``packed`` is ``{g: [S, P_g]}`` sharded over ``stage`` (any float dtype; the gradients are taken at
+  its float32 values). ``loss`` is the mean over the microbatches (and, per-lane tables, the data
+  lanes) of each microbatch's token-mean cross-entropy.
   """
+  if reduce not in REDUCE:
+    raise ValueError(f"reduce={reduce!r}: choose one of {', '.join(REDUCE)}")
   M, S = schedule.num_microbatches, schedule.num_stages
-  if mesh.shape[STAGE] != S:
-    raise ValueError(f"mesh has {mesh.shape[STAGE]} stages, schedule {S}")
+  if mesh.shape[STAGE] != S or packing.num_stages != S:
+    raise ValueError(
+      f"mesh has {mesh.shape[STAGE]} stages, packing {packing.num_stages}, schedule {S}"
+    )
   lanes = mesh.shape.get(DATA, 1)
   axes = tuple(mesh.axis_names)
   wide = schedule.mesh_wide
@@ -125,19 +144,22 @@ def make_loss_and_grad(cfg: model.GPTConfig, mesh, schedule: ticks.Schedule):
     for k in ("kind", "mb", "slot_x", "slot_g", "local", "perm", "recv")
   }
   perms = schedule.perms
+  counts_S = jnp.asarray(packing.counts, jnp.int32)
 
   def vary(x, names=axes):
     return jax.tree.map(lambda v: jax.lax.pcast(v, names, to="varying"), x)
 
-  def body(blocks, shared, batch):
+  def body(packed, batch):
+    local = {g: v[0].astype(jnp.float32) for g, v in packed.items()}
     if lanes > 1:
-      blocks = vary(blocks, (DATA,))
-    shared = vary(shared)
+      local = vary(local, (DATA,))
+    blocks, shared = packing.blocks(local), packing.shared(local)
     B, L = batch["inputs"].shape[1:]
     me = jax.lax.axis_index(cols)
+    count = counts_S[jax.lax.axis_index(STAGE)]
     zero_x = vary(jnp.zeros((B, L, cfg.D), jnp.dtype(cfg.dtype)))
-    order = jnp.arange(jax.tree.leaves(blocks)[0].shape[0])
-    run = lambda bl, x: layers.run_blocks(bl, cfg, x, order)
+    order = jnp.arange(packing.slots)
+    run = lambda bl, x: layers.run_blocks(bl, cfg, x, order, count)
 
     def first(bl, sh, mb):
       return run(bl, layers.embed(sh, cfg, batch["inputs"][mb]))
@@ -193,30 +215,64 @@ def make_loss_and_grad(cfg: model.GPTConfig, mesh, schedule: ticks.Schedule):
     f32 = lambda t: jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), t)
     acc = (vary(f32(blocks)), vary(f32(shared)), vary(jnp.zeros(())))
     (_, (db, ds, loss)), _ = jax.lax.scan(tick, (buf, acc), tables)
-    if wide:  # each device added 1/M of its microbatches: sum over the mesh
-      loss, ds = jax.lax.psum((loss, ds), axes)
-      if lanes > 1:
-        db = jax.lax.psum(db, DATA)
-      return loss, db, ds
-    loss, ds = jax.lax.psum((loss, ds), STAGE)
+    grads = packing.grads(local, db, ds)  # only stage 0's devices have embedding/head gradients
+    loss = jax.lax.psum(loss, STAGE)
     if lanes > 1:
-      loss, db, ds = jax.lax.pmean((loss, db, ds), DATA)
-    return loss, db, ds
+      # mesh-wide tables: each device added 1/M of the whole mesh's microbatches (a sum over the
+      # lanes is the mean); per-lane tables: each lane's own mean (the mean over lanes is)
+      share = 1.0 if wide else 1.0 / lanes
+      loss = jax.lax.psum(loss, DATA) * share
+      grads = jax.tree.map(lambda v: v * share, grads)
+      if reduce == "mean":
+        grads = jax.lax.psum(grads, DATA)
+      elif reduce == "scatter":
+        grads = jax.lax.psum_scatter(grads, DATA, scatter_dimension=0, tiled=True)
+    if reduce == "none":
+      return loss, jax.tree.map(lambda v: v[None, None], grads)
+    return loss, jax.tree.map(lambda v: v[None], grads)
 
-  specs = {"blocks": P(STAGE), "shared": P()}
-
-  def loss_and_grad(pipe, batch):
+  def loss_and_grad(packed, batch):
     bspec = jax.tree.map(lambda _: batch_spec(mesh, schedule), batch)
-    bl_spec = jax.tree.map(lambda _: specs["blocks"], pipe["blocks"])
-    sh_spec = jax.tree.map(lambda _: specs["shared"], pipe["shared"])
+    pspec = jax.tree.map(lambda _: P(STAGE), packed)
+    if reduce == "none":
+      gspec = P(DATA if lanes > 1 else None, STAGE)
+    else:
+      gspec = param_spec(mesh, sharded=reduce == "scatter")
     fn = jax.shard_map(
-      body, mesh=mesh, in_specs=(bl_spec, sh_spec, bspec), out_specs=(P(), bl_spec, sh_spec)
-    )
-    loss, db, ds = fn(pipe["blocks"], pipe["shared"], batch)
-    cast = lambda d, p: d.astype(p.dtype)
-    return loss, {
-      "blocks": jax.tree.map(cast, db, pipe["blocks"]),
-      "shared": jax.tree.map(cast, ds, pipe["shared"]),
-    }
+      body, mesh=mesh, in_specs=(pspec, bspec),
+      out_specs=(P(), jax.tree.map(lambda _: gspec, packed)),
+    )  # fmt: skip
+    return fn(packed, batch)
 
   return loss_and_grad
+
+
+def reduce_lanes(buf: dict, mesh, count) -> dict:
+  """ACCO's reduction over the lanes: ``{g: [lanes, S, P_g]}`` (over ``data`` and ``stage``, each
+  lane's share) -> their sum divided by ``count``, float32 ``{g: [S, P_g]}`` over ``stage`` and
+  ``data`` (one reduce-scatter per buffer, in the buffer's dtype).
+
+  It reads only the buffer, so in a step that also runs a flush it has no data dependence on the
+  flush and XLA may keep it in flight while the flush computes."""
+  if DATA not in mesh.axis_names:
+    return jax.tree.map(lambda v: v[0].astype(jnp.float32) / count, buf)
+
+  def local(buf_1x1xP):
+    g_Q = jax.lax.psum_scatter(buf_1x1xP[0, 0], DATA, scatter_dimension=0, tiled=True)
+    return g_Q[None].astype(jnp.float32)
+
+  fn = jax.shard_map(local, mesh=mesh, in_specs=P(DATA, STAGE), out_specs=P(STAGE, DATA))
+  return jax.tree.map(lambda v: fn(v) / count, buf)
+
+
+def gather_lanes(params: dict, mesh, dtype) -> dict:
+  """ZeRO-1's all-gather over the lanes: ``{g: [S, P_g]}`` over ``stage`` and ``data`` -> the same
+  in ``dtype``, whole on every lane of a stage (over ``stage`` only)."""
+  if DATA not in mesh.axis_names:
+    return jax.tree.map(lambda v: v.astype(dtype), params)
+
+  def local(rows_1xQ):
+    return all_gather_invariant(rows_1xQ[0].astype(dtype), DATA)[None]
+
+  fn = jax.shard_map(local, mesh=mesh, in_specs=P(STAGE, DATA), out_specs=P(STAGE))
+  return jax.tree.map(fn, params)

@@ -4,12 +4,23 @@
 :mod:`acco_jax.run.trainer` uses (``init``, ``step``, ``params``, ``abstract_state``, ...), so a
 pipeline run goes through ``train.py`` unchanged: checkpoints, metrics, evaluation and resume.
 
-State: the parameters split by :func:`acco_jax.pipeline.step.split_params` (blocks stacked and
-sharded over ``stage``, embedding and head replicated), the optimizer state sharded like them, and
-the stage counter. A step is one schedule: M microbatches per data lane through the pipeline
-(:func:`acco_jax.pipeline.step.make_loss_and_grad`), then the optimizer update, each stage on its own
-shard. Within a stage, data lanes average their gradients (DDP); ZeRO-1 over the lanes is not
-implemented here.
+State (:class:`PipeState`): each stage's parameters packed once into flat buffers
+(:mod:`acco_jax.pipeline.packing`: the embedding and head on stage 0 only, stages of any size), the
+optimizer state in the same layout, and the step counter. A step is one flush: M microbatches per data
+lane through the pipeline (:func:`acco_jax.pipeline.step.make_loss_and_grad`), and the optimizer
+update. Within each stage the data lanes run ``pipeline.data_method``:
+
+  ``ddp``: gradients averaged over the lanes, the optimizer state whole on every lane;
+  ``zero1``: the stage's weights and optimizer state sharded over its lanes; gradients
+    reduce-scattered, the update on each lane's shard, the weights all-gathered for the flush;
+  ``acco``: ACCO (:func:`acco_jax.dp.methods.acco`, the same transform as the data-parallel
+    method) with one flush as its stage. The flush computes at the weights of the state while the
+    previous flushes' gradients are reduce-scattered, applied (estimate or commit) and the new
+    weights all-gathered, in one program with no data dependence between the two; the buffer keeps
+    ``g̃`` after an estimate, as ACCO's accumulator rule says. The first flush only fills the buffer
+    (the gradient at ``θ0``, which the data-parallel method takes from a prime microbatch); then
+    estimates and commits alternate, two flushes of ``batch.microbatches / 2`` per update
+    (:func:`flush_plan`).
 
 Schedules (``pipeline.schedule``): ``gpipe`` and ``1f1b`` run the full path for every microbatch;
 ``skippipe`` with
@@ -37,7 +48,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax import errors, model
+from acco_jax.dp import methods
 from acco_jax.pipeline import orders, plans, ticks
+from acco_jax.pipeline import packing as packing_lib
 from acco_jax.pipeline import paths as paths_lib
 from acco_jax.pipeline import step as pipe
 from acco_jax.run import build as build_lib
@@ -46,10 +59,28 @@ from acco_jax.run import parallel
 SCHEDULES = ("gpipe", "1f1b", "skippipe")
 
 
+DATA_METHODS = ("ddp", "zero1", "acco")
+
+
 class PipeState(NamedTuple):
-  params: Any  # {'blocks': [N, ...] sharded over stage, 'shared': replicated}
+  """A pipeline run's state; every parameter-shaped tree is ``{g: [S, P_g]}`` (:mod:`.packing`).
+
+  Attributes:
+    params: the optimizer's parameters, over ``stage`` (``ddp``) or ``stage`` and ``data``
+      (``zero1``, ``acco``: ZeRO-1 over the lanes; ACCO: θ̃ after an estimate, θ after a commit).
+    opt_state: the optimizer's state, sharded like ``params`` (ACCO: :class:`AccoState`, with θ).
+    stage: steps done.
+    w: ``acco``: the weights the next flush computes at, in ``comm_dtype``, over ``stage``.
+    buf: ``acco``: each lane's share of the last flushes' mean gradient, ``{g: [lanes, S, P_g]}``.
+    buf_count: ``acco``: flushes in ``buf`` (0 before the first).
+  """
+
+  params: Any
   opt_state: Any
   stage: jax.Array
+  w: Any = None
+  buf: Any = None
+  buf_count: Any = None
 
 
 class _Layout(NamedTuple):
@@ -78,10 +109,20 @@ def schedule_paths(kind: str, num_stages: int, num_mb: int, skip: float, swap: b
 class PipelineTrainStep:
   """A compiled pipeline training step (see the module docstring).
 
+  Args:
+    cfg: the model's config; tx: the inner optimizer (on the buffers of ``packing``; elementwise).
+    mesh, schedule: from :func:`acco_jax.pipeline.step.make_mesh` and :mod:`.ticks`.
+    params_like: the model's parameter shapes.
+    planned: the scheduler's plan the schedule was built from, or None.
+    counts: blocks per stage (default: equal stages).
+    data_method: ``ddp``, ``zero1`` or ``acco`` over the data lanes of each stage.
+    comm_dtype: dtype of the lanes' reduce-scatter and all-gather (``zero1``, ``acco``).
+
   Attributes:
     schedule: the :class:`acco_jax.pipeline.ticks.Schedule` every step runs.
     planned: the scheduler's plan it was built from (:class:`acco_jax.pipeline.plans.Planned`), or
       None.
+    packing: the :class:`acco_jax.pipeline.packing.StagePacking` of the state.
     num_microbatches: M, microbatches per data lane per step.
     microbatches_per_stage: M times the data lanes (rows per step / microbatch rows).
   """
@@ -90,35 +131,59 @@ class PipelineTrainStep:
   keeps_residual = False
 
   def __init__(
-    self, cfg: model.GPTConfig, tx, mesh, schedule: ticks.Schedule, params_like, planned=None
-  ):
-    self.cfg, self.tx, self.mesh, self.schedule = cfg, tx, mesh, schedule
-    self.planned = planned
+    self, cfg: model.GPTConfig, tx, mesh, schedule: ticks.Schedule, params_like, planned=None,
+    counts=None, data_method: str = "ddp", comm_dtype=jnp.float32,
+  ):  # fmt: skip
+    if data_method not in DATA_METHODS:
+      raise errors.UserValueError(
+        f"pipeline.data_method={data_method!r} is unknown: choose one of {', '.join(DATA_METHODS)}"
+      )
+    self.cfg, self.mesh, self.schedule, self.planned = cfg, mesh, schedule, planned
+    self.data_method, self.comm_dtype = data_method, jnp.dtype(comm_dtype)
+    self.tx = methods.acco(tx, comm_dtype=comm_dtype) if data_method == "acco" else tx
     self.lanes = mesh.shape.get(pipe.DATA, 1)
+    self.sharded = data_method != "ddp"
     per_step = schedule.num_microbatches  # mesh-wide tables: every lane's microbatches
     self.num_microbatches = per_step // self.lanes if schedule.mesh_wide else per_step
     self.microbatches_per_stage = self.num_microbatches * self.lanes
     self.num_devices = mesh.size
-    self.plan = _Plan()
-    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params_like))
-    self.layout = _Layout(n, n)
-    self._loss_and_grad = pipe.make_loss_and_grad(cfg, mesh, schedule)
+    self.plan = _Plan(name=f"pipeline-{data_method}")
+    self.packing = pipe.packing_for(params_like, schedule.num_stages, counts, self.lanes)
+    n = self.packing.num_params
+    self.layout = _Layout(n, sum(self.packing.sizes.values()) * schedule.num_stages)
     self._compiled = {}
+    self._make_programs()
+
+  def _make_programs(self):
+    reduce = {"ddp": "mean", "zero1": "scatter", "acco": "none"}[self.data_method]
+    self._loss_and_grad = pipe.make_loss_and_grad(
+      self.cfg, self.mesh, self.schedule, self.packing, reduce
+    )
+    self._compiled.clear()
 
   # -- state --------------------------------------------------------------------------------------
 
   def _build(self, params) -> PipeState:
-    split = pipe.split_params(params)
-    return PipeState(split, self.tx.init(split), jnp.zeros((), jnp.int32))
+    packed = self.packing.pack(params)
+    state = PipeState(packed, self.tx.init(packed), jnp.zeros((), jnp.int32))
+    if self.data_method != "acco":
+      return state
+    comm = lambda x: x.astype(self.comm_dtype)
+    buf = {g: jnp.zeros((self.lanes, *v.shape), self.comm_dtype) for g, v in packed.items()}
+    return state._replace(w=jax.tree.map(comm, packed), buf=buf, buf_count=jnp.zeros((), jnp.int32))
 
   def _state_sharding(self, shapes: PipeState) -> PipeState:
-    specs = pipe.param_specs(shapes.params)
-    named = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+    named = lambda spec: jax.tree.map(lambda _: NamedSharding(self.mesh, spec), shapes.params)
+    params = named(pipe.param_spec(self.mesh, self.sharded))
     rep = NamedSharding(self.mesh, P())
     opt = optax.tree_map_params(
-      self.tx, lambda _, s: s, shapes.opt_state, named, transform_non_params=lambda _: rep
+      self.tx, lambda _, s: s, shapes.opt_state, params, transform_non_params=lambda _: rep
     )
-    return PipeState(named, opt, rep)
+    out = PipeState(params, opt, rep)
+    if self.data_method == "acco":
+      lanes = pipe.DATA if self.lanes > 1 else None
+      out = out._replace(w=named(P(pipe.STAGE)), buf=named(P(lanes, pipe.STAGE)), buf_count=rep)
+    return out
 
   def abstract_state(self, params) -> PipeState:
     shapes = jax.eval_shape(self._build, params)
@@ -128,16 +193,19 @@ class PipelineTrainStep:
     )
 
   def init(self, params, microbatch=None) -> PipeState:
-    """The sharded state from float32 parameters (``microbatch`` is not used)."""
+    """The sharded state from float32 parameters (``microbatch`` is not used: ACCO's first step
+    fills its buffer instead of a prime)."""
     sharding = jax.tree.map(lambda s: s.sharding, self.abstract_state(params))
     return jax.jit(self._build, out_shardings=sharding)(params)
 
   def describe(self) -> str:
-    """One line on the schedule: ticks, idle share, and for a scheduled plan its simulated time."""
+    """One line on the schedule: ticks, idle share, blocks per stage, the lanes' data method, and
+    for a scheduled plan its simulated time."""
     sch = self.schedule
     S = sch.num_stages
     line = (
-      f"pipeline: {S} stages x {self.lanes} lanes, {sch.policy} tables, {sch.num_ticks} ticks, "
+      f"pipeline: {S} stages x {self.lanes} lanes ({self.data_method}), blocks per stage "
+      f"{','.join(map(str, self.packing.counts))}, {sch.policy} tables, {sch.num_ticks} ticks, "
       f"{sch.idle_fraction():.0%} idle, {sch.slots} activation slots"
     )
     if self.planned is not None:
@@ -150,12 +218,22 @@ class PipelineTrainStep:
     return line
 
   def checkpoint_extra(self) -> dict:
-    """What a checkpoint records beyond the state: the scheduler's plan, if any."""
-    return {"plan": plans.record(self.planned)} if self.planned is not None else {}
+    """What a checkpoint records beyond the state: the blocks per stage, and the scheduler's plan."""
+    extra = {"blocks_per_stage": list(self.packing.counts)}
+    if self.planned is not None:
+      extra["plan"] = plans.record(self.planned)
+    return extra
 
   def check_checkpoint(self, extra: dict) -> None:
     """Before a restore reads arrays: a checkpoint with a plan needs this run's plan settings, and
     its plan is the one the run goes on with (see :func:`acco_jax.pipeline.plans.check_resume`)."""
+    saved_counts = extra.get("blocks_per_stage")
+    if saved_counts is not None and tuple(saved_counts) != self.packing.counts:
+      raise errors.UserValueError(
+        f"the checkpoint has blocks per stage {','.join(map(str, saved_counts))}, this run "
+        f"{','.join(map(str, self.packing.counts))}: resume with "
+        f"--config.pipeline.blocks_per_stage={','.join(map(str, saved_counts))}"
+      )
     saved = extra.get("plan")
     if self.planned is None:
       if saved is not None:
@@ -174,8 +252,7 @@ class PipelineTrainStep:
     if planned.plan != self.planned.plan:
       self.planned = planned
       self.schedule = ticks.from_plan(planned.plan, planned.partition)
-      self._loss_and_grad = pipe.make_loss_and_grad(self.cfg, self.mesh, self.schedule)
-      self._compiled.clear()
+      self._make_programs()
 
   def reshard(self, saved):
     raise errors.UserValueError(
@@ -185,25 +262,53 @@ class PipelineTrainStep:
 
   # -- step ---------------------------------------------------------------------------------------
 
-  def _step(self, state: PipeState, batch):
+  def _microbatches(self, batch):
     M = self.schedule.num_microbatches
     mbs = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
-    mbs = jax.lax.with_sharding_constraint(
-      mbs,
-      jax.tree.map(
-        lambda _: NamedSharding(self.mesh, pipe.batch_spec(self.mesh, self.schedule)), mbs
-      ),
-    )
-    loss, grads = self._loss_and_grad(state.params, mbs)
+    spec = NamedSharding(self.mesh, pipe.batch_spec(self.mesh, self.schedule))
+    return jax.lax.with_sharding_constraint(mbs, jax.tree.map(lambda _: spec, mbs))
+
+  def _gathered(self, params):
+    """The whole stage's weights on every lane (an all-gather over ``data`` in ``comm_dtype``)."""
+    return pipe.gather_lanes(params, self.mesh, self.comm_dtype)
+
+  def _step(self, state: PipeState, batch):
+    mbs = self._microbatches(batch)
+    committed, valid = jnp.asarray(True), jnp.asarray(True)
+    extra = {}
+    if self.data_method == "acco":
+      # the previous flushes' gradients: reduced, applied and gathered with no dependence on
+      # this flush, which runs at the weights of the state (pipe.reduce_lanes' docstring)
+      count = state.buf_count
+      grads = pipe.reduce_lanes(state.buf, self.mesh, jnp.maximum(count, 1))
+      loss, lane_grads = self._loss_and_grad(state.w, mbs)
+      acco_stage = state.opt_state.stage
+      valid, committed = count > 0, (count > 0) & (acco_stage % 2 == 1)
+      keep = acco_stage % 2 == 0  # ACCO keeps g̃ after an estimate: the commit adds to it
+      buf = jax.tree.map(
+        lambda b, g: jnp.where(keep, b, 0).astype(jnp.float32) + g, state.buf, lane_grads
+      )
+      extra = dict(
+        buf=jax.tree.map(lambda b: b.astype(self.comm_dtype), buf),
+        buf_count=jnp.where(keep, count, 0) + 1,
+      )
+    elif self.data_method == "zero1":
+      loss, grads = self._loss_and_grad(self._gathered(state.params), mbs)
+    else:
+      loss, grads = self._loss_and_grad(state.params, mbs)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    params, opt_state = jax.tree.map(
+      lambda a, b: jnp.where(valid, a, b), (params, opt_state), (state.params, state.opt_state)
+    )
+    if self.data_method == "acco":
+      extra["w"] = self._gathered(params)
     metrics = {
       "loss": loss, "grad_norm": optax.tree.norm(grads),
       "microbatches": jnp.asarray(self.microbatches_per_stage, jnp.float32),
-      "committed": jnp.asarray(True), "skipped": jnp.zeros((), jnp.float32),
-      "stage": state.stage + 1,
+      "committed": committed, "skipped": jnp.zeros((), jnp.float32), "stage": state.stage + 1,
     }  # fmt: skip
-    return PipeState(params, opt_state, state.stage + 1), metrics
+    return PipeState(params, opt_state, state.stage + 1, **extra), metrics
 
   def step(self, state: PipeState, batch, counts=None):
     """One schedule and one optimizer update. ``batch`` leaves: [M * lanes * B, ...] rows."""
@@ -218,9 +323,10 @@ class PipelineTrainStep:
     return self._compiled["step"](state, batch)
 
   def params(self, state: PipeState):
-    """The model's parameters (original structure), replicated."""
+    """The model's (committed) parameters, original structure, replicated."""
     rep = NamedSharding(self.mesh, P())
-    return jax.jit(pipe.merge_params, out_shardings=rep)(state.params)
+    committed = lambda s: methods.committed_params(s.opt_state, s.params)
+    return jax.jit(lambda s: self.packing.unpack(committed(s)), out_shardings=rep)(state)
 
   def replicated(self, x):
     rep = NamedSharding(self.mesh, P())
@@ -228,12 +334,6 @@ class PipelineTrainStep:
 
   def probe(self, state, batch, repeats: int = 2):
     raise errors.UserValueError("health.probe_every is not supported with method=pipeline: set 0")
-
-
-def decay_mask(params_like) -> dict:
-  """``model.decay_mask`` in the layout of :func:`acco_jax.pipeline.step.split_params`."""
-  mask = model.decay_mask(params_like)
-  return {"blocks": mask["blocks"]["0"], "shared": {k: v for k, v in mask.items() if k != "blocks"}}
 
 
 def _check(config, num_devices: int) -> tuple[int, int]:
@@ -263,6 +363,29 @@ def _check(config, num_devices: int) -> tuple[int, int]:
   return stages, num_devices // stages
 
 
+def flush_plan(config) -> tuple[int, int, int]:
+  """(microbatches per flush and lane, flushes per update, total flushes) for ``method=pipeline``:
+  one flush of ``batch.microbatches`` per update, or with ``pipeline.data_method=acco`` two flushes
+  of half as many (estimate, commit: the tokens of an update as with ``ddp``) after one that only
+  fills ACCO's buffer."""
+  M = int(config.batch.microbatches)
+  if config.pipeline.get("data_method", "ddp") != "acco":
+    return M, 1, int(config.train.num_updates)
+  if M < 2 or M % 2:
+    raise errors.UserValueError(
+      f"batch.microbatches={M}: pipeline.data_method=acco splits an update into two flushes of "
+      "equal size, so it must be an even number >= 2"
+    )
+  return M // 2, 2, 2 * int(config.train.num_updates) + 1
+
+
+def updates_done(config, stage: int) -> int:
+  """Optimizer updates after ``stage`` flushes (see :func:`flush_plan`)."""
+  if config.pipeline.get("data_method", "ddp") != "acco":
+    return stage
+  return max(stage - 1, 0) // 2
+
+
 def scheduled_plan(config, model_cfg: model.GPTConfig, num_devices: int):
   """The plan ``method=pipeline`` trains on ``num_devices`` devices
   (:class:`acco_jax.pipeline.plans.Planned`), or None unless ``pipeline.schedule=skippipe`` with
@@ -271,7 +394,7 @@ def scheduled_plan(config, model_cfg: model.GPTConfig, num_devices: int):
   if p.schedule != "skippipe" or p.paths != "scheduled":
     return None
   lanes = num_devices // int(p.stages)
-  mbs, rows = int(config.batch.microbatches) * lanes, int(config.batch.microbatch_size)
+  mbs, rows = flush_plan(config)[0] * lanes, int(config.batch.microbatch_size)
   return plans.make(p, model_cfg, num_devices, mbs, rows, equal=True)
 
 
@@ -282,9 +405,12 @@ def build_run(config) -> build_lib.Run:
   stages, lanes = _check(config, len(devices))
   tokens = build_lib.prepare_tokens(config)
   model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
-  paths_lib.check_stages(model_cfg.N, stages)
-  M = int(config.batch.microbatches)
+  M, per_update, total = flush_plan(config)
   p = config.pipeline
+  # SkipPipe's paths skip whole stages: equal stages where they divide the blocks (the paper's)
+  counts = packing_lib.stage_counts(
+    model_cfg, stages, p.get("blocks_per_stage", "auto"), equal=p.schedule == "skippipe"
+  )
   if p.paths not in orders.MODES:
     raise errors.UserValueError(
       f"pipeline.paths={p.paths!r} is unknown: choose one of {', '.join(orders.MODES)}"
@@ -301,8 +427,12 @@ def build_run(config) -> build_lib.Run:
     schedule = ticks.build(paths, stages, policy)
   mesh = pipe.make_mesh(stages, lanes, devices)
   shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
-  tx = build_lib.inner_optimizer(config, shapes, decay_mask)
-  train = PipelineTrainStep(model_cfg, tx, mesh, schedule, shapes, planned)
+  buffers = pipe.packing_for(shapes, stages, counts, lanes)
+  tx = build_lib.inner_optimizer(config, shapes, lambda _: buffers.decay_mask())
+  train = PipelineTrainStep(
+    model_cfg, tx, mesh, schedule, shapes, planned, counts, p.get("data_method", "ddp"),
+    jnp.dtype(config.comm_dtype),
+  )  # fmt: skip
   axis = pipe.DATA if lanes > 1 and not schedule.mesh_wide else None
   return build_lib.Run(
     mesh,
@@ -310,8 +440,8 @@ def build_run(config) -> build_lib.Run:
     model_cfg,
     shapes,
     train,
-    1,
-    config.train.num_updates,
+    per_update,
+    total,
     M,
     None,
     batch_axis=axis,

@@ -1,0 +1,252 @@
+"""Each pipeline stage's parameters in flat buffers: the embedding and head held once, stages of any
+size.
+
+A stage-axis mesh shards an array evenly, so a tree with the model's structure would put every leaf
+on every stage (the embedding and head replicated) and every stage would need the same number of
+blocks. Instead each stage keeps its own parameters end to end in one flat buffer per weight-decay
+group ``g`` (``decay``: matrices and embeddings; ``nodecay``: biases and LayerNorms; see
+``model.decay_mask``), and the mesh holds ``{g: [S, P_g]}`` sharded over ``stage``:
+
+.. code-block:: none
+
+  stage 0   [ block 0 | ... | block c_0 - 1 | wte  wpe  ln_f | zeros ]
+  stage s   [ block a_s | ... | block a_s + c_s - 1 |            zeros ]      a_s = c_0 + ... + c_{s-1}
+            <- slot 0 -><- ... (K slots of one block's g-elements) ->
+  P_g = max(K * block_g, c_0 * block_g + shared_g), rounded up to a multiple of ``multiple``
+
+``c_s`` blocks on stage ``s`` (``counts``), ``K = max_s c_s``. Inside the step every stage reads the
+same views at the same offsets (one SPMD program): :meth:`StagePacking.blocks` reads the K slots as
+stacked blocks (stage ``s`` runs the first ``c_s``), :meth:`StagePacking.shared` reads the embedding,
+position embedding and final LayerNorm at stage 0's offset. On stage 0 the slots ``c_0 .. K-1``
+overlap the shared leaves and are never run; on the other stages the shared view is never used. The
+gradient of a buffer is the pull-back of both views (:meth:`StagePacking.grads`), so overlapping reads
+add up and unused ones add zeros.
+
+Memory per device is ``sum_g P_g`` parameters: the embedding and head once (on stage 0), and no more
+than the largest stage; padding is what a stage has fewer than the largest, which a split balanced
+by time (:func:`balanced_counts`: stage 0, which also runs the head, gets fewer blocks) mostly fills
+with the shared leaves. Padding elements have zero gradients and stay zero under elementwise
+optimizers (weight decay of zero is zero).
+
+``pack`` and ``unpack`` move numbers and never change them (numpy in, numpy out; jax in, jax out),
+so a checkpoint converts between this layout and the model's bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from acco_jax import errors, model
+
+GROUPS = ("decay", "nodecay")
+
+
+class _Leaf(NamedTuple):
+  path: tuple  # keys from the block (or the model root) to the leaf
+  shape: tuple[int, ...]
+  size: int
+  group: str
+  offset: int  # inside one block's slot (blocks) or the shared region (shared), per group
+
+
+def _keys(path) -> tuple:
+  return tuple(k.key for k in path)
+
+
+def _get(tree, keys):
+  for k in keys:
+    tree = tree[k]
+  return tree
+
+
+def _set(tree: dict, keys, value) -> None:
+  for k in keys[:-1]:
+    tree = tree.setdefault(k, {})
+  tree[keys[-1]] = value
+
+
+def _leaves(tree, mask) -> tuple[list[_Leaf], dict[str, int]]:
+  out, used = [], dict.fromkeys(GROUPS, 0)
+  masked = dict(jax.tree_util.tree_leaves_with_path(mask))
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    group = GROUPS[0] if masked[path] else GROUPS[1]
+    size = int(np.prod(x.shape))
+    out.append(_Leaf(_keys(path), tuple(x.shape), size, group, used[group]))
+    used[group] += size
+  return out, used
+
+
+def parse_counts(spec: str, num_blocks: int, num_stages: int) -> tuple[int, ...] | None:
+  """``pipeline.blocks_per_stage``: ``auto`` (None: :func:`balanced_counts`) or a comma list that
+  leaves no stage empty and sums to the model's blocks; anything else is a one-line error."""
+  if str(spec).strip() in ("", "auto"):
+    return None
+  try:
+    counts = tuple(int(c) for c in str(spec).replace(" ", "").strip("()[]").split(","))
+  except ValueError:
+    counts = ()
+  if len(counts) != num_stages or min(counts, default=0) < 1 or sum(counts) != num_blocks:
+    raise errors.UserValueError(
+      f"pipeline.blocks_per_stage={spec!r} must list {num_stages} block counts (one per stage, "
+      f"each >= 1) that sum to the model's {num_blocks} blocks, e.g. "
+      f"{','.join(map(str, balanced_counts_for(num_blocks, num_stages, 0.0)))}; or 'auto'"
+    )
+  return counts
+
+
+def head_cost(cfg: model.GPTConfig) -> float:
+  """The head's forward FLOPs per token in units of one block's (``2 V D`` against ``24 D^2``
+  for the projections and MLP plus ``4 L D`` for attention's two products)."""
+  return 2 * cfg.padded_vocab * cfg.D / (24 * cfg.D**2 + 4 * cfg.L * cfg.D)
+
+
+def balanced_counts_for(num_blocks: int, num_stages: int, head: float) -> tuple[int, ...]:
+  """Blocks per stage minimising the slowest stage's time, stage 0 costing ``head`` blocks more;
+  every stage gets at least one block. Ties: the more even split of the other stages."""
+  if not 1 <= num_stages <= num_blocks:
+    raise errors.UserValueError(
+      f"pipeline.stages={num_stages} must be between 1 and the model's {num_blocks} blocks (each "
+      "stage holds one or more)"
+    )
+  best = None
+  for first in range(1, num_blocks - num_stages + 2):
+    rest, others = num_blocks - first, num_stages - 1
+    if others == 0 and rest:
+      continue
+    per, extra = divmod(rest, others) if others else (0, 0)
+    counts = (first, *([per + 1] * extra + [per] * (others - extra)))
+    key = (max(first + head, per + (extra > 0)), -first)
+    if best is None or key < best[0]:
+      best = (key, counts)
+  return best[1]
+
+
+def balanced_counts(cfg: model.GPTConfig, num_stages: int) -> tuple[int, ...]:
+  """:func:`balanced_counts_for` with the head's cost from the model's shapes."""
+  return balanced_counts_for(cfg.N, num_stages, head_cost(cfg))
+
+
+def equal_counts(num_blocks: int, num_stages: int) -> tuple[int, ...]:
+  return (num_blocks // num_stages,) * num_stages
+
+
+class StagePacking:
+  """Maps the model's parameters to per-stage flat buffers and back (see the module docstring).
+
+  Args:
+    params_like: the model's parameter tree (arrays or ``ShapeDtypeStruct``), one dtype.
+    counts: blocks per stage, each >= 1, summing to the model's blocks.
+    multiple: every buffer length is a multiple of this (the data lanes that shard it).
+
+  Attributes:
+    counts, starts: blocks per stage and each stage's first block.
+    slots: ``K``, the most blocks on one stage.
+    sizes: ``{g: P_g}``, buffer length per group.
+  """
+
+  def __init__(self, params_like, counts, multiple: int = 1):
+    counts = tuple(int(c) for c in counts)
+    blocks = params_like["blocks"]
+    if min(counts) < 1 or sum(counts) != len(blocks):
+      raise ValueError(f"counts {counts} must be >= 1 and sum to {len(blocks)} blocks")
+    dtypes = {jnp.dtype(x.dtype) for x in jax.tree.leaves(params_like)}
+    if len(dtypes) != 1:
+      raise ValueError(f"the parameters must share one dtype, got {sorted(map(str, dtypes))}")
+    self.dtype = dtypes.pop()
+    self.counts, self.num_stages = counts, len(counts)
+    self.starts = tuple(int(x) for x in np.cumsum((0, *counts[:-1])))
+    self.slots = max(counts)
+    shared = {k: v for k, v in params_like.items() if k != "blocks"}
+    self._block, self._block_sizes = _leaves(blocks["0"], model.decay_mask(blocks["0"]))
+    self._shared, shared_sizes = _leaves(shared, model.decay_mask(shared))
+    self._shared_at = {g: counts[0] * self._block_sizes[g] for g in GROUPS}
+    self.sizes = {}
+    for g in GROUPS:
+      need = max(self.slots * self._block_sizes[g], self._shared_at[g] + shared_sizes[g])
+      if need:
+        self.sizes[g] = math.ceil(need / multiple) * multiple
+    self.num_params = sum(x.size for x in jax.tree.leaves(params_like))
+
+  # -- host and traced conversions (numbers moved, never changed) ----------------------------------
+
+  def like(self) -> dict:
+    """``{g: ShapeDtypeStruct([S, P_g])}``."""
+    return {
+      g: jax.ShapeDtypeStruct((self.num_stages, n), self.dtype) for g, n in self.sizes.items()
+    }
+
+  def pack(self, params) -> dict:
+    """The model's parameters -> ``{g: [S, P_g]}`` (numpy for numpy leaves, else jax)."""
+    xp = np if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params)) else jnp
+    rows = {g: [] for g in self.sizes}
+    for s, (a, c) in enumerate(zip(self.starts, self.counts, strict=True)):
+      parts = {g: [] for g in self.sizes}
+      for b in range(a, a + c):
+        for leaf in self._block:
+          parts[leaf.group].append(_get(params["blocks"][str(b)], leaf.path).reshape(-1))
+      if s == 0:
+        for leaf in self._shared:
+          parts[leaf.group].append(_get(params, leaf.path).reshape(-1))
+      for g, n in self.sizes.items():
+        row = xp.concatenate(parts[g]) if parts[g] else xp.zeros((0,), self.dtype)
+        rows[g].append(xp.pad(row.astype(self.dtype), (0, n - row.shape[0])))
+    return {g: xp.stack(r) for g, r in rows.items()}
+
+  def unpack(self, packed) -> dict:
+    """``{g: [S, P_g]}`` -> the model's parameters (the inverse of :meth:`pack`)."""
+    out = {"blocks": {}}
+    for s, (a, c) in enumerate(zip(self.starts, self.counts, strict=True)):
+      for k, b in enumerate(range(a, a + c)):
+        block = {}
+        for leaf in self._block:
+          at = k * self._block_sizes[leaf.group] + leaf.offset
+          _set(block, leaf.path, packed[leaf.group][s, at : at + leaf.size].reshape(leaf.shape))
+        out["blocks"][str(b)] = block
+    for leaf in self._shared:
+      at = self._shared_at[leaf.group] + leaf.offset
+      _set(out, leaf.path, packed[leaf.group][0, at : at + leaf.size].reshape(leaf.shape))
+    return out
+
+  # -- views of one stage's buffers, inside the step ------------------------------------------------
+
+  def blocks(self, local) -> dict:
+    """One stage's ``{g: [P_g]}`` -> its K slots as stacked blocks (leaves ``[K, ...]``)."""
+    K, out = self.slots, {}
+    for leaf in self._block:
+      n = self._block_sizes[leaf.group]
+      slots = local[leaf.group][: K * n].reshape(K, n)
+      _set(out, leaf.path, slots[:, leaf.offset : leaf.offset + leaf.size].reshape(K, *leaf.shape))
+    return out
+
+  def shared(self, local) -> dict:
+    """One stage's ``{g: [P_g]}`` -> ``{wte, wpe, ln_f}`` at stage 0's offsets."""
+    out = {}
+    for leaf in self._shared:
+      at = self._shared_at[leaf.group] + leaf.offset
+      _set(out, leaf.path, local[leaf.group][at : at + leaf.size].reshape(leaf.shape))
+    return out
+
+  def grads(self, local, d_blocks, d_shared) -> dict:
+    """The gradient of one stage's buffers from the gradients of its two views."""
+    _, pull = jax.vjp(lambda b: (self.blocks(b), self.shared(b)), local)
+    return pull((d_blocks, d_shared))[0]
+
+  def decay_mask(self) -> dict:
+    """``opt.decay=matrices`` on the buffers: ``{decay: True, nodecay: False}``."""
+    return {g: g == GROUPS[0] for g in self.sizes}
+
+
+def stage_counts(cfg: model.GPTConfig, num_stages: int, spec: str, equal: bool) -> tuple[int, ...]:
+  """The run's blocks per stage: ``spec`` if given, else equal stages when ``equal`` (and they
+  divide the blocks), else :func:`balanced_counts`."""
+  counts = parse_counts(spec, cfg.N, num_stages)
+  if counts is not None:
+    return counts
+  if equal and cfg.N % num_stages == 0:
+    return equal_counts(cfg.N, num_stages)
+  return balanced_counts(cfg, num_stages)
