@@ -280,3 +280,27 @@ def test_bench_bubble_table_smoke(tmp_path):
   for r in rows:  # every microbatch's 2k + 3 operations run once: full paths have k = S - 1
     if r["paths"] == "full":
       assert r["busy_ops"] == r["M"] * (2 * (r["S"] - 1) + 3)
+
+
+@pytest.mark.slow
+def test_scheduled_plan_reduces_over_lanes_like_the_mean(params):
+  """Mesh-wide tables with the lanes' data methods: ZeRO-1's reduce-scatter gives each lane its
+  slice of the mean gradient, ACCO's per-lane shares sum to it."""
+  lanes, stages = 4, 2
+  part, plan = _plan(lanes, stages, 0.0, 3)
+  sched = ticks.from_plan(plan, part)
+  cfg = model.get_config("tiny", N=4, dtype="float32")
+  mesh = pipe.make_mesh(stages, lanes, jax.devices()[: lanes * stages])
+  batch = pipe.place_batch(_batch(len(plan.paths), 2, seed=3), mesh, sched)
+  pk = pipe.packing_for(params, stages, lanes=lanes)
+  packed = pipe.place_params(pk.pack(params), mesh)
+  out = {r: jax.jit(pipe.make_loss_and_grad(cfg, mesh, sched, pk, r))(packed, batch)
+         for r in ("mean", "scatter", "none")}  # fmt: skip
+  loss, mean = out["mean"]
+  for r in ("scatter", "none"):
+    np.testing.assert_allclose(out[r][0], loss, rtol=1e-6)
+  scattered = out["scatter"][1]
+  assert tuple(jax.tree.leaves(scattered)[0].sharding.spec) == ("stage", "data")
+  for g in mean:
+    np.testing.assert_allclose(scattered[g], mean[g], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.sum(out["none"][1][g], axis=0), mean[g], rtol=1e-5, atol=1e-7)
