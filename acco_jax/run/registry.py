@@ -33,6 +33,11 @@ class Family(NamedTuple):
   build: Callable[[Any], Any] | None = None  # config -> acco_jax.run.build.Run
   run: Callable[[Any, str], Any] | None = None  # (config, workdir): runs it instead of the trainer
   updates_done: Callable[[Any, int], int] = one_update_per_stage  # (config, stages) -> updates
+  # (config, model_cfg, num_devices) -> a step of this family's run of ``config`` on this
+  # process's first num_devices devices, never run: it reads a checkpoint of that run
+  # (``abstract_state``) and exports it (``export_state``; acco_jax.run.portable). None: this
+  # family's checkpoints cannot start another run (ckpt.init_from)
+  source_step: Callable[[Any, Any, int], Any] | None = None
 
 
 _BY_METHOD: dict[str, Family] = {}  # in registration order
