@@ -31,6 +31,7 @@ onto another mesh, a source whose data stream differs from this run's.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, NamedTuple
 
@@ -57,6 +58,17 @@ def _refuse(path: str, message: str):
   return errors.UserValueError(f"ckpt.init_from={path}: {message}")
 
 
+def _reader(directory: str) -> Checkpointer:
+  """A read-only :class:`Checkpointer` (orbax's two warnings that it is read-only left out)."""
+  log = logging.getLogger("absl")
+  level = log.level
+  log.setLevel(logging.ERROR)
+  try:
+    return Checkpointer(directory, read_only=True, async_save=False)
+  finally:
+    log.setLevel(level)
+
+
 def _checkpoints(path: str) -> str:
   """The source's checkpoint directory, or the one-line refusal of a workdir without one."""
   if not os.path.isdir(path):
@@ -74,7 +86,7 @@ def _checkpoints(path: str) -> str:
     )  # fmt: skip
   directory = os.path.join(path, "checkpoints")
   if os.path.isdir(directory):
-    with Checkpointer(directory, read_only=True, async_save=False) as ckpt:
+    with _reader(directory) as ckpt:
       if ckpt.all_steps():
         return directory
   raise _refuse(path, "holds no checkpoint (none under checkpoints/): give the workdir of a run")
@@ -87,7 +99,7 @@ def _source_config(path: str, extra: dict):
 
 
 _MODEL_KEYS = {
-  "D": "model.D", "N": "model.N", "H": "model.H", "mlp_dim": "model.F", "L": "data.seq_len",
+  "D": "model.D", "N": "model.N", "H": "model.H", "F": "model.F", "L": "data.seq_len",
   "V": "data.tokenizer", "padded_vocab": "model.vocab_multiple",
 }  # fmt: skip
 
@@ -96,10 +108,12 @@ def _check_model(path: str, src, extra: dict, mine: model.GPTConfig) -> model.GP
   """The source's model config; refused unless its parameters are this run's (named)."""
   vocab = extra.get("vocab", {}).get("V", mine.V)
   theirs = build_lib.model_config(src, vocab)
+  value = lambda cfg, key: cfg.mlp_dim if key == "F" else getattr(cfg, key)
   diff = [
-    f"{key}={getattr(theirs, key)} there, {getattr(mine, key)} here ({name})"
+    f"{key}={value(theirs, key)} there, {value(mine, key)} here ({name})"
     for key, name in _MODEL_KEYS.items()
-    if getattr(theirs, key) != getattr(mine, key)
+    if value(theirs, key) != value(mine, key)
+    and not (key == "F" and theirs.F is None and mine.F is None)  # 4 D: D differs already
   ]
   if diff:
     raise _refuse(
@@ -188,7 +202,7 @@ def start(run, config, stream, rows_per_stage: int) -> Started:
     found.update(config=src, step=family.source_step(src, src_model, run.mesh.size))
     return found["step"].abstract_state(run.params_shapes)
 
-  with Checkpointer(directory, read_only=True, async_save=False) as ckpt:
+  with _reader(directory) as ckpt:
     saved, extra = ckpt.restore_host(None, target_of)
   src, portable = found["config"], found["step"].export_state(saved)
   if portable.updates >= config.train.num_updates:
