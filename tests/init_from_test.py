@@ -60,6 +60,8 @@ def test_param_subtrees_are_found_in_any_optimizer_state():
   ]  # fmt: skip
   assert int(doubled[1].inner_state[0].count) == 0  # other leaves as they were
   assert doubled[1].hyperparams["learning_rate"] == np.float32(1e-3)
+  one = np.zeros(3, np.float32)  # one array: every leaf has its structure, only two its shape
+  assert len(portable.param_subtrees(portable.to_host(tx.init(one)), one)) == 2
 
 
 # -- the data-parallel export and import, method to method and 8 -> 4 devices --------------------
