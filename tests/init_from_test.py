@@ -71,7 +71,7 @@ def test_param_subtrees_are_found_in_any_optimizer_state():
 def trained():
   """Per method: the 8-device state after 3 stages (ACCO: after an estimate, mid-round)."""
   out = {}
-  for name in ("acco", "zero1", "ddp"):
+  for name in ("acco", "zero1", "ddp", "wp"):
     step = build_step(name, N)
     state = step.init(PARAMS, first_microbatch())
     for batch in make_batches(3):
@@ -104,7 +104,8 @@ def through_checkpoint(tmp_path, name, saved, n):
 
 
 @pytest.mark.parametrize(
-  "source,target", [("acco", "zero1"), ("zero1", "acco"), ("ddp", "zero1"), ("acco", "ddp")]
+  "source,target",
+  [("acco", "zero1"), ("zero1", "acco"), ("ddp", "zero1"), ("acco", "ddp"), ("wp", "dpu")],
 )
 def test_state_carries_over_bit_for_bit(tmp_path, trained, source, target):
   saved = trained[source]
@@ -112,6 +113,8 @@ def test_state_carries_over_bit_for_bit(tmp_path, trained, source, target):
   assert exported.updates == (1 if source == "acco" else 3) and exported.source == source
   if source == "acco":  # after an estimate: θ̃ and two stages of gradients are not carried
     assert "estimate" in exported.dropped and "32 microbatch gradients" in exported.dropped
+  if source == "wp":  # the prediction, and the last stage's gradients
+    assert exported.dropped == "the predicted weights, 16 microbatch gradients in flight"
   step = build_step(target, 4)
   stage = 2 * exported.updates if target == "acco" else exported.updates
   state = portable.to_host(
@@ -121,10 +124,11 @@ def test_state_carries_over_bit_for_bit(tmp_path, trained, source, target):
   same_bits(carried(target, state), want, f"{source} -> {target}")
   same_bits(logical_flat(state.w, 4), want["theta"], "compute weights")  # float32 comm here
   assert not np.any(padding(state.params)) and int(state.stage) == stage
-  if target == "acco":  # a fresh cycle: an estimate next, the buffer primed at θ
-    assert int(state.opt_state.stage) == stage and stage % 2 == 0
+  if step.plan.delayed:  # the buffer primed at θ, one microbatch per device
     same_bits(logical_shards(state.params), want["theta"], "params")
     np.testing.assert_array_equal(state.buf_count, np.ones(4, np.int32))
+  if target == "acco":  # a fresh cycle: an estimate next
+    assert int(state.opt_state.stage) == stage and stage % 2 == 0
 
 
 def test_acco_starts_its_cycle_as_a_fresh_run_would(trained):
