@@ -8,7 +8,9 @@ A family either builds a :class:`acco_jax.run.build.Run` that the trainer drives
 runs a config itself (``run``: HDEE trains its experts as trainer runs of their own). The trainer
 reaches a family only through what its build returns: ``Run.train``, the step object (``init``,
 ``step`` or under ``Run.loco`` ``plan`` and ``run``, ``params``, ``abstract_state``, ``reshard``,
-``probe``, ``describe``...), and ``Run.orders`` / ``Run.policy`` when set.
+``probe``, ``describe``...), and ``Run.orders`` / ``Run.policy`` when set; ``ckpt.init_from``
+(:mod:`acco_jax.run.init_from`) also through the source family's ``source_step`` and the steps'
+``export_state`` / ``import_state`` (:mod:`acco_jax.run.portable`).
 """
 
 from __future__ import annotations
