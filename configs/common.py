@@ -174,6 +174,10 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.ckpt.every = 50  # updates between checkpoints (0 = only at the end)
   c.ckpt.keep = 3  # newest checkpoints kept
   c.ckpt.async_save = True  # write checkpoints in the background
+  # Start from the newest checkpoint of another run's workdir (read only), when this workdir has
+  # none: ddp, zero1, acco, dpu, wp onto any of them, any device count; parameters and optimizer
+  # state exactly, update count and data position kept (acco_jax/run/init_from.py). '' = off
+  c.ckpt.init_from = ""
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.num_devices = 0  # devices on the data axis (0 = all)

@@ -34,11 +34,7 @@ def build_run(config) -> build_lib.Run:
   model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
   k, per_update, total = stage_plan(config)
   shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
-  inner = build_lib.inner_optimizer(config, shapes)
-  kwargs = {"comm_dtype": jnp.dtype(config.comm_dtype), **comm_args(config, mesh.size, shapes)}
-  if config.method == "dpu":
-    kwargs["warmup_steps"] = int(config.dpu_warmup_updates)
-  tx = methods.get_method(config.method, inner, **kwargs)
+  tx = method(config, mesh.size, shapes)
   loss = lambda p, b: model.loss_fn(p, model_cfg, b)
   budgets, k_max = _budgets(config, mesh.size, k)
   orders = None
@@ -64,6 +60,26 @@ def build_run(config) -> build_lib.Run:
     mesh, tokens, model_cfg, shapes, train, per_update, total, k, budgets, orders=orders,
     policy=policy,
   )  # fmt: skip
+
+
+def method(config, n: int, shapes):
+  """The config's method transform on ``n`` devices, around its inner optimizer."""
+  inner = build_lib.inner_optimizer(config, shapes)
+  kwargs = {"comm_dtype": jnp.dtype(config.comm_dtype), **comm_args(config, n, shapes)}
+  if config.method == "dpu":
+    kwargs["warmup_steps"] = int(config.dpu_warmup_updates)
+  return methods.get_method(config.method, inner, **kwargs)
+
+
+def source_step(config, model_cfg: model.GPTConfig, num_devices: int):
+  """The step of a run of ``config`` on this process's first ``num_devices`` devices, never run:
+  it reads that run's checkpoints (written on any device count) and exports them
+  (:meth:`acco_jax.dp.step.TrainStep.export_state`; ``ckpt.init_from``)."""
+  mesh = parallel.make_mesh(num_devices)
+  shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
+  no_loss = lambda p, b: 0.0  # the step is not run: its stage program is never traced
+  return make_train_step(no_loss, method(config, mesh.size, shapes), mesh, num_microbatches=1,
+                         params=shapes)  # fmt: skip
 
 
 def comm_args(config, n: int, shapes) -> dict:

@@ -13,4 +13,12 @@ def _build(config):
   return build.build_run(config)
 
 
-FAMILY = registry.Family("dp", METHODS, build=_build, updates_done=updates_done)
+def _source_step(config, model_cfg, num_devices):
+  from acco_jax.dp import build
+
+  return build.source_step(config, model_cfg, num_devices)
+
+
+FAMILY = registry.Family(
+  "dp", METHODS, build=_build, updates_done=updates_done, source_step=_source_step
+)

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.dp import methods, quantize
+from acco_jax.dp import carry, methods, quantize
 from acco_jax.dp.flat import FlatLayout, TreeLayout
 from acco_jax.dp.owner import OwnerLayout, check_per_leaf
 from acco_jax.dp.quantized_comm import QuantizedComm
@@ -287,6 +287,18 @@ class TrainStep:
   def saved_num_devices(self, saved: TrainState) -> int:
     """The device count ``saved`` (host numpy leaves) was written on."""
     return saved_num_devices(saved)
+
+  # -- another run kind (ckpt.init_from; acco_jax.run.portable) -----------------------------------
+
+  def export_state(self, saved: TrainState):
+    """A saved state (host numpy, any device count) -> :class:`acco_jax.run.portable.Portable`:
+    θ and the inner state in the model's structure (:mod:`acco_jax.dp.carry`)."""
+    return carry.export_state(self, saved)
+
+  def import_state(self, portable, stage: int, microbatch: PyTree | None = None) -> TrainState:
+    """The state of a run that starts from ``portable`` at ``stage``, placed; a delayed method
+    primes its buffer with ``microbatch`` as :meth:`init` does (:mod:`acco_jax.dp.carry`)."""
+    return carry.import_state(self, portable, stage, microbatch)
 
   def describe(self) -> str:
     """One line on the quantized communication ('' when the plan quantizes nothing)."""

@@ -223,6 +223,11 @@ def run(config, workdir: str, *, interrupt: tuple[str, int] | None = None) -> di
   """
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise errors.UserValueError(f"workdir {workdir!r} is a file: pass --workdir a directory")
+  if config.ckpt.get("init_from"):  # every job's config is a copy of this one
+    raise errors.UserValueError(
+      "ckpt.init_from does not apply to method=hdee: its experts start from the recipe's seed "
+      "models; leave it ''"
+    )
   compile_cache.configure(config.compile.cache_dir)
   _check_recipe(config, workdir)
   plan = make_plan(config)

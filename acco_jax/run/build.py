@@ -79,6 +79,18 @@ def batch_stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True
   )  # fmt: skip
 
 
+def prime_batch(run: Run, config):
+  """What a delayed method primes its gradient buffer with: one microbatch per device, the first
+  batch of the stream seeded ``train.seed + 1`` (not the training stream), placed."""
+  rows = run.mesh.size * config.batch.microbatch_size
+  prime = next(batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed + 1))
+  if run.orders is not None:  # device i primes with the path of its first microbatch
+    prime["order"] = run.orders.prime_rows(
+      run.train.num_microbatches, jax.process_index(), jax.process_count()
+    )
+  return parallel.global_batch(prime, run.mesh, run.batch_axis, run.batch_whole)
+
+
 def updates_done(config, stage: int) -> int:
   """Optimizer updates completed after ``stage`` stages (the method's family knows the rule)."""
   return registry.lookup(config.method).updates_done(config, stage)

@@ -82,14 +82,21 @@ class Checkpointer:
     keep: how many of the newest checkpoints to keep (older ones are deleted after a newer save is
       complete); ``None`` keeps all.
     async_save: write in a background thread; :meth:`save` returns once the arrays are copied to host.
+    read_only: only read (another run's checkpoints, ``ckpt.init_from``): nothing is created,
+      saved or deleted in ``directory``.
   """
 
-  def __init__(self, directory: str, *, keep: int | None = 3, async_save: bool = True):
+  def __init__(
+    self, directory: str, *, keep: int | None = 3, async_save: bool = True, read_only=False
+  ):
     directory = str(directory)
     self.directory = directory if "://" in directory else os.path.abspath(directory)
     if keep is not None and keep < 1:
       raise errors.UserValueError(f"keep must be >= 1 or None, got {keep}")
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=None if read_only else keep, enable_async_checkpointing=async_save,
+      read_only=read_only, create=not read_only,
+    )  # fmt: skip
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._bad: set[int] = set()  # steps this object found corrupt (may be replaced by a save)
     self._last_saved: int | None = None
@@ -215,6 +222,19 @@ class Checkpointer:
         or ``reshard`` rejects it).
       RuntimeError: the requested step, or every step when ``step`` is ``None``, is corrupt.
     """
+    return self._first_readable(step, lambda s: self._restore_step(s, target, reshard, check_extra))
+
+  def restore_host(self, step: int | None, target_of: Callable[[dict], PyTree]):
+    """``(state, extra)``, ``state`` as host numpy arrays with the shapes they were written with.
+
+    For a state whose structure only the checkpoint's ``extra`` tells (another run's,
+    ``ckpt.init_from``): ``target_of(extra)`` returns a pytree of that structure (its leaves'
+    shapes do not matter), or raises to refuse the checkpoint. Fingerprints and the fall-back to
+    older steps are :meth:`restore`'s."""
+    return self._first_readable(step, lambda s: self._host_step(s, target_of))
+
+  def _first_readable(self, step: int | None, read: Callable[[int], Any]):
+    """``read(step)``, or with ``step=None`` ``read`` of the newest step that reads back intact."""
     self._manager.wait_until_finished()
     steps = self.all_steps()
     if step is not None:
@@ -223,7 +243,7 @@ class Checkpointer:
           f"no checkpoint at step {step} in {self.directory}; found {steps}"
         )
       try:
-        return self._restore_step(int(step), target, reshard, check_extra)
+        return read(int(step))
       except _Corrupt as e:
         raise errors.UserRuntimeError(
           f"checkpoint step {step} in {self.directory} is corrupt: {e}"
@@ -232,7 +252,7 @@ class Checkpointer:
       raise errors.UserFileNotFoundError(f"no checkpoint in {self.directory}")
     for s in reversed(steps):
       try:
-        return self._restore_step(s, target, reshard, check_extra)
+        return read(s)
       except _Corrupt as e:
         _log.warning(
           "checkpoint step %d in %s is corrupt, trying an older one: %s", s, self.directory, e
@@ -304,6 +324,15 @@ class Checkpointer:
     cast = lambda r, x: jax.jit(lambda a: a.astype(x.dtype), out_shardings=x.sharding)(r)
     out = [r if r.dtype == x.dtype else cast(r, x) for r, x in zip(restored, leaves, strict=True)]
     return jax.tree.unflatten(jax.tree.structure(target), out), extra
+
+  def _host_step(self, step: int, target_of) -> tuple[PyTree, dict]:
+    saved, extra = self._read(step, "metadata", lambda: self._read_meta(step))
+    target = target_of(extra)
+    paths, leaves = self._flatten(target, "target")
+    self._check_matches(step, saved, paths, leaves, shapes=False)
+    entries = [saved[p] for p in paths]
+    restored = self._read(step, "arrays", lambda: self._read_host(step, entries))
+    return jax.tree.unflatten(jax.tree.structure(target), restored), extra
 
   def _read_host(self, step: int, entries: list[dict]) -> list[np.ndarray]:
     """The arrays of ``entries`` as numpy with their saved shapes, checked against fingerprints."""

@@ -8,7 +8,9 @@ A family either builds a :class:`acco_jax.run.build.Run` that the trainer drives
 runs a config itself (``run``: HDEE trains its experts as trainer runs of their own). The trainer
 reaches a family only through what its build returns: ``Run.train``, the step object (``init``,
 ``step`` or under ``Run.loco`` ``plan`` and ``run``, ``params``, ``abstract_state``, ``reshard``,
-``probe``, ``describe``...), and ``Run.orders`` / ``Run.policy`` when set.
+``probe``, ``describe``...), and ``Run.orders`` / ``Run.policy`` when set; ``ckpt.init_from``
+(:mod:`acco_jax.run.init_from`) also through the source family's ``source_step`` and the steps'
+``export_state`` / ``import_state`` (:mod:`acco_jax.run.portable`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ class Family(NamedTuple):
   build: Callable[[Any], Any] | None = None  # config -> acco_jax.run.build.Run
   run: Callable[[Any, str], Any] | None = None  # (config, workdir): runs it instead of the trainer
   updates_done: Callable[[Any, int], int] = one_update_per_stage  # (config, stages) -> updates
+  # (config, model_cfg, num_devices) -> a step of this family's run of ``config`` on this
+  # process's first num_devices devices, never run: it reads a checkpoint of that run
+  # (``abstract_state``) and exports it (``export_state``; acco_jax.run.portable). None: this
+  # family's checkpoints cannot start another run (ckpt.init_from)
+  source_step: Callable[[Any, Any, int], Any] | None = None
 
 
 _BY_METHOD: dict[str, Family] = {}  # in registration order

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from acco_jax import data, errors, model
+from acco_jax.run import build as build_lib
 from acco_jax.run import checkpoint, compile_cache, health, monitor, optim, parallel, report
+from acco_jax.run import init_from as init_from_lib
 from acco_jax.run import metrics as metrics_lib
 from acco_jax.run.build import Run as Run
 from acco_jax.run.build import batch_stream as batch_stream
@@ -72,7 +74,10 @@ def train_and_evaluate(
   )
   ckpt = open_ckpt() if os.path.isdir(ckpt_dir) else None
   start, tokens_seen, events, extra = (ckpt and ckpt.latest_step()), 0, [], {}
-  if start is not None:
+  resumed = start is not None
+  if ckpt is not None and not resumed:  # no step saved yet: opened again to save the first
+    ckpt = ckpt.close()
+  if resumed:
     # A checkpoint written on another device count is resharded (acco_jax.dp.reshard): weights and
     # optimizer state exactly, gradient buffers by their sums. The stage count, hence the schedule,
     # carries over; the global batch is now n/n_old times as large, and the data continues from
@@ -109,25 +114,24 @@ def train_and_evaluate(
               f"data continues at global batch {position['step']}", flush=True)  # fmt: skip
     events.append(("restored", dict(stage=start, workdir=workdir, restore_s=time.time() - restore_t0,
                                     time=time.time())))  # fmt: skip
+    if config.ckpt.init_from and lead:
+      print(f"ckpt.init_from ignored: resuming from this workdir's checkpoint of stage {start}",
+            flush=True)  # fmt: skip
+  elif config.ckpt.init_from:  # another run's checkpoint, maybe of another kind (init_from.py)
+    started = init_from_lib.start(run, config, stream, rows_per_stage)
+    state, start, tokens_seen = started.state, started.stage, started.tokens_seen
+    events.append(("initialized_from", started.event))
+    if lead:
+      print(started.line, flush=True)
   else:
     start = 0
     params = model.init_params(run.model_cfg, config.train.seed)
     if init_params is not None:
       params = jax.tree.map(lambda p, q: jnp.asarray(q, p.dtype), params, init_params)
-    if run.loco:
-      state = train.init(params)
-    else:
-      prime_rows = n * config.batch.microbatch_size
-      prime = next(
-        batch_stream(run, config, run.tokens.train, prime_rows, seed=config.train.seed + 1)
-      )
-      if run.orders is not None:  # device i primes with the path of its first microbatch
-        prime["order"] = run.orders.prime_rows(
-          train.num_microbatches, jax.process_index(), jax.process_count()
-        )
-      state = train.init(
-        params, parallel.global_batch(prime, mesh, run.batch_axis, run.batch_whole)
-      )
+    state = (
+      train.init(params) if run.loco else train.init(params, build_lib.prime_batch(run, config))
+    )
+  if not resumed:
     events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
   if start >= run.total_stages:  # nothing left: report the finished run, train nothing
     ckpt.close()
