@@ -23,7 +23,7 @@ The pipeline runs ``pipeline.stages = M`` (node ``s`` holds stage ``s``, one dat
 schedule of :data:`SCHEDULES`, one after the other in one invocation (the machine is shared: compare
 them side by side). A schedule's time per update is the mean interval between the logged updates
 after ``--skip`` (compilation and warm-up). Its prediction is the simulator's for the same topology
-and for the same paths (``acco_jax.pipeline.train.schedule_paths``), with costs measured here:
+and for the same paths (``acco_jax.pipeline.build.schedule_paths``), with costs measured here:
 
 * per-stage compute: one namespace-free process with the same flags (one CPU device, XLA single
   threaded) jit-compiles a stage's operations as ``pipeline/step.py`` runs them (F0 = embedding and
@@ -65,7 +65,7 @@ import netns
 
 from acco_jax.pipeline import simulate, ticks
 from acco_jax.pipeline import topology as topology_lib
-from acco_jax.pipeline import train as pipe_train
+from acco_jax.pipeline import build as pipe_build
 
 TOPOLOGY = common.REPO / "bench" / "topologies" / "two_regions_4.json"
 RUNS = common.RESULTS / "runs" / "skippipe_netns"
@@ -321,7 +321,7 @@ def predict(topo, measured: dict, overrides: dict) -> dict:
   if p.schedule == "skippipe" and p.paths == "scheduled":
     r = predict_plan(topo, costs, config)
     return {**r, "sim_s": r["sim_s"] + sync, "replay_s": r["replay_s"] + sync, "sync_s": sync}
-  paths, policy = pipe_train.schedule_paths(
+  paths, policy = pipe_build.schedule_paths(
     p.schedule, S, M, float(p.skip), bool(p.swap), int(p.seed)
   )
   schedule = ticks.build(paths, S, policy)
@@ -333,15 +333,15 @@ def predict(topo, measured: dict, overrides: dict) -> dict:
 
 
 def predict_plan(topo, costs: simulate.Costs, config) -> dict:
-  """The scheduler's plan as the run makes it (``pipeline/train.scheduled_plan``), priced with the
+  """The scheduler's plan as the run makes it (``pipeline/build.scheduled_plan``), priced with the
   measured costs. The runtime puts node ``i`` on device ``i`` (namespace ``i``, shaped as topology
   node ``i``), so the plan's routes and per-node order run on the links it was made for."""
-  from acco_jax.pipeline import train as pipe_train
+  from acco_jax.pipeline import build as pipe_build
   from acco_jax.run import build as build_lib
 
   S = int(config.pipeline.stages)
   cfg = build_lib.model_config(config, 257)
-  planned = pipe_train.scheduled_plan(config, cfg, S)
+  planned = pipe_build.scheduled_plan(config, cfg, S)
   plan = planned.plan
   sim = simulate.simulate(topo, costs, plan.routes(), "fifo").makespan
   replay = simulate.replay(topo, costs, plan.routes(), plan.order).makespan

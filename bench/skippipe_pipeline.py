@@ -281,12 +281,12 @@ def run(out_dir: Path, seeds: list[int], updates: int | None = None, smoke: bool
 
 def plan_report(spec: str, devices: int = 8, out: Path | None = None) -> dict:
   """The scheduled plan ``train.py --config SPEC --config.method=pipeline`` trains on ``devices``
-  devices: the same function (``pipeline/train.scheduled_plan``) on the same config. Prints it and
+  devices: the same function (``pipeline/build.scheduled_plan``) on the same config. Prints it and
   returns it as a dict (``plans.record`` plus the simulated time)."""
   import importlib
 
   from acco_jax.pipeline import plans
-  from acco_jax.pipeline import train as pipe_train
+  from acco_jax.pipeline import build as pipe_build
   from acco_jax.run import build as build_lib
 
   path, _, arg = spec.partition(":")
@@ -295,7 +295,7 @@ def plan_report(spec: str, devices: int = 8, out: Path | None = None) -> dict:
   config.method = "pipeline"
   tokens = build_lib.prepare_tokens(config)
   model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
-  planned = pipe_train.scheduled_plan(config, model_cfg, devices)
+  planned = pipe_build.scheduled_plan(config, model_cfg, devices)
   if planned is None:
     raise SystemExit(f"{spec} runs no scheduled plan (pipeline.schedule=skippipe, paths=scheduled)")
   record = plans.record(planned)

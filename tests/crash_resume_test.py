@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from acco_jax.dp.updates import stage_plan
-from acco_jax.pipeline.train import flush_plan
+from acco_jax.pipeline.build import flush_plan
 from acco_jax.run import trainer
 from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_acco, gpt2_diloco, gpt2_pipeline, gpt2_skippipe, gpt2_zero1

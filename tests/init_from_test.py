@@ -25,7 +25,6 @@ import pytest
 from acco_jax import errors
 from acco_jax.dp.methods import AccoState, WpState
 from acco_jax.dp.step import TrainStep
-from acco_jax.pipeline.train import PipelineTrainStep
 from acco_jax.run import build, portable, trainer
 from acco_jax.run import init_from as init_from_lib
 from acco_jax.run.checkpoint import Checkpointer
@@ -154,14 +153,76 @@ def test_another_optimizer_state_is_refused(trained):
     build_step("zero1", 4).import_state(wrong, 3)
 
 
-@pytest.mark.skipif(
-  not hasattr(PipelineTrainStep, "export_state"), reason="the pipeline's export/import: later"
-)
-def test_pipeline_and_data_parallel_both_ways():
-  """Hook for the pipeline side: a pipeline state exported and imported into zero1 and acco, and
-  a zero1 and an acco state imported into a pipeline, compared bit for bit with ``same_bits`` on
-  the model-structure parameters and inner optimizer state, as the tests above do."""
-  raise NotImplementedError("write with the pipeline's export_state/import_state")
+def pipe_run(**overrides):
+  """A tiny pipeline run (4 blocks) of ``overrides``, built as train.py builds it."""
+  return build.build(tiny(gpt2_pipeline, **{"model.N": 4, **overrides}))
+
+
+def unpacked(run, host):
+  """θ and the inner optimizer state of a pipeline state, in the model's structure."""
+  opt, cut = host.opt_state, lambda sub: run.train.packing.unpack(sub)
+  apart = isinstance(opt, AccoState)
+  inner = opt.inner_state if apart else opt
+  return {
+    "theta": cut(opt.committed if apart else host.params),
+    "opt": portable.map_param_subtrees(cut, inner, host.params),
+  }
+
+
+def test_pipeline_and_data_parallel_both_ways(tmp_path):
+  """A pipeline-ACCO state (2 stages of 1 and 3 blocks x 4 lanes, after 4 flushes: an estimate
+  in progress) through a checkpoint read by the pipeline's source step -> a zero1 run on 4 devices
+  -> a pipeline-zero1 run of 4 stages x 2 lanes: θ and Adam's state bit for bit at every hop,
+  each run reading its own layout (the DP one with its layout's from_shards)."""
+  from acco_jax.pipeline import build as pipe_build
+
+  source = pipe_run(**{"pipeline.stages": 2, "pipeline.blocks_per_stage": "1,3",
+                       "pipeline.data_method": "acco"})  # fmt: skip
+  train = source.train
+  state = train.init(jax.tree.map(jnp.asarray, model_params(source)))
+  rows = train.microbatches_per_stage * 2
+  rng = np.random.default_rng(0)
+  for _ in range(4):  # fill, estimate, commit, estimate
+    tok = rng.integers(0, source.model_cfg.V, (rows, 9), dtype=np.int32)
+    state, _ = train.step(state, {"inputs": tok[:, :-1], "targets": tok[:, 1:]})
+  saved = portable.to_host(state)
+  with Checkpointer(tmp_path / "pipe", async_save=False) as ckpt:
+    ckpt.save(4, state, extra={"stage": 4})
+  config = tiny(gpt2_pipeline, **{"model.N": 4, "pipeline.stages": 2, "pipeline.data_method": "acco",
+                                  "pipeline.blocks_per_stage": "1,3"})  # fmt: skip
+  reader = pipe_build.source_step(config, source.model_cfg, 8)
+  with Checkpointer(tmp_path / "pipe", read_only=True) as ckpt:
+    host, _ = ckpt.restore_host(None, lambda extra: reader.abstract_state(source.params_shapes))
+  exported = reader.export_state(host)
+  want = unpacked(source, saved)
+  same_bits(exported.params, want["theta"], "pipeline theta")
+  same_bits(exported.opt, want["opt"], "pipeline inner state")
+  assert exported.updates == 1 and "estimate of the round in progress" in exported.dropped
+  assert "2 flushes' gradients in flight" in exported.dropped
+
+  zero1 = build.build(tiny(gpt2_zero1, **{"model.N": 4, "mesh.num_devices": 4}))
+  into = portable.to_host(zero1.train.import_state(exported, 1, build.prime_batch(zero1, tiny(
+    gpt2_zero1, **{"model.N": 4, "mesh.num_devices": 4}))))  # fmt: skip
+  got = view(into, zero1.train.layout)
+  same_bits(got["theta"], want["theta"], "pipeline -> zero1 theta")
+  same_bits(got["opt"], want["opt"], "pipeline -> zero1 inner state")
+
+  back = zero1.train.export_state(into)
+  target = pipe_run(**{"pipeline.data_method": "zero1"})  # 4 stages x 2 lanes, 1 block each
+  assert target.train.packing.counts == (1, 1, 1, 1)
+  placed = target.train.import_state(back, 1)
+  assert tuple(jax.tree.leaves(placed.params)[0].sharding.spec) == ("stage", "data")
+  got = unpacked(target, portable.to_host(placed))
+  same_bits(got["theta"], want["theta"], "zero1 -> pipeline theta")
+  same_bits(got["opt"], want["opt"], "zero1 -> pipeline inner state")
+  placed, metrics = target.train.step(placed, {"inputs": tok[:16, :-1], "targets": tok[:16, 1:]})
+  assert np.isfinite(float(metrics["loss"]))  # it trains on
+
+
+def model_params(run):
+  from acco_jax import model
+
+  return model.init_params(run.model_cfg, 0)
 
 
 # -- the shell: tiny runs, their checkpoints as the trainer writes them -----------------------------
@@ -348,8 +409,6 @@ REFUSALS = [
    r"inner optimizer keeps another state .*\(opt.name=sgd there, adamw here\)"),
   ("skippipe-plan", lambda p: fake_source(p, gpt2_pipeline, plan={"settings": {}}),
    r"scheduled SkipPipe plan .* does not move onto another mesh"),
-  ("pipeline-source", lambda p: fake_source(p, gpt2_pipeline),
-   r"checkpoints of method=pipeline cannot start another run yet"),
   ("no-config", lambda p: fake_source(p, gpt2_zero1, config=None),
    r"does not record the run's config"),
 ]  # fmt: skip
@@ -367,14 +426,12 @@ def test_what_cannot_move_is_a_one_line_refusal(tmp_path, case, make, pattern):
   "case,module,overrides,pattern",
   [
     ("loco-target", gpt2_diloco, {}, r"a method=diloco run cannot start .* outer state"),
-    ("pipeline-target", gpt2_pipeline, {"model.N": 2, "pipeline.stages": 2},
-     r"a method=pipeline run cannot start from another run's checkpoint yet"),
     ("too-few-updates", gpt2_zero1, {"train.num_updates": 2},
      r"has done 2 updates and train.num_updates=2 counts from its first: raise"),
     ("another-stream", gpt2_zero1, {"train.seed": 1},
      r"the data position cannot be kept: the saved data position is for another stream"),
   ],
-  ids=["loco-target", "pipeline-target", "too-few-updates", "another-stream"],
+  ids=["loco-target", "too-few-updates", "another-stream"],
 )  # fmt: skip
 def test_what_cannot_start_is_a_one_line_refusal(
   sources, tmp_path, case, module, overrides, pattern
@@ -441,3 +498,27 @@ def test_train_py_starts_from_another_runs_checkpoint(tmp_path):
   assert rows[0]["event"] == "initialized_from" and rows[0]["updates"] == 3
   # the source's 6 stages of 8 rows of 8 tokens, then stages 3 and 4 of this run (8 rows each)
   assert [r["tokens_seen"] for r in rows if "loss" in r][-1] == (6 + 2) * 8 * 8
+
+
+@pytest.mark.slow  # three train.py runs
+def test_train_py_acco_to_pipeline_and_back(tmp_path):
+  """configs/gpt2_acco.py's checkpoint continues as a pipeline-ACCO run of 2 stages (1 and 3
+  blocks) x 4 lanes, whose checkpoint continues as an acco run again."""
+  small = {**SMALL, "model.N": 4}
+  source = train_py(tmp_path / "acco", "configs/gpt2_acco.py:tiny", **small,
+                    **{"train.num_updates": 2})  # fmt: skip
+  assert source.returncode == 0, source.stderr[-3000:]
+  pipe = {"pipeline.stages": 2, "pipeline.blocks_per_stage": "1,3", "pipeline.data_method": "acco"}
+  proc = train_py(tmp_path / "pipe", "configs/gpt2_pipeline.py:tiny", **small, **pipe, **{
+    "ckpt.init_from": tmp_path / "acco", "train.num_updates": 4})  # fmt: skip
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert f"ckpt.init_from: the acco run in {tmp_path / 'acco'} (stage 4, 2 updates) continues " \
+         "as pipeline at stage 5" in proc.stdout, proc.stdout  # fmt: skip
+  summary = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert summary["updates"] == 4 and np.isfinite(summary["eval_loss"])
+  back = train_py(tmp_path / "back", "configs/gpt2_acco.py:tiny", **small, **{
+    "ckpt.init_from": tmp_path / "pipe", "train.num_updates": 6})  # fmt: skip
+  assert back.returncode == 0, back.stdout[-2000:] + back.stderr[-3000:]
+  assert f"ckpt.init_from: the pipeline run in {tmp_path / 'pipe'} (stage 9, 4 updates) " \
+         "continues as acco at stage 8" in back.stdout, back.stdout  # fmt: skip
+  assert json.loads(back.stdout.strip().splitlines()[-1])["updates"] == 6

@@ -1,21 +1,29 @@
 """The pipeline family as the run shell sees it (:mod:`acco_jax.run.registry`): ``method=pipeline``,
-one update per flush (``pipeline.data_method=acco``: :func:`acco_jax.pipeline.train.updates_done`);
-its builder (:func:`acco_jax.pipeline.train.build_run`) is imported on
+one update per flush (``pipeline.data_method=acco``: :func:`acco_jax.pipeline.build.updates_done`);
+its builder (:func:`acco_jax.pipeline.build.build_run`) is imported on
 call."""
 
 from acco_jax.run import registry
 
 
 def _build(config):
-  from acco_jax.pipeline import train
+  from acco_jax.pipeline import build
 
-  return train.build_run(config)
+  return build.build_run(config)
 
 
 def _updates_done(config, stage: int) -> int:
-  from acco_jax.pipeline import train
+  from acco_jax.pipeline import build
 
-  return train.updates_done(config, stage)
+  return build.updates_done(config, stage)
 
 
-FAMILY = registry.Family("pipeline", ("pipeline",), build=_build, updates_done=_updates_done)
+def _source_step(config, model_cfg, num_devices):
+  from acco_jax.pipeline import build
+
+  return build.source_step(config, model_cfg, num_devices)
+
+
+FAMILY = registry.Family(
+  "pipeline", ("pipeline",), build=_build, updates_done=_updates_done, source_step=_source_step
+)

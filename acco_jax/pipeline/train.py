@@ -20,7 +20,7 @@ update. Within each stage the data lanes run ``pipeline.data_method``:
     ``g̃`` after an estimate, as ACCO's accumulator rule says. The first flush only fills the buffer
     (the gradient at ``θ0``, which the data-parallel method takes from a prime microbatch); then
     estimates and commits alternate, two flushes of ``batch.microbatches / 2`` per update
-    (:func:`flush_plan`).
+    (:func:`acco_jax.pipeline.build.flush_plan`).
 
 Schedules (``pipeline.schedule``): ``gpipe`` and ``1f1b`` run the full path for every microbatch;
 ``skippipe`` with
@@ -42,21 +42,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax import errors, model
 from acco_jax.dp import methods
-from acco_jax.pipeline import orders, plans, ticks
-from acco_jax.pipeline import packing as packing_lib
-from acco_jax.pipeline import paths as paths_lib
+from acco_jax.pipeline import carry, plans, ticks
 from acco_jax.pipeline import step as pipe
-from acco_jax.run import build as build_lib
-from acco_jax.run import parallel
-
-SCHEDULES = ("gpipe", "1f1b", "skippipe")
 
 
 DATA_METHODS = ("ddp", "zero1", "acco")
@@ -94,16 +87,15 @@ class _Plan(NamedTuple):
   name: str = "pipeline"
 
 
-def schedule_paths(kind: str, num_stages: int, num_mb: int, skip: float, swap: bool, seed: int):
-  """The microbatches' paths and the tick policy for a ``pipeline.schedule``."""
-  if kind not in SCHEDULES:
-    raise errors.UserValueError(
-      f"pipeline.schedule={kind!r} is unknown: choose one of {', '.join(SCHEDULES)}"
-    )
-  if kind != "skippipe":
-    return [paths_lib.full_path(num_stages)] * num_mb, kind
-  rng = np.random.default_rng(seed)
-  return paths_lib.random_paths(num_mb, num_stages, skip, swap, rng), "1f1b"
+def build_state(packing, tx, data_method: str, lanes: int, comm_dtype, params) -> PipeState:
+  """A fresh :class:`PipeState` from the model's parameters (traceable)."""
+  packed = packing.pack(params)
+  state = PipeState(packed, tx.init(packed), jnp.zeros((), jnp.int32))
+  if data_method != "acco":
+    return state
+  buf = {g: jnp.zeros((lanes, *v.shape), comm_dtype) for g, v in packed.items()}
+  w = jax.tree.map(lambda x: x.astype(comm_dtype), packed)
+  return state._replace(w=w, buf=buf, buf_count=jnp.zeros((), jnp.int32))
 
 
 class PipelineTrainStep:
@@ -149,6 +141,7 @@ class PipelineTrainStep:
     self.num_devices = mesh.size
     self.plan = _Plan(name=f"pipeline-{data_method}")
     self.packing = pipe.packing_for(params_like, schedule.num_stages, counts, self.lanes)
+    self.params_like = params_like
     n = self.packing.num_params
     self.layout = _Layout(n, sum(self.packing.sizes.values()) * schedule.num_stages)
     self._compiled = {}
@@ -164,13 +157,7 @@ class PipelineTrainStep:
   # -- state --------------------------------------------------------------------------------------
 
   def _build(self, params) -> PipeState:
-    packed = self.packing.pack(params)
-    state = PipeState(packed, self.tx.init(packed), jnp.zeros((), jnp.int32))
-    if self.data_method != "acco":
-      return state
-    comm = lambda x: x.astype(self.comm_dtype)
-    buf = {g: jnp.zeros((self.lanes, *v.shape), self.comm_dtype) for g, v in packed.items()}
-    return state._replace(w=jax.tree.map(comm, packed), buf=buf, buf_count=jnp.zeros((), jnp.int32))
+    return build_state(self.packing, self.tx, self.data_method, self.lanes, self.comm_dtype, params)
 
   def _state_sharding(self, shapes: PipeState) -> PipeState:
     named = lambda spec: jax.tree.map(lambda _: NamedSharding(self.mesh, spec), shapes.params)
@@ -254,6 +241,15 @@ class PipelineTrainStep:
       self.schedule = ticks.from_plan(planned.plan, planned.partition)
       self._make_programs()
 
+  def export_state(self, saved):
+    """The portable form of a saved state (``ckpt.init_from``; :mod:`acco_jax.pipeline.carry`)."""
+    return carry.export_state(self.packing, self.data_method, saved)
+
+  def import_state(self, portable, stage: int, microbatch=None) -> PipeState:
+    """This run's state from the portable form, at ``stage`` (:mod:`acco_jax.pipeline.carry`;
+    ``microbatch`` is not used: ACCO's first flush fills its buffer)."""
+    return carry.import_state(self, portable, stage)
+
   def reshard(self, saved):
     raise errors.UserValueError(
       "the checkpoint was written on another mesh: a pipeline run resumes on the same "
@@ -334,116 +330,3 @@ class PipelineTrainStep:
 
   def probe(self, state, batch, repeats: int = 2):
     raise errors.UserValueError("health.probe_every is not supported with method=pipeline: set 0")
-
-
-def _check(config, num_devices: int) -> tuple[int, int]:
-  """(stages, data lanes), or a one-line error for a pipeline config that cannot run."""
-  p = config.get("pipeline")
-  if p is None:
-    raise errors.UserValueError(
-      "method=pipeline needs a 'pipeline' config group: use configs/gpt2_pipeline.py"
-    )
-  stages = int(p.stages)
-  if stages < 2 or num_devices % stages:
-    raise errors.UserValueError(
-      f"pipeline.stages={stages} must be >= 2 and divide the {num_devices} devices (each data "
-      "lane holds one stage per device)"
-    )
-  for key, bad in (
-    ("comm.quantize", config.comm.quantize != "none"),
-    ("hetero.budgets", bool(config.hetero.budgets)),
-    ("hetero.adaptive", bool(config.hetero.adaptive)),
-    ("hetero.slowdown", bool(config.hetero.slowdown)),
-    ("health.probe_every", bool(config.health.probe_every)),
-  ):
-    if bad:
-      raise errors.UserValueError(
-        f"{key} is not supported with method=pipeline: leave it at its default"
-      )
-  return stages, num_devices // stages
-
-
-def flush_plan(config) -> tuple[int, int, int]:
-  """(microbatches per flush and lane, flushes per update, total flushes) for ``method=pipeline``:
-  one flush of ``batch.microbatches`` per update, or with ``pipeline.data_method=acco`` two flushes
-  of half as many (estimate, commit: the tokens of an update as with ``ddp``) after one that only
-  fills ACCO's buffer."""
-  M = int(config.batch.microbatches)
-  if config.pipeline.get("data_method", "ddp") != "acco":
-    return M, 1, int(config.train.num_updates)
-  if M < 2 or M % 2:
-    raise errors.UserValueError(
-      f"batch.microbatches={M}: pipeline.data_method=acco splits an update into two flushes of "
-      "equal size, so it must be an even number >= 2"
-    )
-  return M // 2, 2, 2 * int(config.train.num_updates) + 1
-
-
-def updates_done(config, stage: int) -> int:
-  """Optimizer updates after ``stage`` flushes (see :func:`flush_plan`)."""
-  if config.pipeline.get("data_method", "ddp") != "acco":
-    return stage
-  return max(stage - 1, 0) // 2
-
-
-def scheduled_plan(config, model_cfg: model.GPTConfig, num_devices: int):
-  """The plan ``method=pipeline`` trains on ``num_devices`` devices
-  (:class:`acco_jax.pipeline.plans.Planned`), or None unless ``pipeline.schedule=skippipe`` with
-  ``pipeline.paths=scheduled``. ``bench/skippipe.py --part plan`` prints the same."""
-  p = config.pipeline
-  if p.schedule != "skippipe" or p.paths != "scheduled":
-    return None
-  lanes = num_devices // int(p.stages)
-  mbs, rows = flush_plan(config)[0] * lanes, int(config.batch.microbatch_size)
-  return plans.make(p, model_cfg, num_devices, mbs, rows, equal=True)
-
-
-def build_run(config) -> build_lib.Run:
-  """A :class:`acco_jax.run.build.Run` for ``method=pipeline`` (through
-  :mod:`acco_jax.pipeline.family`)."""
-  devices = parallel.make_mesh(config.mesh.num_devices).devices.flatten()
-  stages, lanes = _check(config, len(devices))
-  tokens = build_lib.prepare_tokens(config)
-  model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
-  M, per_update, total = flush_plan(config)
-  p = config.pipeline
-  # SkipPipe's paths skip whole stages: equal stages where they divide the blocks (the paper's)
-  counts = packing_lib.stage_counts(
-    model_cfg, stages, p.get("blocks_per_stage", "auto"), equal=p.schedule == "skippipe"
-  )
-  if p.paths not in orders.MODES:
-    raise errors.UserValueError(
-      f"pipeline.paths={p.paths!r} is unknown: choose one of {', '.join(orders.MODES)}"
-    )
-  planned = scheduled_plan(config, model_cfg, stages * lanes)
-  if (
-    planned is not None
-  ):  # node i is the run's device i: device (lane l, stage s) is partition[s][l]
-    part = planned.partition
-    devices = [devices[part[s][lane]] for lane in range(lanes) for s in range(stages)]
-    schedule = ticks.from_plan(planned.plan, part)
-  else:
-    paths, policy = schedule_paths(p.schedule, stages, M, float(p.skip), bool(p.swap), int(p.seed))
-    schedule = ticks.build(paths, stages, policy)
-  mesh = pipe.make_mesh(stages, lanes, devices)
-  shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
-  buffers = pipe.packing_for(shapes, stages, counts, lanes)
-  tx = build_lib.inner_optimizer(config, shapes, lambda _: buffers.decay_mask())
-  train = PipelineTrainStep(
-    model_cfg, tx, mesh, schedule, shapes, planned, counts, p.get("data_method", "ddp"),
-    jnp.dtype(config.comm_dtype),
-  )  # fmt: skip
-  axis = pipe.DATA if lanes > 1 and not schedule.mesh_wide else None
-  return build_lib.Run(
-    mesh,
-    tokens,
-    model_cfg,
-    shapes,
-    train,
-    per_update,
-    total,
-    M,
-    None,
-    batch_axis=axis,
-    batch_whole=True,
-  )

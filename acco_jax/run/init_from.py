@@ -2,9 +2,8 @@
 
 The trainer calls :func:`start` when ``ckpt.init_from`` is set and the run's own workdir holds no
 checkpoint (with one, the run resumes from it and ``init_from`` is ignored). The source may be of
-another run kind: ``ddp``, ``zero1``, ``acco``, ``dpu`` or ``wp``, on any device count, onto any of
-them; a pipeline run both ways once :mod:`acco_jax.pipeline` implements the contract of
-:mod:`acco_jax.run.portable`. The source's config is in its checkpoint (``extra['config']``):
+another run kind: ``ddp``, ``zero1``, ``acco``, ``dpu``, ``wp`` or ``pipeline``, on any device count
+and mesh, onto any of them (:mod:`acco_jax.dp.carry`, :mod:`acco_jax.pipeline.carry`). The source's config is in its checkpoint (``extra['config']``):
 its family builds the source's step (:attr:`acco_jax.run.registry.Family.source_step`) on this
 run's device count, the checkpoint is read as host arrays with the shapes it was written with
 (:meth:`acco_jax.run.checkpoint.Checkpointer.restore_host`, read-only: nothing in the source

@@ -1,7 +1,7 @@
 """The run-kind-independent content of a train state, for ``ckpt.init_from`` across run kinds.
 
 A data-parallel state (:class:`acco_jax.dp.step.TrainState`: flat weights, ``[N, s_l]`` shards) and
-a pipeline state (blocks stacked over a ``stage`` axis) hold the same training in different
+a pipeline state (each stage's parameters packed in flat buffers over a ``stage`` axis) hold the same training in different
 layouts. :class:`Portable` is what they have in common, as host numpy arrays in the *model's own*
 structure (``acco_jax.model.init_params``: ``{'wte', 'wpe', 'ln_f', 'blocks': {'0': ..., ...}}``):
 
@@ -84,7 +84,7 @@ def map_param_subtrees(fn: Callable[[PyTree], PyTree], state: PyTree, params_lik
 
   A parameter-shaped subtree has the tree structure of ``params_like`` and, leaf by leaf, its
   shapes (dtypes may differ: bfloat16 moments). Whatever layout the step's parameters have (the
-  model's tree, the ``[N, s_l]`` shards, a pipeline's stacked blocks), ``params_like`` is that
+  model's tree, the ``[N, s_l]`` shards, a pipeline's per-stage buffers), ``params_like`` is that
   layout and ``fn`` converts one whole such subtree; the other leaves (counts, hyperparameters)
   are kept as they are.
 

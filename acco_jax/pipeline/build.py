@@ -1,0 +1,166 @@
+"""``method=pipeline`` from a config: checks, blocks per stage, the schedule or the scheduler's plan,
+the mesh, the step (:class:`acco_jax.pipeline.train.PipelineTrainStep`) and the run's stage counts;
+and the step ``ckpt.init_from`` reads a pipeline run's checkpoints with."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from acco_jax import errors, model
+from acco_jax.dp import methods
+from acco_jax.pipeline import carry, orders, plans, ticks
+from acco_jax.pipeline import packing as packing_lib
+from acco_jax.pipeline import paths as paths_lib
+from acco_jax.pipeline import step as pipe
+from acco_jax.pipeline.train import PipelineTrainStep, build_state
+from acco_jax.run import build as build_lib
+from acco_jax.run import parallel
+
+SCHEDULES = ("gpipe", "1f1b", "skippipe")
+
+
+def schedule_paths(kind: str, num_stages: int, num_mb: int, skip: float, swap: bool, seed: int):
+  """The microbatches' paths and the tick policy for a ``pipeline.schedule``."""
+  if kind not in SCHEDULES:
+    raise errors.UserValueError(
+      f"pipeline.schedule={kind!r} is unknown: choose one of {', '.join(SCHEDULES)}"
+    )
+  if kind != "skippipe":
+    return [paths_lib.full_path(num_stages)] * num_mb, kind
+  rng = np.random.default_rng(seed)
+  return paths_lib.random_paths(num_mb, num_stages, skip, swap, rng), "1f1b"
+
+
+def _check(config, num_devices: int) -> tuple[int, int]:
+  """(stages, data lanes), or a one-line error for a pipeline config that cannot run."""
+  p = config.get("pipeline")
+  if p is None:
+    raise errors.UserValueError(
+      "method=pipeline needs a 'pipeline' config group: use configs/gpt2_pipeline.py"
+    )
+  stages = int(p.stages)
+  if stages < 2 or num_devices % stages:
+    raise errors.UserValueError(
+      f"pipeline.stages={stages} must be >= 2 and divide the {num_devices} devices (each data "
+      "lane holds one stage per device)"
+    )
+  for key, bad in (
+    ("comm.quantize", config.comm.quantize != "none"),
+    ("hetero.budgets", bool(config.hetero.budgets)),
+    ("hetero.adaptive", bool(config.hetero.adaptive)),
+    ("hetero.slowdown", bool(config.hetero.slowdown)),
+    ("health.probe_every", bool(config.health.probe_every)),
+  ):
+    if bad:
+      raise errors.UserValueError(
+        f"{key} is not supported with method=pipeline: leave it at its default"
+      )
+  return stages, num_devices // stages
+
+
+def flush_plan(config) -> tuple[int, int, int]:
+  """(microbatches per flush and lane, flushes per update, total flushes) for ``method=pipeline``:
+  one flush of ``batch.microbatches`` per update, or with ``pipeline.data_method=acco`` two flushes
+  of half as many (estimate, commit: the tokens of an update as with ``ddp``) after one that only
+  fills ACCO's buffer."""
+  M = int(config.batch.microbatches)
+  if config.pipeline.get("data_method", "ddp") != "acco":
+    return M, 1, int(config.train.num_updates)
+  if M < 2 or M % 2:
+    raise errors.UserValueError(
+      f"batch.microbatches={M}: pipeline.data_method=acco splits an update into two flushes of "
+      "equal size, so it must be an even number >= 2"
+    )
+  return M // 2, 2, 2 * int(config.train.num_updates) + 1
+
+
+def updates_done(config, stage: int) -> int:
+  """Optimizer updates after ``stage`` flushes (see :func:`flush_plan`)."""
+  if config.pipeline.get("data_method", "ddp") != "acco":
+    return stage
+  return max(stage - 1, 0) // 2
+
+
+def scheduled_plan(config, model_cfg: model.GPTConfig, num_devices: int):
+  """The plan ``method=pipeline`` trains on ``num_devices`` devices
+  (:class:`acco_jax.pipeline.plans.Planned`), or None unless ``pipeline.schedule=skippipe`` with
+  ``pipeline.paths=scheduled``. ``bench/skippipe.py --part plan`` prints the same."""
+  p = config.pipeline
+  if p.schedule != "skippipe" or p.paths != "scheduled":
+    return None
+  lanes = num_devices // int(p.stages)
+  mbs, rows = flush_plan(config)[0] * lanes, int(config.batch.microbatch_size)
+  return plans.make(p, model_cfg, num_devices, mbs, rows, equal=True)
+
+
+def _split_and_tx(config, model_cfg, stages: int, lanes: int):
+  """The run's blocks per stage, the parameters' shapes and the inner optimizer on the buffers."""
+  p = config.pipeline
+  # SkipPipe's paths skip whole stages: equal stages where they divide the blocks (the paper's)
+  counts = packing_lib.stage_counts(
+    model_cfg, stages, p.get("blocks_per_stage", "auto"), equal=p.schedule == "skippipe"
+  )
+  shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
+  buffers = pipe.packing_for(shapes, stages, counts, lanes)
+  return counts, shapes, build_lib.inner_optimizer(config, shapes, lambda _: buffers.decay_mask())
+
+
+def source_step(config, model_cfg: model.GPTConfig, num_devices: int) -> carry.SourceStep:
+  """The step of a pipeline run of ``config`` as ``ckpt.init_from`` reads its checkpoints: the
+  state's structure and its export (no mesh: it is never run)."""
+  stages = int(config.pipeline.stages)
+  counts, shapes, tx = _split_and_tx(config, model_cfg, stages, 1)
+  data_method = config.pipeline.get("data_method", "ddp")
+  if data_method == "acco":
+    tx = methods.acco(tx)
+  packing = pipe.packing_for(shapes, stages, counts)
+  comm = jnp.dtype(config.comm_dtype)
+  build = lambda params: build_state(packing, tx, data_method, 1, comm, params)
+  return carry.SourceStep(packing, tx, data_method, build)
+
+
+def build_run(config) -> build_lib.Run:
+  """A :class:`acco_jax.run.build.Run` for ``method=pipeline`` (through
+  :mod:`acco_jax.pipeline.family`)."""
+  devices = parallel.make_mesh(config.mesh.num_devices).devices.flatten()
+  stages, lanes = _check(config, len(devices))
+  tokens = build_lib.prepare_tokens(config)
+  model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
+  M, per_update, total = flush_plan(config)
+  p = config.pipeline
+  if p.paths not in orders.MODES:
+    raise errors.UserValueError(
+      f"pipeline.paths={p.paths!r} is unknown: choose one of {', '.join(orders.MODES)}"
+    )
+  planned = scheduled_plan(config, model_cfg, stages * lanes)
+  if (
+    planned is not None
+  ):  # node i is the run's device i: device (lane l, stage s) is partition[s][l]
+    part = planned.partition
+    devices = [devices[part[s][lane]] for lane in range(lanes) for s in range(stages)]
+    schedule = ticks.from_plan(planned.plan, part)
+  else:
+    paths, policy = schedule_paths(p.schedule, stages, M, float(p.skip), bool(p.swap), int(p.seed))
+    schedule = ticks.build(paths, stages, policy)
+  mesh = pipe.make_mesh(stages, lanes, devices)
+  counts, shapes, tx = _split_and_tx(config, model_cfg, stages, lanes)
+  train = PipelineTrainStep(
+    model_cfg, tx, mesh, schedule, shapes, planned, counts, p.get("data_method", "ddp"),
+    jnp.dtype(config.comm_dtype),
+  )  # fmt: skip
+  axis = pipe.DATA if lanes > 1 and not schedule.mesh_wide else None
+  return build_lib.Run(
+    mesh,
+    tokens,
+    model_cfg,
+    shapes,
+    train,
+    per_update,
+    total,
+    M,
+    None,
+    batch_axis=axis,
+    batch_whole=True,
+  )
