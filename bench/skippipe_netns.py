@@ -63,9 +63,9 @@ from pathlib import Path
 import common
 import netns
 
+from acco_jax.pipeline import build as pipe_build
 from acco_jax.pipeline import simulate, ticks
 from acco_jax.pipeline import topology as topology_lib
-from acco_jax.pipeline import build as pipe_build
 
 TOPOLOGY = common.REPO / "bench" / "topologies" / "two_regions_4.json"
 RUNS = common.RESULTS / "runs" / "skippipe_netns"

@@ -285,8 +285,8 @@ def plan_report(spec: str, devices: int = 8, out: Path | None = None) -> dict:
   returns it as a dict (``plans.record`` plus the simulated time)."""
   import importlib
 
-  from acco_jax.pipeline import plans
   from acco_jax.pipeline import build as pipe_build
+  from acco_jax.pipeline import plans
   from acco_jax.run import build as build_lib
 
   path, _, arg = spec.partition(":")

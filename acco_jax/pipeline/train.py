@@ -51,7 +51,6 @@ from acco_jax.dp import methods
 from acco_jax.pipeline import carry, plans, ticks
 from acco_jax.pipeline import step as pipe
 
-
 DATA_METHODS = ("ddp", "zero1", "acco")
 
 

@@ -1,8 +1,8 @@
 """The run-kind-independent content of a train state, for ``ckpt.init_from`` across run kinds.
 
 A data-parallel state (:class:`acco_jax.dp.step.TrainState`: flat weights, ``[N, s_l]`` shards) and
-a pipeline state (each stage's parameters packed in flat buffers over a ``stage`` axis) hold the same training in different
-layouts. :class:`Portable` is what they have in common, as host numpy arrays in the *model's own*
+a pipeline state (each stage's parameters packed in flat buffers over a ``stage`` axis) hold the
+same training in different layouts. :class:`Portable` is what they have in common, as host numpy arrays in the *model's own*
 structure (``acco_jax.model.init_params``: ``{'wte', 'wpe', 'ln_f', 'blocks': {'0': ..., ...}}``):
 
 - ``params``: the committed parameters θ, float32 (ACCO and WP: the committed copy, not the
