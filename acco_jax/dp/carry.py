@@ -147,10 +147,5 @@ def import_state(step, portable: Portable, stage: int, microbatch=None):
   )  # fmt: skip
   state = place(host, abstract)
   if plan.delayed and (plan.warmup_steps == 0 or stage > plan.warmup_steps):
-    if microbatch is None:
-      raise ValueError(
-        f"{plan.name} primes its gradient buffer at the imported weights: pass import_state one "
-        f"microbatch per device (leading dim {step.num_devices}*B), as to init"
-      )
-    state = step.prime(state, microbatch)
+    state = step.prime(state, microbatch, "import_state")
   return state

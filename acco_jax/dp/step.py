@@ -210,16 +210,18 @@ class TrainStep:
     sharding = jax.tree.map(lambda s: s.sharding, self.abstract_state(params))
     state = jax.jit(self._build, out_shardings=sharding)(params)
     if plan.delayed and plan.warmup_steps == 0:
-      if microbatch is None:
-        raise ValueError(
-          f"{plan.name} starts from one microbatch gradient at the initial weights: call "
-          f"init(params, microbatch) with one microbatch per device (leading dim {self.num_devices}*B)"
-        )
-      state = self.prime(state, microbatch)
+      state = self.prime(state, microbatch, "init")
     return state
 
-  def prime(self, state: TrainState, microbatch: PyTree) -> TrainState:
-    """Fills the buffer with one microbatch gradient per device at the current weights."""
+  def prime(self, state: TrainState, microbatch: PyTree, caller: str = "prime") -> TrainState:
+    """Fills the buffer with one microbatch gradient per device at the current weights
+    (``caller``: the method a missing ``microbatch`` is reported for)."""
+    if microbatch is None:
+      raise ValueError(
+        f"{self.plan.name} starts from one microbatch gradient at its weights: call "
+        f"{caller}(..., microbatch) with one microbatch per device (leading dim "
+        f"{self.num_devices}*B)"
+      )
     batch = self._put_batch(microbatch, per_device=1)
     counts = self._put_counts(None, k=1)
     if "prime" not in self._compiled:
