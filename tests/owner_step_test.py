@@ -189,7 +189,7 @@ def test_owner_layout_refusals():
 
 
 @pytest.mark.parametrize("name", ["acco", pytest.param("zero1", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("inner", [muon, lambda: optax.adamw(1e-2)], ids=["muon", "adamw"])
+@pytest.mark.parametrize("inner", [muon, sgd_momentum], ids=["muon", "sgdm"])
 def test_owner_step_moves_one_row_each_way_and_overlaps_like_elementwise(name, inner):
   """The compiled stage has the elementwise layout's two collectives, of the owners' rows; the
   vmapped optimizer adds none (each device updates its own slots) and ACCO still overlaps."""
