@@ -183,6 +183,23 @@ def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
     )
 
 
+def assert_updates_close(got, want, start, rtol):
+  """Per leaf: ``max|got − want| <= rtol · max|want − start|``, a tolerance on the update from
+  ``start`` (not on the parameters: their size says nothing about how far a step moved them). Each
+  leaf must have moved by at least 20 float32 ulps of its values over ``rtol``: rounding
+  ``θ + u``, which both sides do, then stays below 1/20 of the tolerance, and a leaf that barely
+  moved cannot pass by its rounding alone."""
+  for (path, x), y, s in zip(
+    jax.tree.leaves_with_path(got), jax.tree.leaves(want), jax.tree.leaves(start), strict=True
+  ):
+    x, y, s = (np.asarray(v, np.float64) for v in (x, y, s))
+    size = np.max(np.abs(y - s))
+    ulp = np.finfo(np.float32).eps * max(np.max(np.abs(s)), np.max(np.abs(y)))
+    where = jax.tree_util.keystr(path)
+    assert rtol * size >= 20 * ulp, f"{where} moved by {size:.2e} only: its rounding is the test"
+    np.testing.assert_allclose(x, y, rtol=0, atol=rtol * size, err_msg=where)
+
+
 FULL = [K] * N
 UNEQUAL = [1, 2, 2, 1, 2, 1, 1, 2]
 
