@@ -304,3 +304,74 @@ def test_scheduled_plan_reduces_over_lanes_like_the_mean(params):
   for g in mean:
     np.testing.assert_allclose(scattered[g], mean[g], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.sum(out["none"][1][g], axis=0), mean[g], rtol=1e-5, atol=1e-7)
+
+
+def _bench_pipeline():
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "pipeline.py"
+  spec = importlib.util.spec_from_file_location("bench_pipeline", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_bench_memory_rows_and_table():
+  """The AOT memory table's rows, topologies and table, without compiling anything."""
+  bench = _bench_pipeline()
+  rows = bench.memory_plan()
+  assert len(rows) == 2 * 2 * (2 * 3 + 1) and len({bench.row_key(r) for r in rows}) == len(rows)
+  assert sum(r.get("split") == "equal" for r in rows) == 4  # a control per (model, S)
+  assert all(bench.parse_row(bench.row_key(r)) == r for r in rows)
+  short = bench.memory_plan("lanes2", controls=False)
+  assert len(short) == 2 * 2 * (1 + 3)  # one lane: ddp only
+  assert (
+    bench.topology(4) == (8, 1) and bench.topology(8) == (8, 1) and bench.topology(16) == (16, 2)
+  )
+  done = {**rows[0], "model": "m", "topology": "1x8", "blocks": "1,4,4,3", "held_M": 46.5,
+          "idle_M": 25.3, "state_GiB": 0.5, "argument_GiB": 0.5, "temp_GiB": 3.9,
+          "output_GiB": 0.5, "total_GiB": 4.4, "compile_s": 20}  # fmt: skip
+  table = bench.memory_table([done, {**rows[1], "not_possible": "not possible (12 blocks)"}])
+  assert " 1,4,4,3 |" in table and "not possible (12 blocks)" in table and "3.90" in table
+
+
+def _run_bench(args, tmp_path, timeout):
+  import subprocess
+  import sys
+
+  cmd = [sys.executable, str(_bench_pipeline().__file__), *args]
+  proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
+
+
+def test_bench_memory_without_plugin_says_skipped(tmp_path):
+  from acco_jax.run import parallel
+
+  if parallel.has_cuda_plugin():
+    pytest.skip("the CUDA PJRT plugin is installed here: --parts aot would compile every row")
+  out = tmp_path / "memory.json"
+  proc = _run_bench(["--parts", "aot", "--out", str(tmp_path / "p.json"), "--memory-out", str(out)],
+                    tmp_path, 120)  # fmt: skip
+  assert "AOT: skipped: no CUDA PJRT plugin" in proc.stdout
+
+
+def test_bench_memory_one_row_at_toy_widths(tmp_path):
+  """One acco row on 2 lanes x 4 stages at toy widths: the worker's JSON (needs the plugin)."""
+  import json
+
+  from acco_jax.run import parallel
+
+  if not parallel.has_cuda_plugin():
+    pytest.skip("no CUDA PJRT plugin (jax-cuda12-pjrt): nothing to compile for")
+  out = tmp_path / "row.json"
+  _run_bench(["--worker", str(out), "--kind", "aot", "--row", "gpt2:4:2:acco", "--smoke",
+              "--microbatches", "2", "--rows", "1"], tmp_path, 300)  # fmt: skip
+  from acco_jax.pipeline import packing
+
+  row = json.loads(out.read_text())
+  counts = packing.balanced_counts(_bench_pipeline().model_config("gpt2", smoke=True), 4)
+  assert row["blocks"] == ",".join(map(str, counts)) and row["topology"] == "1x8"
+  assert set(row["state_fields_GiB"]) >= {"params", "opt_state", "w", "buf"}
+  assert row["temp_GiB"] >= 0 and row["argument_GiB"] > 0 and row["compile_s"] >= 0
