@@ -108,11 +108,18 @@ def run_blocks(blocks_N: Params, cfg: model.GPTConfig, x_BxLxD, order_K, count=N
   def apply(x_BxLxD, i):
     return block(jax.tree.map(lambda p: p[i], blocks_N), cfg, x_BxLxD)
 
+  # Under a per-slot cond XLA keeps what the backward reads slot by slot (with the attention's
+  # causal mask, which a plain scan hoists out of the loop), so the skippable slot saves only its
+  # matmuls' outputs and recomputes the rest (masks, softmax, norms, GELU) in the backward.
+  skippable = (
+    apply if cfg.remat else jax.checkpoint(apply, policy=jax.checkpoint_policies.checkpoint_dots)
+  )
+
   def one(x_BxLxD, i_k):
     i, k = i_k
     if count is None:
       return apply(x_BxLxD, i), None
-    return jax.lax.cond(k < count, apply, lambda x, _: x, x_BxLxD, i), None
+    return jax.lax.cond(k < count, skippable, lambda x, _: x, x_BxLxD, i), None
 
   if cfg.remat:
     one = jax.checkpoint(one)

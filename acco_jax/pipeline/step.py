@@ -156,7 +156,9 @@ def make_loss_and_grad(
     blocks, shared = packing.blocks(local), packing.shared(local)
     B, L = batch["inputs"].shape[1:]
     me = jax.lax.axis_index(cols)
-    count = counts_S[jax.lax.axis_index(STAGE)]
+    # equal stages run every slot: no per-slot cond (it would keep each slot's residuals apart)
+    even = len(set(packing.counts)) == 1
+    count = None if even else counts_S[jax.lax.axis_index(STAGE)]
     zero_x = vary(jnp.zeros((B, L, cfg.D), jnp.dtype(cfg.dtype)))
     order = jnp.arange(packing.slots)
     run = lambda bl, x: layers.run_blocks(bl, cfg, x, order, count)
