@@ -73,7 +73,7 @@ class TrainStep:
 
   def __init__(
     self, loss_fn, tx, mesh, num_microbatches, has_aux, params_like, skip_nonfinite=False,
-    replica_axis=None,
+    replica_axis=None, owned=None,
   ):  # fmt: skip
     self.plan = methods.comm_plan(tx)
     self.tx = tx
@@ -105,7 +105,7 @@ class TrainStep:
     if self.owner:
       if replica_axis is not None:
         raise ValueError("layout='owner' does not run with workers over a replica axis yet")
-      self.layout = OwnerLayout(params_like, self.num_devices)
+      self.layout = OwnerLayout(params_like, self.num_devices, owned)
       check_per_leaf(self.tx, self.plan.name, jax.eval_shape(self.layout.to_shards, params_like))
     else:
       self.layout = FlatLayout(params_like, self.num_devices)
@@ -354,6 +354,7 @@ def make_train_step(
   params: PyTree,
   has_aux: bool = False,
   skip_nonfinite: bool = False,
+  owned=None,
 ) -> TrainStep:
   """Builds the data-parallel training step of a method.
 
@@ -380,8 +381,14 @@ def make_train_step(
       its count), so buffers and ACCO's accumulator stay finite and the mean is over the good
       microbatches; a stage with no good microbatch anywhere leaves weights and optimizer state
       unchanged. Off by default (a non-finite loss then shows in the metrics).
+    owned: with ``layout='owner'``, which leaves are owned whole (a tree of bools like ``params``
+      or a function of a leaf; the others are split elementwise); default every leaf. The inner
+      optimizer then sees :meth:`acco_jax.dp.owner.OwnerLayout.view`'s structure: build its
+      masks with that method.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``params`` and ``compute_params``.
   """
-  return TrainStep(loss_fn, tx, mesh, num_microbatches, has_aux, params, skip_nonfinite)
+  return TrainStep(
+    loss_fn, tx, mesh, num_microbatches, has_aux, params, skip_nonfinite, owned=owned
+  )
