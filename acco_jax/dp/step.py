@@ -73,7 +73,7 @@ class TrainStep:
 
   def __init__(
     self, loss_fn, tx, mesh, num_microbatches, has_aux, params_like, skip_nonfinite=False,
-    replica_axis=None, owned=None,
+    replica_axis=None, owned=None, elementwise=None,
   ):  # fmt: skip
     self.plan = methods.comm_plan(tx)
     self.tx = tx
@@ -109,9 +109,11 @@ class TrainStep:
       check_per_leaf(self.tx, self.plan.name, jax.eval_shape(self.layout.to_shards, params_like))
     else:
       self.layout = FlatLayout(params_like, self.num_devices)
-      methods.check_elementwise(self.tx, self.plan, params_like, self.layout)
+      if elementwise is None:
+        elementwise = methods.is_elementwise(tx, params_like, self.layout)
+      methods.check_elementwise(self.tx, self.plan, params_like, self.layout, elementwise)
       whole = not self.plan.sharded and replica_axis is None
-      if whole and not methods.is_elementwise(tx, params_like, self.layout):
+      if whole and not elementwise:
         self.layout = TreeLayout(params_like, self.num_devices)  # ddp(muon): whole parameters
     self.qcomm = QuantizedComm(self.plan, self.num_devices, self.layout.shard_size, replica_axis)
     self.quantized, self.quantized_reduce = self.qcomm.quantized, self.qcomm.reduce
@@ -355,6 +357,7 @@ def make_train_step(
   has_aux: bool = False,
   skip_nonfinite: bool = False,
   owned=None,
+  elementwise: bool | None = None,
 ) -> TrainStep:
   """Builds the data-parallel training step of a method.
 
@@ -385,10 +388,16 @@ def make_train_step(
       or a function of a leaf; the others are split elementwise); default every leaf. The inner
       optimizer then sees :meth:`acco_jax.dp.owner.OwnerLayout.view`'s structure: build its
       masks with that method.
+    elementwise: whether the inner optimizer updates every element on its own (then the
+      elementwise layout may cut leaves into chunks; if not, DDP gives it whole leaves and the
+      sharded methods need ``layout='owner'``). Default: judged from the shapes of its state,
+      which a transform keeping elementwise-shaped state but coupling a matrix's elements (Muon
+      whose leaves are named by a mask) passes: say ``False`` for it.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``params`` and ``compute_params``.
   """
   return TrainStep(
-    loss_fn, tx, mesh, num_microbatches, has_aux, params, skip_nonfinite, owned=owned
-  )
+    loss_fn, tx, mesh, num_microbatches, has_aux, params, skip_nonfinite, owned=owned,
+    elementwise=elementwise,
+  )  # fmt: skip
