@@ -10,7 +10,7 @@ from acco_jax import errors, model
 from acco_jax.dp import build as dp_build
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.run import build, optim, trainer
-from configs import gpt2_acco, gpt2_dpu, gpt2_zero1
+from configs import gpt2_acco, gpt2_diloco, gpt2_dpu, gpt2_zero1
 from tests.train_test import rows, tiny
 
 
@@ -47,6 +47,9 @@ def test_muon_is_refused_where_it_cannot_run():
   config = tiny(gpt2_zero1, **{"opt.name": "muon", "comm.quantize": "int8"})
   with pytest.raises(errors.UserValueError, match="does not run with the owner layout"):
     dp_build.choose_layout(config, 8, p)
+  config = tiny(gpt2_diloco, **{"opt.name": "muon"})
+  with pytest.raises(errors.UserValueError, match="not method=diloco yet"):
+    build.build(config)
   config = tiny(gpt2_zero1, **{"opt.name": "muon", "opt.ns_steps": 0})
   with pytest.raises(errors.UserValueError, match="opt.ns_steps=0 >= 1"):
     build.inner_optimizer(config, p)

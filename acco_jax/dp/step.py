@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from acco_jax import errors
 from acco_jax.dp import carry, methods, quantize
 from acco_jax.dp.flat import FlatLayout, TreeLayout
 from acco_jax.dp.owner import OwnerLayout, check_per_leaf
@@ -283,7 +284,10 @@ class TrainStep:
     :mod:`acco_jax.dp.reshard`).
     """
     if self.owner:
-      raise ValueError("layout='owner' cannot restore a state saved on another device count yet")
+      raise errors.UserValueError(
+        "comm.layout=owner (each weight matrix whole on one device, as opt.name=muon needs) "
+        "cannot resume a checkpoint of another device count yet: set mesh.num_devices to its count"
+      )
     return reshard_state(saved, self.layout, self.tx)
 
   def saved_num_devices(self, saved: TrainState) -> int:

@@ -147,6 +147,11 @@ def _check_config(config) -> None:
       f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'"
     )
   _check_layout(config)
+  if config.opt.name == "muon" and config.method not in ("acco", "zero1", "ddp", "dpu", "wp"):
+    raise errors.UserValueError(
+      f"opt.name=muon runs under acco, zero1 and ddp, not method={config.method} yet (LoCo "
+      "workers and pipeline stages give the optimizer flat chunks, not whole matrices): use adamw"
+    )
   for key, allowed in _DTYPES.items():
     value = config[key.split(".")[0]][key.split(".")[1]] if "." in key else config[key]
     if value not in allowed:
