@@ -69,7 +69,7 @@ CONFIGS = [
     "unknown-optimizer",
     {"opt.name": "adamx"},
     ValueError,
-    r"opt.name='adamx' is unknown: choose adamw, sgd or lion",
+    r"opt.name='adamx' is unknown: choose adamw, sgd, lion or muon",
   ),
   (
     "unknown-schedule",

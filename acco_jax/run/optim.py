@@ -13,7 +13,6 @@ import optax
 from acco_jax import errors
 
 SCHEDULES = ("cosine", "constant", "linear")
-NAMES = ("adamw", "sgd", "lion", "muon")
 # Muon orthogonalises the last two axes of a leaf; leading axes (stacked blocks) are batch axes.
 MUON_DIMS = optax.contrib.MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
 
@@ -93,7 +92,9 @@ def inner_optimizer(
       weight_decay=opt.weight_decay, muon_mask=muon_mask, decay_mask=decay_mask,
     )  # fmt: skip
   else:
-    raise errors.UserValueError(f"opt.name={opt.name!r} is unknown: choose {', '.join(NAMES)}")
+    raise errors.UserValueError(
+      f"opt.name={opt.name!r} is unknown: choose adamw, sgd, lion or muon"
+    )
   if opt.clip_norm and opt.clip_norm > 0:
     return optax.chain(clip_by_global_norm(opt.clip_norm), base)
   return base
