@@ -392,11 +392,9 @@ def make_train_step(
       or a function of a leaf; the others are split elementwise); default every leaf. The inner
       optimizer then sees :meth:`acco_jax.dp.owner.OwnerLayout.view`'s structure: build its
       masks with that method.
-    elementwise: whether the inner optimizer updates every element on its own (then the
-      elementwise layout may cut leaves into chunks; if not, DDP gives it whole leaves and the
-      sharded methods need ``layout='owner'``). Default: judged from the shapes of its state,
-      which a transform keeping elementwise-shaped state but coupling a matrix's elements (Muon
-      whose leaves are named by a mask) passes: say ``False`` for it.
+    elementwise: whether the inner optimizer updates each element on its own (if not, DDP gives
+      it whole leaves, the sharded methods need ``layout='owner'``). Default: judged by its state
+      shapes, which a masked Muon passes (elementwise-shaped momentum): say ``False`` for it.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``params`` and ``compute_params``.
