@@ -355,6 +355,15 @@ def decay_mask(params: Params) -> Params:
   return jax.tree.map(lambda p: len(p.shape) >= 2, params)
 
 
+def muon_mask(params: Params) -> Params:
+  """Muon's leaves: the blocks' weight matrices (every kernel of ndim >= 2 under ``blocks``).
+
+  Embeddings, the tied head, biases and LayerNorms are False (AdamW's, as in modded-nanogpt).
+  """
+  blocks = jax.tree.map(lambda p: len(p.shape) >= 2, params["blocks"])
+  return {**jax.tree.map(lambda _: False, params), "blocks": blocks}
+
+
 def num_params(params: Params) -> int:
   """Total number of parameters (works on arrays and on ShapeDtypeStructs)."""
   return sum(math.prod(p.shape) for p in jax.tree.leaves(params))

@@ -146,7 +146,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.health.exclude = "off"  # off | auto
 
   c.opt = ml_collections.ConfigDict()
-  c.opt.name = "adamw"  # adamw | sgd | lion
+  c.opt.name = "adamw"  # adamw | sgd | lion | muon
   c.opt.lr = 2e-3  # peak learning rate
   c.opt.b1 = 0.9
   c.opt.b2 = 0.95
@@ -157,6 +157,13 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.opt.schedule = "cosine"  # cosine | linear | constant, after the warm-up
   c.opt.warmup_updates = 20  # linear LR warm-up, in optimizer updates
   c.opt.min_lr_ratio = 0.1  # final LR / peak LR
+  # opt.name=muon: Muon (optax.contrib.muon) on the blocks' weight matrices, AdamW (lr, b1, b2, eps,
+  # weight_decay, decay) on embeddings, the tied head, biases and LayerNorms (modded-nanogpt).
+  # Needs the owner layout under acco and zero1 (comm.layout=auto picks it). One schedule: Muon's
+  # LR is muon_lr / lr times AdamW's at every update.
+  c.opt.muon_lr = 0.02  # Muon's peak LR (orthogonalised updates take ~10-30x AdamW's)
+  c.opt.momentum = 0.95  # Muon's (Nesterov) momentum
+  c.opt.ns_steps = 5  # Newton–Schulz iterations per matrix and update
 
   c.train = ml_collections.ConfigDict()
   c.train.num_updates = 100  # optimizer updates (ACCO: commits; each spans two stages)

@@ -69,7 +69,7 @@ CONFIGS = [
     "unknown-optimizer",
     {"opt.name": "adamx"},
     ValueError,
-    r"opt.name='adamx' is unknown: choose adamw, sgd or lion",
+    r"opt.name='adamx' is unknown: choose adamw, sgd, lion or muon",
   ),
   (
     "unknown-schedule",
@@ -176,8 +176,8 @@ CONFIGS += [  # quantized communication (the comm group)
    r"comm.quantize='int8' applies to method acco or zero1, not dpu; set comm.quantize=none"),
   ("unknown-comm-layout", {"comm.layout": "rows"}, ValueError,
    r"comm.layout='rows' is unknown: choose one of auto, elementwise, owner"),
-  ("comm-layout-owner-not-built", {"method": "zero1", "comm.layout": "owner"}, ValueError,
-   r"comm.layout='owner' \(each weight matrix whole on one device\) runs through the API"),
+  ("muon-elementwise-layout", {"opt.name": "muon", "comm.layout": "elementwise"}, ValueError,
+   r"opt.name=muon updates whole matrices: set comm.layout=owner \(or auto\)"),
 ]  # fmt: skip
 CONFIGS += [  # health (acco_jax.run.health.check_config)
   ("unknown-on-slow", {"health.on_slow": "drop"}, ValueError,

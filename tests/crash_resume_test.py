@@ -54,6 +54,8 @@ MODULES = {
   "pipeline": (gpt2_skippipe, {"method": "pipeline"}),
   "pipeline_acco": (gpt2_pipeline, {}),
   "diloco_eager": (gpt2_diloco, {}),
+  "acco_muon": (gpt2_acco, {}),
+  "zero1_muon": (gpt2_zero1, {}),
 }
 OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved asynchronously
   "train.num_updates": 12,
@@ -83,6 +85,9 @@ METHOD_OVERRIDES = {
     "loco.workers": 4,
     "train.num_updates": 24,
   },
+  # Muon on the blocks' matrices, AdamW on the rest: comm.layout=auto picks the owner layout
+  "acco_muon": {"opt.name": "muon"},
+  "zero1_muon": {"opt.name": "muon"},
 }
 
 
@@ -251,7 +256,10 @@ def bits(x) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["acco", "zero1", "pipeline", "pipeline_acco", "diloco_eager"])
+@pytest.mark.parametrize(
+  "method",
+  ["acco", "zero1", "pipeline", "pipeline_acco", "diloco_eager", "acco_muon", "zero1_muon"],
+)
 def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   t_start = time.perf_counter()
   env = train_env(tmp_path / "compile_cache")

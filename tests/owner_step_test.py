@@ -212,3 +212,58 @@ def test_owner_step_moves_one_row_each_way_and_overlaps_like_elementwise(name, i
   assert big == [("all-gather", row_bytes), ("reduce-scatter", row_bytes)], found
   sharded = [x for x in jax.tree.leaves((state.params, state.opt_state)) if x.ndim >= 2]
   assert all(x.sharding.spec[0] == "data" for x in sharded)
+
+
+# -- the config's Muon + AdamW (acco_jax.run.optim) with a global-norm clip -------------------------
+
+
+def muon_leaves(params):
+  """Muon on the 2-D kernels and the stacked matrices, AdamW on the biases and the scale."""
+  return jax.tree.map(lambda x: np.ndim(x) >= 2, params)
+
+
+def muon_adamw_clipped(muon_mask, decay_mask, clip):
+  from acco_jax.run import optim
+
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 20, 1e-3)
+  inner = optim.muon_adamw(
+    schedule, lambda t: 3 * schedule(t), muon_mask, weight_decay=0.1, decay_mask=decay_mask
+  )
+  return optax.chain(clip, inner)
+
+
+@pytest.mark.parametrize("name", ["acco", pytest.param("zero1", marks=pytest.mark.slow)])
+def test_owner_clip_by_global_norm_is_global_across_owners(name):
+  """chain(clip_by_global_norm, muon + adamw) with the owner layout (Muon's matrices owned, the
+  rest elementwise) equals plain optax's on one device: the clip reads the norm of the whole mean
+  gradient, not of one device's items."""
+  from acco_jax.dp.owner import OwnerLayout
+  from acco_jax.run import optim
+
+  params, stages, clip = params_with_stack(), 4, 0.05
+  batches, owned = make_batches(stages), muon_leaves(params)
+  decay = jax.tree.map(lambda x: np.ndim(x) >= 2, params)
+  decay["out"]["kernel"] = False  # a mask that differs from Muon's labels
+  view = OwnerLayout(params, N, owned).view
+  inner = muon_adamw_clipped(view(owned), view(decay), optim.clip_by_global_norm(clip))
+  mesh = jax.make_mesh((N,), ("data",))
+  tx = acco_jax.get_method(name, inner, comm_dtype=jnp.float32, layout="owner")
+  train = acco_jax.make_train_step(
+    loss_with_stack, tx, mesh, num_microbatches=2, params=params, owned=owned
+  )
+  state = train.init(params, first_microbatch())
+  norms = []
+  for batch in batches:
+    state, m = train.step(state, batch)
+    norms.append(float(m["grad_norm"]))
+  assert min(norms) > 2 * clip  # the clip acts at every update
+  ref_inner = lambda: muon_adamw_clipped(owned, decay, optax.clip_by_global_norm(clip))
+  if name == "acco":
+    theta, _, _ = ref_acco(ref_inner(), params, first_microbatch(), batches, [FULL] * stages)
+  else:
+    theta = ref_sync(ref_inner(), params, batches, [FULL] * stages)
+  # tolerance relative to the size of the updates (Newton-Schulz amplifies float noise)
+  moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+              zip(jax.tree.leaves(theta), jax.tree.leaves(params), strict=True))  # fmt: skip
+  assert_trees_close(train.params(state), theta, rtol=0, atol=1e-3 * moved)
+  assert train.layout.elem and train.layout.groups  # both parts are exercised

@@ -18,6 +18,7 @@ import numpy as np
 from acco_jax import errors, model
 from acco_jax.dp import hetero, methods, quantize
 from acco_jax.dp.flat import FlatLayout
+from acco_jax.dp.owner import OwnerLayout
 from acco_jax.dp.step import make_train_step
 from acco_jax.dp.updates import stage_plan
 from acco_jax.pipeline import orders as pipeline_orders
@@ -34,7 +35,7 @@ def build_run(config) -> build_lib.Run:
   model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
   k, per_update, total = stage_plan(config)
   shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
-  tx = method(config, mesh.size, shapes)
+  tx, owned = method(config, mesh.size, shapes)
   loss = lambda p, b: model.loss_fn(p, model_cfg, b)
   budgets, k_max = _budgets(config, mesh.size, k)
   orders = None
@@ -48,7 +49,8 @@ def build_run(config) -> build_lib.Run:
     loss = hetero.slowed(loss, delays, tx.plan.axis_name)
   train = make_train_step(
     loss, tx, mesh, num_microbatches=k_max, params=shapes, has_aux=True,
-    skip_nonfinite=config.train.on_nonfinite == "skip",
+    skip_nonfinite=config.train.on_nonfinite == "skip", owned=owned,
+    elementwise=optimizer_is_elementwise(config),
   )  # fmt: skip
   policy = None
   if config.hetero.adaptive:
@@ -63,12 +65,53 @@ def build_run(config) -> build_lib.Run:
 
 
 def method(config, n: int, shapes):
-  """The config's method transform on ``n`` devices, around its inner optimizer."""
-  inner = build_lib.inner_optimizer(config, shapes)
+  """The config's method transform on ``n`` devices, around its inner optimizer, and the leaves
+  the owner layout owns whole (``None``: every leaf, or not the owner layout)."""
+  layout = choose_layout(config, n, shapes)
+  owned = model.muon_mask(shapes) if layout == "owner" and config.opt.name == "muon" else None
+  view = OwnerLayout(shapes, n, owned).view if layout == "owner" else None
+  inner = build_lib.inner_optimizer(config, shapes, view=view)
   kwargs = {"comm_dtype": jnp.dtype(config.comm_dtype), **comm_args(config, n, shapes)}
   if config.method == "dpu":
     kwargs["warmup_steps"] = int(config.dpu_warmup_updates)
-  return methods.get_method(config.method, inner, **kwargs)
+  if config.method in ("acco", "zero1"):
+    kwargs["layout"] = layout
+  return methods.get_method(config.method, inner, **kwargs), owned
+
+
+def choose_layout(config, n: int, shapes) -> str:
+  """``comm.layout`` resolved for the config's method: ``owner`` (each weight matrix whole on one
+  device) or ``elementwise``; ``auto`` takes ``owner`` exactly when the inner optimizer is not
+  elementwise (``opt.name=muon``). One-line errors for what cannot run."""
+  asked = config.comm.get("layout", "auto")
+  if config.method not in ("acco", "zero1", "dpu", "wp"):  # ddp: every device has every leaf
+    return "elementwise"
+  elementwise = optimizer_is_elementwise(config)
+  if config.method in ("dpu", "wp"):
+    if asked == "owner" or not elementwise:
+      raise errors.UserValueError(
+        f"method={config.method} shards its optimizer elementwise only: opt.name="
+        f"{config.opt.name} with the owner layout runs under acco, zero1 (or ddp)"
+      )
+    return "elementwise"
+  if asked == "elementwise" and not elementwise:
+    raise errors.UserValueError(
+      f"comm.layout=elementwise cuts every matrix into {n} chunks, but opt.name="
+      f"{config.opt.name} updates whole matrices: set comm.layout=owner (or auto)"
+    )
+  layout = asked if asked != "auto" else "elementwise" if elementwise else "owner"
+  if layout == "owner" and config.comm.quantize != "none":
+    raise errors.UserValueError(
+      f"comm.quantize={config.comm.quantize} does not run with the owner layout (comm.layout="
+      f"{asked}, opt.name={config.opt.name}) yet: set comm.quantize=none"
+    )
+  return layout
+
+
+def optimizer_is_elementwise(config) -> bool:
+  """Whether ``opt.name``'s update is elementwise: all but Muon (whose state is, so that
+  :func:`acco_jax.dp.methods.is_elementwise`, which reads state shapes, would not tell)."""
+  return config.opt.name != "muon"
 
 
 def source_step(config, model_cfg: model.GPTConfig, num_devices: int):
@@ -78,8 +121,9 @@ def source_step(config, model_cfg: model.GPTConfig, num_devices: int):
   mesh = parallel.make_mesh(num_devices)
   shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
   no_loss = lambda p, b: 0.0  # the step is not run: its stage program is never traced
-  return make_train_step(no_loss, method(config, mesh.size, shapes), mesh, num_microbatches=1,
-                         params=shapes)  # fmt: skip
+  tx, owned = method(config, mesh.size, shapes)
+  return make_train_step(no_loss, tx, mesh, num_microbatches=1, params=shapes, owned=owned,
+                         elementwise=optimizer_is_elementwise(config))  # fmt: skip
 
 
 def comm_args(config, n: int, shapes) -> dict:

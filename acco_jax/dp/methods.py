@@ -382,9 +382,12 @@ def get_method(name: str, inner, **kwargs) -> MethodTransformation:
   return factories[name](inner, **kwargs)
 
 
-def check_elementwise(tx, plan: CommPlan, params_like, layout) -> None:
-  """Rejects inner optimizers whose state depends on the parameter shapes (not elementwise)."""
-  if plan.sharded and not is_elementwise(tx, params_like, layout):
+def check_elementwise(tx, plan: CommPlan, params_like, layout, elementwise=None) -> None:
+  """Rejects inner optimizers that are not elementwise (``elementwise``, or judged by
+  :func:`is_elementwise`: state shaped unlike the parameters)."""
+  if elementwise is None:
+    elementwise = is_elementwise(tx, params_like, layout)
+  if plan.sharded and not elementwise:
     raise ValueError(
       f"method {plan.name!r} shards the optimizer elementwise (ZeRO-1), but the inner "
       "optimizer keeps state shaped differently from the parameters (e.g. Adafactor's factored "

@@ -38,7 +38,9 @@ leading dimension (:class:`acco_jax.dp.stage.StageProgram`): a transform sees ea
 the whole tree when the transform is *per leaf* and treats a stacked leaf's leading axes as batch
 (Muon with ``MuonDimensionNumbers``; Adafactor factors a 3-D leaf over its two largest axes and is
 per leaf only on leaves of ``ndim <= 2``), and per-leaf reductions see elementwise leaves chunk by
-chunk. A transform coupling leaves (``clip_by_global_norm``) sees one device's slots only.
+chunk. A transform coupling leaves (``optax.clip_by_global_norm``) sees one device's slots only;
+:func:`acco_jax.run.optim.clip_by_global_norm` takes the norm of the whole reduced gradient from the
+step (``update(..., global_norm=)``), so it stays global.
 """
 
 from __future__ import annotations
@@ -151,6 +153,27 @@ class OwnerLayout:
     """Elements of the slots that hold no item: ``N * slot_size - owned_elements``."""
     return self.num_shards * self.slot_size - self.owned_elements
 
+  def view(self, tree: PyTree) -> dict:
+    """Per-leaf values (a tree like the params, e.g. a mask) -> the same values in the structure
+    the optimizer sees on each device: ``{"owned": [one per slot], "elementwise": [one per
+    elementwise leaf]}``, for masks and labels of a transform run on :meth:`to_shards`' view.
+
+    Raises ``ValueError`` when one slot holds items whose values differ (its devices would need
+    different transforms).
+    """
+    leaves = self._leaves(tree)
+    first, owned = np.cumsum([0, *self.slots]), {}
+    for i, places in enumerate(self.places):
+      for p in places or ():
+        k = int(first[p.group]) + p.slot
+        if owned.setdefault(k, leaves[i]) != leaves[i]:
+          raise ValueError(
+            f"slot {p.slot} of the {self.groups[p.group]} items holds leaves whose values differ "
+            f"({owned[k]!r}, {leaves[i]!r}): own only leaves that share them"
+          )
+    return {"owned": [owned[k] for k in range(int(first[-1]))],
+            "elementwise": [leaves[i] for i in self.elem]}  # fmt: skip
+
   # -- tree (original shapes) <-> shards -----------------------------------------------------------
 
   def to_shards(self, tree: PyTree, dtype=None) -> dict:
@@ -225,7 +248,7 @@ def check_per_leaf(tx, name: str, view_like) -> None:
   """Rejects an inner optimizer whose update of one leaf reads another (for the owner layout).
 
   The owner layout runs the optimizer vmapped over the devices' slots, so a transform coupling
-  leaves (``clip_by_global_norm``) would see one device's only. Probed on ``view_like``'s structure
+  leaves (``optax.clip_by_global_norm``) would see one device's only. Probed on ``view_like``'s structure
   with every dimension cut to 3: the update of the first and of the last leaf must not change when
   all the other gradients are scaled by 100.
   """
@@ -240,9 +263,9 @@ def check_per_leaf(tx, name: str, view_like) -> None:
     [jax.random.normal(k, x.shape) for k, x in zip(keys[len(small) :], small, strict=True)]
   )
 
-  def update(scales):
+  def update(scales):  # a global-norm clip that takes the norm as an argument reads nothing else
     g = treedef.unflatten([x * s for x, s in zip(grads, scales, strict=True)])
-    return jax.tree.leaves(tx.update(g, tx.init(params), params)[0])
+    return jax.tree.leaves(tx.update(g, tx.init(params), params, global_norm=jnp.float32(1))[0])
 
   base = update([1.0] * len(small))
   for i in {0, len(small) - 1}:
@@ -251,5 +274,6 @@ def check_per_leaf(tx, name: str, view_like) -> None:
       raise ValueError(
         f"method {name!r} with layout='owner' runs the inner optimizer on each device's "
         "items alone, but its update of one leaf reads others (e.g. clip_by_global_norm): use "
-        "per-leaf transforms (clip_by_block_rms, muon, adafactor, adamw) or the elementwise layout"
+        "per-leaf transforms (clip_by_block_rms, muon, adafactor, adamw), "
+        "acco_jax.run.optim.clip_by_global_norm (the global norm given), or the elementwise layout"
       )

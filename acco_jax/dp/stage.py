@@ -340,11 +340,14 @@ class StageProgram:
   def _update_one(self, reduced, opt_state, params):
     g_rows, valid = reduced
     grads = self.layout.rows_to_shards(g_rows)
-    update = self.tx.update
-    if self.plan.sharded and self.plan.layout == "owner":  # each device's slots on their own
-      update = jax.vmap(update, spmd_axis_name=self.plan.axis_name)
+    norm, update = optax.tree.norm(grads), self.tx.update
+    if self.plan.sharded and self.plan.layout == "owner":  # each device's slots on their own;
+      # a global-norm clip (acco_jax.run.optim.clip_by_global_norm) takes the whole tree's norm
+      # (empty slots and padding are zeros: they add nothing to it)
+      one = lambda g, s, p: self.tx.update(g, s, p, global_norm=norm)
+      update = jax.vmap(one, spmd_axis_name=self.plan.axis_name)
     updates, new_opt_state = update(grads, opt_state, params)
     new = (optax.apply_updates(params, updates), new_opt_state)
     if self.skip_nonfinite:
       new = jax.tree.map(lambda a, b: jnp.where(valid, a, b), new, (params, opt_state))
-    return *new, optax.tree.norm(grads)
+    return *new, norm

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from acco_jax import errors
 from acco_jax.dp import carry, methods, quantize
 from acco_jax.dp.flat import FlatLayout, TreeLayout
 from acco_jax.dp.owner import OwnerLayout, check_per_leaf
@@ -73,7 +74,7 @@ class TrainStep:
 
   def __init__(
     self, loss_fn, tx, mesh, num_microbatches, has_aux, params_like, skip_nonfinite=False,
-    replica_axis=None,
+    replica_axis=None, owned=None, elementwise=None,
   ):  # fmt: skip
     self.plan = methods.comm_plan(tx)
     self.tx = tx
@@ -105,13 +106,15 @@ class TrainStep:
     if self.owner:
       if replica_axis is not None:
         raise ValueError("layout='owner' does not run with workers over a replica axis yet")
-      self.layout = OwnerLayout(params_like, self.num_devices)
+      self.layout = OwnerLayout(params_like, self.num_devices, owned)
       check_per_leaf(self.tx, self.plan.name, jax.eval_shape(self.layout.to_shards, params_like))
     else:
       self.layout = FlatLayout(params_like, self.num_devices)
-      methods.check_elementwise(self.tx, self.plan, params_like, self.layout)
+      if elementwise is None:
+        elementwise = methods.is_elementwise(tx, params_like, self.layout)
+      methods.check_elementwise(self.tx, self.plan, params_like, self.layout, elementwise)
       whole = not self.plan.sharded and replica_axis is None
-      if whole and not methods.is_elementwise(tx, params_like, self.layout):
+      if whole and not elementwise:
         self.layout = TreeLayout(params_like, self.num_devices)  # ddp(muon): whole parameters
     self.qcomm = QuantizedComm(self.plan, self.num_devices, self.layout.shard_size, replica_axis)
     self.quantized, self.quantized_reduce = self.qcomm.quantized, self.qcomm.reduce
@@ -283,7 +286,10 @@ class TrainStep:
     :mod:`acco_jax.dp.reshard`).
     """
     if self.owner:
-      raise ValueError("layout='owner' cannot restore a state saved on another device count yet")
+      raise errors.UserValueError(
+        "comm.layout=owner (each weight matrix whole on one device, as opt.name=muon needs) "
+        "cannot resume a checkpoint of another device count yet: set mesh.num_devices to its count"
+      )
     return reshard_state(saved, self.layout, self.tx)
 
   def saved_num_devices(self, saved: TrainState) -> int:
@@ -356,6 +362,8 @@ def make_train_step(
   params: PyTree,
   has_aux: bool = False,
   skip_nonfinite: bool = False,
+  owned=None,
+  elementwise: bool | None = None,
 ) -> TrainStep:
   """Builds the data-parallel training step of a method.
 
@@ -382,8 +390,18 @@ def make_train_step(
       its count), so buffers and ACCO's accumulator stay finite and the mean is over the good
       microbatches; a stage with no good microbatch anywhere leaves weights and optimizer state
       unchanged. Off by default (a non-finite loss then shows in the metrics).
+    owned: with ``layout='owner'``, which leaves are owned whole (a tree of bools like ``params``
+      or a function of a leaf; the others are split elementwise); default every leaf. The inner
+      optimizer then sees :meth:`acco_jax.dp.owner.OwnerLayout.view`'s structure: build its
+      masks with that method.
+    elementwise: whether the inner optimizer updates each element on its own (if not, DDP gives
+      it whole leaves, the sharded methods need ``layout='owner'``). Default: judged by its state
+      shapes, which a masked Muon passes (elementwise-shaped momentum): say ``False`` for it.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``params`` and ``compute_params``.
   """
-  return TrainStep(loss_fn, tx, mesh, num_microbatches, has_aux, params, skip_nonfinite)
+  return TrainStep(
+    loss_fn, tx, mesh, num_microbatches, has_aux, params, skip_nonfinite, owned=owned,
+    elementwise=elementwise,
+  )  # fmt: skip

@@ -96,13 +96,17 @@ def updates_done(config, stage: int) -> int:
   return registry.lookup(config.method).updates_done(config, stage)
 
 
-def inner_optimizer(config, shapes, decay_mask=model.decay_mask):
+def inner_optimizer(config, shapes, decay_mask=model.decay_mask, view=None):
   """The config's inner optimizer; ``decay_mask`` maps the parameters' shapes to the weight-decay
-  mask of ``opt.decay=matrices`` (its layout is the step's)."""
+  mask of ``opt.decay=matrices`` (its layout is the step's). ``view`` maps a per-leaf tree like
+  the parameters (a mask) to the structure the optimizer sees (the owner layout's
+  :meth:`acco_jax.dp.owner.OwnerLayout.view`); default: that structure is the parameters'."""
   if config.opt.decay not in ("matrices", "all"):
     raise errors.UserValueError(f"opt.decay={config.opt.decay!r}: choose 'matrices' or 'all'")
-  mask = decay_mask(shapes) if config.opt.decay == "matrices" else None
-  return optim.inner_optimizer(config.opt, config.train.num_updates, mask)
+  view = view or (lambda tree: tree)
+  mask = view(decay_mask(shapes)) if config.opt.decay == "matrices" else None
+  muon = view(model.muon_mask(shapes)) if config.opt.name == "muon" else None
+  return optim.inner_optimizer(config.opt, config.train.num_updates, mask, muon)
 
 
 def build(config) -> Run:
@@ -143,6 +147,11 @@ def _check_config(config) -> None:
       f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'"
     )
   _check_layout(config)
+  if config.opt.name == "muon" and config.method not in ("acco", "zero1", "ddp", "dpu", "wp"):
+    raise errors.UserValueError(
+      f"opt.name=muon runs under acco, zero1 and ddp, not method={config.method} yet (LoCo "
+      "workers and pipeline stages give the optimizer flat chunks, not whole matrices): use adamw"
+    )
   for key, allowed in _DTYPES.items():
     value = config[key.split(".")[0]][key.split(".")[1]] if "." in key else config[key]
     if value not in allowed:
@@ -155,17 +164,12 @@ LAYOUTS = ("auto", "elementwise", "owner")
 
 
 def _check_layout(config) -> None:
-  """``comm.layout``: a known value, and not ``owner`` while that layout is not built."""
+  """``comm.layout``: a known value (which one a method runs is the family's choice)."""
   comm = config.get("comm")
   layout = "auto" if comm is None else comm.get("layout", "auto")
   if layout not in LAYOUTS:
     raise errors.UserValueError(
       f"comm.layout={layout!r} is unknown: choose one of {', '.join(LAYOUTS)}"
-    )
-  if layout == "owner":
-    raise errors.UserValueError(
-      "comm.layout='owner' (each weight matrix whole on one device) runs through the API "
-      "(acco_jax.zero1/acco(..., layout='owner')), not train.py yet: set comm.layout=auto"
     )
 
 
