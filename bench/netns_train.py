@@ -77,6 +77,17 @@ def phase_median(per_update: dict, ups: list, h: int | None) -> float | None:
   return statistics.median(gaps) if gaps else None
 
 
+def steady(per_update: dict, ups: list, h: int | None, total: int) -> float | None:
+  """Wall time per update between the first logged sync point and ``total − 2h`` (None if the
+  method has no outer period or the window is empty)."""
+  if not h:
+    return None
+  syncs = [u for u in ups if u % h == 0 and u <= total - 2 * h]
+  if len(syncs) < 2:
+    return None
+  return (per_update[syncs[-1]] - per_update[syncs[0]]) / (syncs[-1] - syncs[0])
+
+
 def run(method: str, mbit: float, args) -> dict:
   workdir = RUNS / f"{method}_{int(mbit)}mbit"
   subprocess.run(["rm", "-rf", str(workdir)], check=True)
@@ -103,6 +114,7 @@ def run(method: str, mbit: float, args) -> dict:
   per_update = {r["update"]: r["wall_s"] for r in rows}
   ups = sorted(u for u in per_update if u >= args.skip)
   gaps = [(per_update[b] - per_update[a]) / (b - a) for a, b in zip(ups, ups[1:], strict=False)]
+  h = METHODS[method][1].get("loco.sync_every")
   return {
     "method": method,
     "mbit": mbit,
@@ -114,7 +126,11 @@ def run(method: str, mbit: float, args) -> dict:
     "s_per_update_all": gaps,
     # LoCo methods: the median wall time of an outer period (H updates, its sync included) between
     # two sync points; an eager phase program is one call of H updates, logged only at its end
-    "s_per_phase_median": phase_median(per_update, ups, METHODS[method][1].get("loco.sync_every")),
+    "s_per_phase_median": phase_median(per_update, ups, h),
+    # LoCo methods: wall time per update from the first sync point after --skip to the sync point
+    # 2 H before the end. A row is written once the next call is dispatched, so the compilation of
+    # the final call's program (eager: its flush) delays the row H before the end; none here
+    "s_per_update_steady": steady(per_update, ups, h, args.steps),
     "tokens_per_update": 2 * 4 * 4 * 64,
     "final_loss": rows[-1]["loss"],
     "wire_bytes_per_worker": rows[-1].get("wire_bytes_per_worker"),
