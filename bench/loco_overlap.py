@@ -24,12 +24,16 @@ Usage::
 
   python bench/loco_overlap.py --jobs 2 --updates 200    # 4 cases x 3 modes x 3 seeds
   python bench/loco_overlap.py --collect --updates 200   # the JSON and table only
+  python bench/loco_overlap.py --jobs 1 --updates 200 --seeds 1 2 --json loco_overlap_seeds12.json
+  python bench/loco_overlap.py --collect --updates 200 --seeds 0 1 2 \
+    --merge bench/results/loco_overlap_seed0.json      # seed 0's runs from an earlier JSON
   python bench/loco_overlap.py --smoke --out /tmp/lo     # CI-size: tiny model, 4 steps, 1 seed
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -61,8 +65,13 @@ def label(case: str, mode: str, updates: int | None) -> str:
   return text if updates is None else f"{text},train.num_updates={updates}"
 
 
-def collect(out: Path, seeds: list[int], updates: int | None, smoke: bool) -> dict:
-  """Final eval losses per case and mode, and the paired per-seed differences to ``none``."""
+def collect(
+  out: Path, seeds: list[int], updates: int | None, smoke: bool, earlier: dict | None = None
+) -> dict:
+  """Final eval losses per case and mode, and the paired per-seed differences to ``none``.
+
+  ``earlier``: a result JSON of this script (same ``updates``) whose runs stand in for those of
+  ``seeds`` with no run directory under ``out`` (a seed run elsewhere, its directory not kept)."""
   s = loco_compare.setting(smoke)
   runs: dict = {}
   for case in CASES:
@@ -71,6 +80,18 @@ def collect(out: Path, seeds: list[int], updates: int | None, smoke: bool) -> di
         d = loco_compare.run_dir(out, label(case, mode, updates), seed)
         if (d / "result.json").exists():
           runs.setdefault(case, {}).setdefault(mode, {})[seed] = convergence.read_run(d, s)
+  if earlier is not None:
+    if earlier["updates"] != (updates or s["num_updates"]):
+      raise SystemExit(f"--merge: its runs have {earlier['updates']} updates, these {updates}")
+    for case, by_mode in earlier["runs"].items():
+      for mode, by_seed in by_mode.items():
+        for seed, run in by_seed.items():
+          if int(seed) in seeds and case in CASES:
+            runs.setdefault(case, {}).setdefault(mode, {}).setdefault(int(seed), run)
+  runs = {
+    case: {mode: dict(sorted(by_mode[mode].items())) for mode in MODES if mode in by_mode}
+    for case, by_mode in runs.items()
+  }
   summary: dict = {}
   for case, by_mode in runs.items():
     base = {k: r["final_eval_loss"] for k, r in by_mode.get("none", {}).items()}
@@ -118,6 +139,9 @@ def main(argv=None) -> int:
   p.add_argument("--collect", action="store_true")
   p.add_argument("--smoke", action="store_true")
   p.add_argument("--json", default="loco_overlap.json")
+  p.add_argument(
+    "--merge", type=Path, help="an earlier result JSON: its runs of --seeds with no directory here"
+  )
   args = p.parse_args(argv)
   if args.smoke:
     args.seeds, args.updates = [0], None
@@ -129,7 +153,8 @@ def main(argv=None) -> int:
   failed = []
   if not args.collect:
     failed = loco_compare.run_all(args.out, plan, args.jobs, args.timeout, args.smoke)
-  results = collect(args.out, args.seeds, args.updates, args.smoke)
+  earlier = json.loads(args.merge.read_text()) if args.merge else None
+  results = collect(args.out, args.seeds, args.updates, args.smoke, earlier)
   results.update(machine=common.machine(), wall_s=None if args.collect else time.time() - t0)
   name = "loco_overlap_smoke" if args.smoke else Path(args.json).stem
   path = common.write_json(args.out / f"{name}.json", results)

@@ -7,7 +7,8 @@ recipe of ``environment.md`` §9, set up by ``bench/netns.py``'s helpers), each 
 model and batch are the d8 convergence setting's (667k parameters, 4 microbatches of 4 x 64 tokens
 per device per update). DDP and ACCO run their data axis across the two hosts; DiLoCo and Streaming
 DiLoCo run 2 workers of 1 device (one per host), H = 10 (Streaming: 2 fragments, FP4, tau = 1,
-alpha = 0.5). Each run does ``--steps`` updates at equal tokens; the time per update is the wall
+alpha = 0.5; ``diloco-eager``: ``loco.outer_overlap=eager``, each sync's all-reduce in flight across
+the next phase of 10 steps). Each run does ``--steps`` updates at equal tokens; the time per update is the wall
 time from the first logged update after ``--skip`` (compilation) to the last, over the updates
 between them (a mean: a median would hide the outer syncs). Methods run side by side at each rate,
 in one invocation: the machine is shared and noisy, so compare ratios.
@@ -17,6 +18,7 @@ Usage (root)::
   python bench/netns_train.py                      # 100 and 1000 Mbit/s, 60 updates each
   python bench/netns_train.py --mbit 100 --steps 30 --methods ddp diloco
   python bench/netns_train.py --mbit 10 100 --methods ddp zero1 acco acco-int8 acco-int4
+  python bench/netns_train.py --mbit 100 --methods diloco diloco-eager --steps 60 --skip 20
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ METHODS = {
   "acco-int8": ("gpt2_acco", {"comm.quantize": "int8", "comm.node_size": 1}),
   "acco-int4": ("gpt2_acco", {"comm.quantize": "int4", "comm.node_size": 1}),
   "diloco": ("gpt2_diloco", {"loco.sync_every": 10, "loco.workers": 2}),
+  # eager outer updates: a sync's all-reduce in flight across the whole next phase of H steps
+  "diloco-eager": (
+    "gpt2_diloco",
+    {"loco.sync_every": 10, "loco.workers": 2, "loco.outer_overlap": "eager"},
+  ),
   "streaming_diloco": ("gpt2_streaming_diloco", {"loco.sync_every": 10, "loco.workers": 2}),
 }
 
@@ -56,6 +63,29 @@ def overrides(method: str, steps: int) -> list[str]:
     "ckpt.async_save": False, "mesh.cpu_devices": 1, **METHODS[method][1],
   }  # fmt: skip
   return [f"--config.{k}={v}" for k, v in base.items()]
+
+
+def phase_median(per_update: dict, ups: list, h: int | None) -> float | None:
+  """The median of ``wall(u + h) − wall(u)`` over the logged sync points ``u`` (multiples of
+  ``h``); None for a method without outer periods."""
+  if not h:
+    return None
+  syncs = [u for u in ups if u % h == 0]
+  gaps = [
+    per_update[b] - per_update[a] for a, b in zip(syncs, syncs[1:], strict=False) if b - a == h
+  ]
+  return statistics.median(gaps) if gaps else None
+
+
+def steady(per_update: dict, ups: list, h: int | None, total: int) -> float | None:
+  """Wall time per update between the first logged sync point and ``total − 2h`` (None if the
+  method has no outer period or the window is empty)."""
+  if not h:
+    return None
+  syncs = [u for u in ups if u % h == 0 and u <= total - 2 * h]
+  if len(syncs) < 2:
+    return None
+  return (per_update[syncs[-1]] - per_update[syncs[0]]) / (syncs[-1] - syncs[0])
 
 
 def run(method: str, mbit: float, args) -> dict:
@@ -84,6 +114,7 @@ def run(method: str, mbit: float, args) -> dict:
   per_update = {r["update"]: r["wall_s"] for r in rows}
   ups = sorted(u for u in per_update if u >= args.skip)
   gaps = [(per_update[b] - per_update[a]) / (b - a) for a, b in zip(ups, ups[1:], strict=False)]
+  h = METHODS[method][1].get("loco.sync_every")
   return {
     "method": method,
     "mbit": mbit,
@@ -93,6 +124,13 @@ def run(method: str, mbit: float, args) -> dict:
     "s_per_update": (per_update[ups[-1]] - per_update[ups[0]]) / (ups[-1] - ups[0]),
     "s_per_update_median": statistics.median(gaps),
     "s_per_update_all": gaps,
+    # LoCo methods: the median wall time of an outer period (H updates, its sync included) between
+    # two sync points; an eager phase program is one call of H updates, logged only at its end
+    "s_per_phase_median": phase_median(per_update, ups, h),
+    # LoCo methods: wall time per update from the first sync point after --skip to the sync point
+    # 2 H before the end. A row is written once the next call is dispatched, so the compilation of
+    # the final call's program (eager: its flush) delays the row H before the end; none here
+    "s_per_update_steady": steady(per_update, ups, h, args.steps),
     "tokens_per_update": 2 * 4 * 4 * 64,
     "final_loss": rows[-1]["loss"],
     "wire_bytes_per_worker": rows[-1].get("wire_bytes_per_worker"),

@@ -38,14 +38,23 @@ from acco_jax.dp.updates import stage_plan
 from acco_jax.pipeline.build import flush_plan
 from acco_jax.run import trainer
 from acco_jax.run.checkpoint import Checkpointer
-from configs import gpt2_acco, gpt2_diloco, gpt2_pipeline, gpt2_skippipe, gpt2_zero1
+from configs import (
+  gpt2_acco,
+  gpt2_diloco,
+  gpt2_pipeline,
+  gpt2_skippipe,
+  gpt2_sparseloco,
+  gpt2_streaming_diloco,
+  gpt2_zero1,
+)
 
 pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DATA_CACHE = REPO / ".pytest_cache" / "acco_data"  # shared with train_test (tokenized corpus)
 TMP = ".orbax-checkpoint-tmp"
-RUN_TIMEOUT_S = 240  # one process, compilation included (2 busy cores)
+RUN_TIMEOUT_S = 600  # one process, compilation included (2 busy cores; the reference run of eager
+# Streaming DiLoCo compiles a phase program per fragment, over a minute each under load)
 # method -> (config module, top-level overrides); "pipeline": SkipPipe's scheduled plan on 2 lanes x
 # 4 stages, microbatches crossing lanes (tests/pipeline_train_test.py)
 MODULES = {
@@ -56,6 +65,8 @@ MODULES = {
   "diloco_eager": (gpt2_diloco, {}),
   "acco_muon": (gpt2_acco, {}),
   "zero1_muon": (gpt2_zero1, {}),
+  "streaming_eager": (gpt2_streaming_diloco, {}),
+  "sparseloco_eager": (gpt2_sparseloco, {}),
 }
 OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved asynchronously
   "train.num_updates": 12,
@@ -72,6 +83,11 @@ OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved a
 # H = 3, 24 inner steps: steps 1-3 one call each, then 7 phase programs of 3 steps (the sync's
 # reduction in flight across the next phase; each worker's start point, the last average and its
 # own share checkpointed at phase ends), the last one ending with the blocking sync. 10 rows.
+# Eager Streaming DiLoCo: the same mesh, H = 4, 2 fragments (K = H/P = 2: a fragment's reduction in
+# flight for the 2 steps until the other's sync), FP4 payloads, no τ window: steps 1-2 one call
+# each, then 11 phase programs of 2 steps alternating fragments, the last with the blocking flush
+# of its fragment. 13 rows. Eager SparseLoCo: the same mesh, H = 3, top-k + 2-bit payloads with
+# error feedback (the all-gathered sparse average in flight): 10 rows as eager DiLoCo.
 # ACCO over the 4 data lanes of 2 stages of 1 and 3 blocks: 25 flushes (one fills the buffer).
 METHOD_OVERRIDES = {
   "pipeline_acco": {
@@ -88,10 +104,24 @@ METHOD_OVERRIDES = {
   # Muon on the blocks' matrices, AdamW on the rest: comm.layout=auto picks the owner layout
   "acco_muon": {"opt.name": "muon"},
   "zero1_muon": {"opt.name": "muon"},
+  "streaming_eager": {
+    "loco.outer_overlap": "eager",
+    "loco.overlap_steps": 0,
+    "loco.sync_every": 4,
+    "loco.workers": 4,
+    "train.num_updates": 24,
+  },
+  "sparseloco_eager": {
+    "loco.outer_overlap": "eager",
+    "loco.sync_every": 3,
+    "loco.workers": 4,
+    "train.num_updates": 24,
+  },
 }
 
 
-MULTI_STAGE_CALLS = ("diloco_eager",)  # methods whose calls may span several stages
+# methods whose calls may span several stages
+MULTI_STAGE_CALLS = ("diloco_eager", "streaming_eager", "sparseloco_eager")
 
 
 def overrides_for(method: str) -> dict:
@@ -256,10 +286,7 @@ def bits(x) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-  "method",
-  ["acco", "zero1", "pipeline", "pipeline_acco", "diloco_eager", "acco_muon", "zero1_muon"],
-)
+@pytest.mark.parametrize("method", list(MODULES))
 def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   t_start = time.perf_counter()
   env = train_env(tmp_path / "compile_cache")
@@ -297,9 +324,9 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   ref_stages, ref_evals, ref_restored = per_stage(ref_dir)
   stages, evals, restored = per_stage(crash_dir)
   assert ref_restored == [] and len(restored) >= 1, restored
-  if method in MULTI_STAGE_CALLS:  # phase calls of H stages after the first H single steps
-    h = config.loco.sync_every
-    assert sorted(ref_stages) == [*range(1, h + 1), *range(2 * h, total + 1, h)], ref_stages
+  if method in MULTI_STAGE_CALLS:  # phase calls of K = H/P stages after the first K single steps
+    k = config.loco.sync_every // config.loco.fragments
+    assert sorted(ref_stages) == [*range(1, k + 1), *range(2 * k, total + 1, k)], ref_stages
   else:
     assert sorted(ref_stages) == list(range(1, total + 1))
   assert sorted(stages) == sorted(ref_stages), (sorted(stages), sorted(ref_stages))
@@ -324,6 +351,6 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
     if a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(bits(a), bits(b))
   ]
   assert not differ, f"final state leaves differ: {differ}"
-  if method == "diloco_eager":  # between two phases a checkpoint holds the sync still to land
+  if method in MULTI_STAGE_CALLS:  # between two phases a checkpoint holds the sync still to land
     _, mid, _ = final_state(config, ref_dir, row_stages[-2])  # the last sync clears it at the end
     assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(mid.overlap.own))

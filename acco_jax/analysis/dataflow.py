@@ -34,7 +34,8 @@ class DataflowReport(NamedTuple):
   """Facts about a step's jaxpr.
 
   Attributes:
-    loops: number of loops (``while``/``scan``) outside other loops.
+    loops: number of loops (``while``/``scan``) outside other loops (with ``loops_with``, those
+      whose body holds that primitive).
     (``optimization_barrier`` is treated as what it is, an identity on each operand.)
     collectives: every collective, with ``in_loop`` set for those inside a loop body.
     loop_feeds_comm: some reduce-scatter/all-gather/large psum depends on a loop output (no overlap).
@@ -103,8 +104,16 @@ def _over(eqn, axis: str | None) -> bool:
   return axis in names
 
 
+def _holds(jaxpr, primitive: str) -> bool:
+  """Whether ``jaxpr`` or one of its sub-jaxprs holds an equation of ``primitive``."""
+  return any(
+    eqn.primitive.name == primitive or any(_holds(sub, primitive) for sub in _sub_jaxprs(eqn))
+    for eqn in jaxpr.eqns
+  )
+
+
 def dataflow_report(
-  closed_jaxpr, *, psum_limit: int = 64, axis: str | None = None
+  closed_jaxpr, *, psum_limit: int = 64, axis: str | None = None, loops_with: str | None = None
 ) -> DataflowReport:
   """Analyses ``jax.make_jaxpr(step)(...)`` (see :class:`DataflowReport`).
 
@@ -112,7 +121,10 @@ def dataflow_report(
   loops are single nodes, and every variable carries the set of loops and data-moving collectives it
   depends on. ``axis``: only collectives over that mesh axis count for ``loop_feeds_comm`` and
   ``comm_feeds_loop`` (e.g. the workers' ``replica`` axis, leaving a loop's own data-axis
-  collectives out).
+  collectives out). ``loops_with``: only loops whose body holds that primitive count as loops (in
+  ``loops`` and both dependence flags), e.g. ``dot_general`` for a model's inner steps; any other
+  loop (SparseLoCo's decode, adding the gathered sparse rows one worker at a time) is then an
+  opaque node that passes its inputs' dependences on.
   """
   deps: dict = {}  # var -> frozenset of node tags it depends on
   state = {"loops": 0, "loop_feeds": False, "comm_feeds": False}
@@ -133,13 +145,14 @@ def dataflow_report(
           deps[ov] = dep(iv)
         continue
       if name in LOOPS:
-        state["loops"] += 1
-        tag = ("loop", id(eqn), i)
-        if any(t[0] == "comm" for t in ins):
-          state["comm_feeds"] = True
         for sub in subs:
           _collect(sub, True, collectives)
-        out = ins | {tag}
+        out = ins
+        if loops_with is None or any(_holds(sub, loops_with) for sub in subs):
+          state["loops"] += 1
+          if any(t[0] == "comm" for t in ins):
+            state["comm_feeds"] = True
+          out = ins | {("loop", id(eqn), i)}
       elif name in COLLECTIVES:
         for v in eqn.invars:
           collectives.append(Collective(name, tuple(v.aval.shape), _nbytes(v.aval), False))
