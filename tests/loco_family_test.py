@@ -370,6 +370,7 @@ def test_sparseloco_workers_stay_bit_identical(sparseloco_run):
       np.testing.assert_array_equal(np.asarray(b)[m], np.asarray(c)[0])  # θ_m = θ_g after a sync
 
 
+@pytest.mark.slow  # a secondary identity; test_sparseloco_matches_reference runs by default
 def test_sparseloco_full_k_no_quantiser_is_momentum_free_diloco(batches):
   full = loco.sparseloco(3, topk=16, chunk=4, bits=32, decay=0.0, outer_lr=1.0)
   batches = batches[:3]  # one sync

@@ -161,10 +161,10 @@ def test_1f1b_bounds_memory_and_priority_orders_collisions():
 
 @pytest.mark.parametrize(
   "paths,policy,lanes,devices",
-  [
-    (FULL, "gpipe", 1, 4),
+  [  # GPipe variants in the slow step: 1F1B covers full and skipped/swapped paths by default
+    pytest.param(FULL, "gpipe", 1, 4, marks=pytest.mark.slow),
     (FULL, "1f1b", 1, 4),
-    (MIXED, "gpipe", 1, 4),
+    pytest.param(MIXED, "gpipe", 1, 4, marks=pytest.mark.slow),
     (MIXED, "1f1b", 2, 8),
   ],
   ids=["full-gpipe-4dev", "full-1f1b-4dev", "skip-swap-gpipe-4dev", "skip-swap-1f1b-2lanes-8dev"],
