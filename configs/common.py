@@ -159,8 +159,8 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.opt.min_lr_ratio = 0.1  # final LR / peak LR
   # opt.name=muon: Muon (optax.contrib.muon) on the blocks' weight matrices, AdamW (lr, b1, b2, eps,
   # weight_decay, decay) on embeddings, the tied head, biases and LayerNorms (modded-nanogpt).
-  # Needs the owner layout under acco and zero1 (comm.layout=auto picks it). One schedule: Muon's
-  # LR is muon_lr / lr times AdamW's at every update.
+  # Needs the owner layout under acco and zero1, and in LoCo workers (loco.inner=zero1: MuLoCo);
+  # comm.layout=auto picks it. One schedule: Muon's LR is muon_lr / lr times AdamW's at every update.
   c.opt.muon_lr = 0.02  # Muon's peak LR (orthogonalised updates take ~10-30x AdamW's)
   c.opt.momentum = 0.95  # Muon's (Nesterov) momentum
   c.opt.ns_steps = 5  # Newton–Schulz iterations per matrix and update

@@ -65,6 +65,7 @@ MODULES = {
   "diloco_eager": (gpt2_diloco, {}),
   "acco_muon": (gpt2_acco, {}),
   "zero1_muon": (gpt2_zero1, {}),
+  "diloco_muon": (gpt2_diloco, {}),
   "streaming_eager": (gpt2_streaming_diloco, {}),
   "sparseloco_eager": (gpt2_sparseloco, {}),
 }
@@ -104,6 +105,14 @@ METHOD_OVERRIDES = {
   # Muon on the blocks' matrices, AdamW on the rest: comm.layout=auto picks the owner layout
   "acco_muon": {"opt.name": "muon"},
   "zero1_muon": {"opt.name": "muon"},
+  # MuLoCo: Muon inside 4 workers of 2 devices (each worker's matrices owned whole by one of its
+  # devices), DiLoCo's blocking sync every 3 inner steps
+  "diloco_muon": {
+    "opt.name": "muon",
+    "loco.sync_every": 3,
+    "loco.workers": 4,
+    "train.num_updates": 24,
+  },
   "streaming_eager": {
     "loco.outer_overlap": "eager",
     "loco.overlap_steps": 0,

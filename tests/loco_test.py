@@ -83,11 +83,14 @@ def rows_roundtrip(x, D, block):
   return jnp.asarray(q[:n].reshape(x.shape))
 
 
-def ref_loco(params, batches, M, D, H, P=1, tau=0, alpha=0.0, outer=None, quant=None, block=2048):
-  """Streaming DiLoCo as in loco-family.md §2 (DiLoCo when P = 1, τ = 0, α = 0, no quantiser)."""
+def ref_loco(
+  params, batches, M, D, H, P=1, tau=0, alpha=0.0, outer=None, quant=None, block=2048, inner=None
+):
+  """Streaming DiLoCo as in loco-family.md §2 (DiLoCo when P = 1, τ = 0, α = 0, no quantiser);
+  ``inner`` (default :func:`inner_opt`) is each worker's optimizer on whole parameter trees."""
   outer = outer or optax.sgd(0.7, momentum=0.9, nesterov=True)
   frag = strided_fragments(P)
-  inner = inner_opt()
+  inner = inner or inner_opt()
   theta = [params] * M
   S = [inner.init(params)] * M
   glob = params

@@ -10,7 +10,14 @@ from acco_jax import errors, model
 from acco_jax.dp import build as dp_build
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.run import build, optim, trainer
-from configs import gpt2_acco, gpt2_diloco, gpt2_dpu, gpt2_zero1
+from configs import (
+  gpt2_acco,
+  gpt2_diloco,
+  gpt2_dpu,
+  gpt2_pipeline,
+  gpt2_streaming_diloco,
+  gpt2_zero1,
+)
 from tests.train_test import rows, tiny
 
 
@@ -47,12 +54,32 @@ def test_muon_is_refused_where_it_cannot_run():
   config = tiny(gpt2_zero1, **{"opt.name": "muon", "comm.quantize": "int8"})
   with pytest.raises(errors.UserValueError, match="does not run with the owner layout"):
     dp_build.choose_layout(config, 8, p)
-  config = tiny(gpt2_diloco, **{"opt.name": "muon"})
-  with pytest.raises(errors.UserValueError, match="not method=diloco yet"):
+  config = tiny(gpt2_pipeline, **{"opt.name": "muon"})
+  with pytest.raises(errors.UserValueError, match="not method=pipeline yet"):
+    build.build(config)
+  config = tiny(gpt2_diloco, **{"opt.name": "muon", "loco.inner": "ddp"})
+  with pytest.raises(errors.UserValueError, match="set loco.inner=zero1"):
+    build.build(config)
+  config = tiny(gpt2_streaming_diloco, **{"opt.name": "muon", "loco.fragments": 2})
+  with pytest.raises(errors.UserValueError, match="loco.fragments=2 does not run with the owner"):
     build.build(config)
   config = tiny(gpt2_zero1, **{"opt.name": "muon", "opt.ns_steps": 0})
   with pytest.raises(errors.UserValueError, match="opt.ns_steps=0 >= 1"):
     build.inner_optimizer(config, p)
+
+
+def test_muloco_layout_owns_each_workers_matrices():
+  """gpt2_diloco with opt.name=muon: the inner zero1 step of each worker takes the owner layout
+  over the worker's devices, owning exactly Muon's matrices."""
+  from acco_jax.loco import build as loco_build
+
+  p = shapes()
+  config = tiny(gpt2_diloco, **{"opt.name": "muon", "loco.workers": 4})
+  layout, owned, view = loco_build._inner_layout(config, 2, p)
+  assert layout == "owner" and owned == model.muon_mask(p)
+  seen = view(owned)  # the optimizer's structure: Muon's label on every owned slot, AdamW's else
+  assert seen["owned"] and all(seen["owned"]) and not any(seen["elementwise"])
+  assert loco_build._inner_layout(tiny(gpt2_diloco), 2, p)[0] == "elementwise"
 
 
 @pytest.mark.slow  # ~30 s on 2 cores: the compiles of a full run

@@ -79,18 +79,19 @@ def method(config, n: int, shapes):
   return methods.get_method(config.method, inner, **kwargs), owned
 
 
-def choose_layout(config, n: int, shapes) -> str:
-  """``comm.layout`` resolved for the config's method: ``owner`` (each weight matrix whole on one
-  device) or ``elementwise``; ``auto`` takes ``owner`` exactly when the inner optimizer is not
-  elementwise (``opt.name=muon``). One-line errors for what cannot run."""
-  asked = config.comm.get("layout", "auto")
-  if config.method not in ("acco", "zero1", "dpu", "wp"):  # ddp: every device has every leaf
+def choose_layout(config, n: int, shapes, method: str | None = None) -> str:
+  """``comm.layout`` resolved for ``method`` (default the config's; a LoCo run's inner step:
+  ``loco.inner``): ``owner`` (each weight matrix whole on one device) or ``elementwise``; ``auto``
+  takes ``owner`` exactly when the inner optimizer is not elementwise (``opt.name=muon``). One-line
+  errors for what cannot run."""
+  asked, method = config.comm.get("layout", "auto"), method or config.method
+  if method not in ("acco", "zero1", "dpu", "wp"):  # ddp: every device has every leaf
     return "elementwise"
   elementwise = optimizer_is_elementwise(config)
-  if config.method in ("dpu", "wp"):
+  if method in ("dpu", "wp"):
     if asked == "owner" or not elementwise:
       raise errors.UserValueError(
-        f"method={config.method} shards its optimizer elementwise only: opt.name="
+        f"method={method} shards its optimizer elementwise only: opt.name="
         f"{config.opt.name} with the owner layout runs under acco, zero1 (or ddp)"
       )
     return "elementwise"

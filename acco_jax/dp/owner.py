@@ -174,6 +174,17 @@ class OwnerLayout:
     return {"owned": [owned[k] for k in range(int(first[-1]))],
             "elementwise": [leaves[i] for i in self.elem]}  # fmt: skip
 
+  def shard_shapes(self, leading: int | None = None) -> dict:
+    """``ShapeDtypeStruct`` tree of the shards view (leading dim ``N`` unless given)."""
+    n = self.num_shards if leading is None else leading
+    owned = [
+      jax.ShapeDtypeStruct((n, *shape), jnp.float32)
+      for shape, c in zip(self.groups, self.slots, strict=True)
+      for _ in range(c)
+    ]
+    elem = jax.tree.leaves(self.flat.shard_shapes(n)) if self.flat else []
+    return {"owned": owned, "elementwise": elem}
+
   # -- tree (original shapes) <-> shards -----------------------------------------------------------
 
   def to_shards(self, tree: PyTree, dtype=None) -> dict:
@@ -212,8 +223,13 @@ class OwnerLayout:
   # -- shards <-> rows [n, R]; n = N globally or 1 on one device -----------------------------------
 
   def shards_to_rows(self, shards: dict) -> jax.Array:
-    """Shards with leading ``n`` -> rows ``[n, R]``: the slots, then the elementwise chunks."""
-    parts = [x.reshape(x.shape[0], -1) for x in shards["owned"]]
+    """Shards with leading ``n`` (and any dims before it) -> rows ``[..., n, R]``: the slots, then
+    the elementwise chunks."""
+    shapes = [shape for shape, c in zip(self.groups, self.slots, strict=True) for _ in range(c)]
+    parts = [
+      x.reshape(*x.shape[: x.ndim - len(shape)], -1)
+      for x, shape in zip(shards["owned"], shapes, strict=True)
+    ]
     if self.flat:
       parts.append(self.flat.shards_to_rows(shards["elementwise"]))
     return flat_lib.concat_rows(parts)

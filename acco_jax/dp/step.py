@@ -104,8 +104,6 @@ class TrainStep:
     self.comm_dtype = jnp.dtype(self.plan.comm_dtype)
     self.owner = self.plan.sharded and self.plan.layout == "owner"
     if self.owner:
-      if replica_axis is not None:
-        raise ValueError("layout='owner' does not run with workers over a replica axis yet")
       self.layout = OwnerLayout(params_like, self.num_devices, owned)
       check_per_leaf(self.tx, self.plan.name, jax.eval_shape(self.layout.to_shards, params_like))
     else:

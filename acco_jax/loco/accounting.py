@@ -2,12 +2,15 @@
 
 Host-side arithmetic, no programs. :class:`SyncAccounting` is a base class of
 :class:`acco_jax.loco.step.LocoStep`; its methods read the step's ``method``, ``codec``, ``layout``,
-``parts``, ``num_workers``, ``num_devices`` and ``inner``. Bytes are per worker, summed over its
-devices, as the collective of the method's aggregator moves them (:mod:`acco_jax.loco.replica`): a
-*payload* is what one worker hands to it, the *wire* bytes what a ring sends for it.
+``shard_shapes``, ``parts``, ``num_workers``, ``num_devices`` and ``inner``. Bytes are per worker,
+summed over its devices, as the collective of the method's aggregator moves them
+(:mod:`acco_jax.loco.replica`): a *payload* is what one worker hands to it, the *wire* bytes what a
+ring sends for it.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -17,8 +20,8 @@ class SyncAccounting:
 
   def fragment_sizes(self) -> list[int]:
     """Values per fragment (the padded shard layout, all ``D`` shards of one worker)."""
-    specs = self.layout.specs
-    return [sum(specs[i].chunk * self.layout.num_shards for i in idx) for idx in self.parts]
+    sizes = [math.prod(shape) * self.layout.num_shards for shape in self.shard_shapes]
+    return [sum(sizes[i] for i in idx) for idx in self.parts]
 
   def payload_bytes(self, fragment: int) -> float:
     """Bytes of one worker's payload for a sync of ``fragment``, summed over its devices: values

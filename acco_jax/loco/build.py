@@ -15,6 +15,7 @@ import optax
 from acco_jax import errors, loco, model
 from acco_jax.dp import build as dp_build
 from acco_jax.dp import methods
+from acco_jax.dp.owner import OwnerLayout
 from acco_jax.loco import step as loco_lib
 from acco_jax.run import build as build_lib
 from acco_jax.run import health, optim, parallel
@@ -35,23 +36,46 @@ def build_run(config) -> build_lib.Run:
   model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
   k = int(config.batch.microbatches)
   shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
-  inner = build_lib.inner_optimizer(config, shapes)
+  dp_build.comm_args(config, mesh.size, shapes)  # refuses comm.quantize: LoCo syncs its own way
+  layout, owned, view = _inner_layout(config, mesh.shape["data"], shapes)
+  inner = build_lib.inner_optimizer(config, shapes, view=view)
   if config.method == "demo":  # no inner optimizer: the inner step only keeps the gradient
     clip = [optax.clip_by_global_norm(config.opt.clip_norm)] if config.opt.clip_norm > 0 else []
     inner = optax.chain(*clip, loco.keep_gradient())
-  dp_build.comm_args(config, mesh.size, shapes)  # refuses comm.quantize: LoCo syncs its own way
-  inner_tx = methods.get_method(config.loco.inner, inner, comm_dtype=jnp.dtype(config.comm_dtype))
+  kwargs = {"layout": layout} if config.loco.inner == "zero1" else {}
+  inner_tx = methods.get_method(
+    config.loco.inner, inner, comm_dtype=jnp.dtype(config.comm_dtype), **kwargs
+  )
   loss = lambda p, b: model.loss_fn(p, model_cfg, b)
   try:
     train = loco_lib.make_loco_step(
       loss, inner_tx, method, mesh, num_microbatches=k, params=shapes, has_aux=True,
-      skip_nonfinite=config.train.on_nonfinite == "skip",
+      skip_nonfinite=config.train.on_nonfinite == "skip", owned=owned,
+      elementwise=dp_build.optimizer_is_elementwise(config),
     )  # fmt: skip
   except ValueError as e:  # a fragment layout the model cannot take
     raise errors.UserValueError(str(e)) from None
   total = config.train.num_updates
   axes = tuple(mesh.axis_names)
   return build_lib.Run(mesh, tokens, model_cfg, shapes, train, 1, total, k, None, axes, loco=True)
+
+
+def _inner_layout(config, d: int, shapes):
+  """(the inner step's layout over a worker's ``d`` devices, the leaves it owns whole, the view
+  of the inner optimizer's masks); MuLoCo (``opt.name=muon``) needs the owner layout of a ZeRO-1
+  inner step. One-line errors for what cannot run."""
+  muon = config.opt.name == "muon"
+  if muon and (config.method == "demo" or config.loco.inner != "zero1"):
+    raise errors.UserValueError(
+      f"opt.name=muon needs whole matrices: inside LoCo workers the owner layout of "
+      f"loco.inner=zero1 gives them (loco.inner={config.loco.inner}, method={config.method}): set "
+      "loco.inner=zero1 with method diloco, noloco or streaming_diloco"
+    )
+  layout = dp_build.choose_layout(config, d, shapes, method=config.loco.inner)
+  if layout != "owner":
+    return layout, None, None
+  owned = model.muon_mask(shapes) if muon else None
+  return layout, owned, OwnerLayout(shapes, d, owned).view
 
 
 def loco_method(config) -> loco.LocoMethod:

@@ -43,6 +43,7 @@ method files (:mod:`acco_jax.loco.noloco`, :mod:`~acco_jax.loco.sparseloco`,
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -113,16 +114,23 @@ def send(step, state, p: int, ref=None):
   delta = base.pseudo_gradient(ref, base.select(state.inner.params, idx))
   payload = {k: step.method.compressor.roundtrip(v)[0] for k, v in delta.items()}
   finite = finite_per_worker(payload)
-  flat = jnp.concatenate([payload[f"{i:04d}"] for i in idx], axis=-1)
+  flat = concat([payload[f"{i:04d}"] for i in idx])
   return payload, step.comm.mean(flat), finite
+
+
+def concat(leaves: list) -> jax.Array:
+  """Per-worker shards ``[M, D, ...]`` end to end as one ``[M, D, n]`` buffer (each leaf's trailing
+  dims raveled: a flat chunk, or an owned matrix of the owner layout)."""
+  return jnp.concatenate([x.reshape(*x.shape[:2], -1) for x in leaves], axis=-1)
 
 
 def split(step, p: int, flat) -> dict:
   """A fragment's ``[M, D, n_p]`` buffer back into its view (:func:`acco_jax.loco.base.select`)."""
   out, start = {}, 0
   for i in step.parts[p]:
-    size = step.layout.specs[i].chunk
-    out[f"{i:04d}"] = flat[..., start : start + size]
+    shape = step.shard_shapes[i]
+    size = math.prod(shape)
+    out[f"{i:04d}"] = flat[..., start : start + size].reshape(*flat.shape[:-1], *shape)
     start += size
   return out
 
@@ -240,20 +248,11 @@ def _pairs(step, state, p):
   idx = step.parts[p]
   delta = payload(step, state, idx)
   phi = base.select(state.outer.params, idx)
-  keys = list(delta)
-  sizes = [delta[k].shape[-1] for k in keys]
-  flat = jnp.concatenate([delta[k] for k in keys] + [phi[k] for k in keys], axis=-1)
   pairing = step.method.pairing
   which = pairing_index(pairing.seed, sync_index(step, state), pairing.count)
-  other = step.comm.partner(flat, step.matchings, which)
-
-  def split(x):
-    cuts = np.cumsum(sizes * 2)[:-1]
-    parts = jnp.split(x, cuts, axis=-1)
-    n = len(keys)
-    return dict(zip(keys, parts[:n], strict=True)), dict(zip(keys, parts[n:], strict=True))
-
-  their_delta, their_phi = split(other)
+  n = concat(list(delta.values())).shape[-1]
+  other = step.comm.partner(concat([*delta.values(), *phi.values()]), step.matchings, which)
+  their_delta, their_phi = split(step, p, other[..., :n]), split(step, p, other[..., n:])
   half = lambda a, b: jax.tree.map(lambda x, y: (x + y) / 2, a, b)
   grad = consensus_gradient(half(delta, their_delta), phi, half(phi, their_phi))
   return state, grad, {"outer_finite": finite_per_worker(delta), "outer_pairing": which}

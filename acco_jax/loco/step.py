@@ -100,7 +100,7 @@ class LocoStep(SyncAccounting):
 
   def __init__(
     self, loss_fn, inner_tx, method: LocoMethod, mesh, num_microbatches, params_like,
-    has_aux=False, skip_nonfinite=False,
+    has_aux=False, skip_nonfinite=False, owned=None, elementwise=None,
   ):  # fmt: skip
     base.check(method)
     if REPLICA not in mesh.axis_names:
@@ -108,12 +108,16 @@ class LocoStep(SyncAccounting):
     self.method = method
     self.inner = TrainStep(
       loss_fn, inner_tx, mesh, num_microbatches, has_aux, params_like, skip_nonfinite,
-      replica_axis=REPLICA,
+      replica_axis=REPLICA, owned=owned, elementwise=elementwise,
     )  # fmt: skip
     self.mesh = self.inner.mesh
     self.num_workers = self.inner.num_replicas
     self.layout = self.inner.layout
-    self.parts = base.partition(self.layout.shard_shapes(), method.fragments, method.layout)
+    shards = self.layout.shard_shapes(1)
+    self.shard_shapes = [x.shape[1:] for x in jax.tree.leaves(shards)]  # per device, leaf order
+    if self.inner.owner:
+      check_owner(method)
+    self.parts = base.partition(shards, method.fragments, method.layout)
     self.comm = ReplicaCollectives(
       self.mesh, self.inner.plan.axis_name, self.inner.plan.sharded, REPLICA
     )
@@ -302,6 +306,24 @@ class LocoStep(SyncAccounting):
     return jax.jit(fn, out_shardings=NamedSharding(self.mesh, P()))(state)
 
 
+def check_owner(method: LocoMethod) -> None:
+  """Refuses what the owner layout (whole matrices per device: an inner Muon) cannot run under
+  ``method``: fragments by block (a slot holds other blocks' matrices on other devices), and the
+  sparse and quantised payloads (their codecs cut each leaf's flat chunk)."""
+  what = (
+    f"loco.fragments={method.fragments}" if method.fragments != 1
+    else f"method={method.name}'s sparse payload" if method.sparse is not None
+    else f"loco.quantize={method.compressor.name}" if method.compressor.name != "none"
+    else None
+  )  # fmt: skip
+  if what is not None:
+    raise errors.UserValueError(
+      f"{what} does not run with the owner layout of an inner optimizer that needs whole matrices "
+      "(opt.name=muon) yet: use diloco, noloco or streaming_diloco with loco.fragments=1 and "
+      "loco.quantize=none, or opt.name=adamw"
+    )
+
+
 def mesh_mismatch(saved: LocoState, mesh) -> str:
   """The one-line error for a checkpoint written on another ``workers x devices`` mesh."""
   m, d = saved.inner.w.shape[0], jax.tree.leaves(saved.inner.params)[0].shape[1]
@@ -339,6 +361,8 @@ def make_loco_step(
   params: PyTree,
   has_aux: bool = False,
   skip_nonfinite: bool = False,
+  owned=None,
+  elementwise: bool | None = None,
 ) -> LocoStep:
   """Builds the programs of a low-communication method over a ``('replica', 'data')`` mesh.
 
@@ -365,10 +389,14 @@ def make_loco_step(
     params: the parameters or their ``ShapeDtypeStruct`` tree.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     skip_nonfinite: as :func:`acco_jax.make_train_step`.
+    owned, elementwise: as :func:`acco_jax.make_train_step`, for an inner ``zero1(...,
+      layout='owner')`` (MuLoCo: a Muon inner optimizer with each matrix whole on one device of
+      its worker).
 
   Returns:
     A :class:`LocoStep`.
   """
   return LocoStep(
-    loss_fn, inner_tx, method, mesh, num_microbatches, params, has_aux, skip_nonfinite
-  )
+    loss_fn, inner_tx, method, mesh, num_microbatches, params, has_aux, skip_nonfinite, owned,
+    elementwise,
+  )  # fmt: skip
