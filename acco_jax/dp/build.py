@@ -52,6 +52,7 @@ def build_run(config) -> build_lib.Run:
     skip_nonfinite=config.train.on_nonfinite == "skip", owned=owned,
     elementwise=optimizer_is_elementwise(config),
   )  # fmt: skip
+  train.source_tx = lambda n: method(config, n, shapes)[0]  # a checkpoint of another count
   policy = None
   if config.hetero.adaptive:
     policy = hetero.BudgetPolicy(

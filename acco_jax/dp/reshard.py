@@ -75,15 +75,16 @@ def _param_index(tx, layout: FlatLayout) -> list[int | None]:
   return out
 
 
-def _merge_rows(buf: np.ndarray, count: np.ndarray, old: FlatLayout, new: FlatLayout):
-  """Per-device buffers ``[N_old, N_old*S]`` and counts -> ``[N_new, N_new*S']``, same sums."""
+def merge_rows(buf: np.ndarray, count: np.ndarray, num_new: int, padded_new: int, convert):
+  """Per-device buffers ``[N_old, N_old*S]`` and counts -> ``[N_new, N_new*S']``, same sums;
+  ``convert`` moves one device's flat buffer to the new layout."""
   acc_dtype = np.promote_types(buf.dtype, np.float32)
-  rows = np.zeros((new.num_shards, new.padded_size), acc_dtype)
-  counts = np.zeros((new.num_shards,), count.dtype)
-  filled = np.zeros((new.num_shards,), bool)
-  for i in range(old.num_shards):
-    j = i * new.num_shards // old.num_shards
-    row = reshard_flat(buf[i], old, new).astype(acc_dtype)
+  rows = np.zeros((num_new, padded_new), acc_dtype)
+  counts = np.zeros((num_new,), count.dtype)
+  filled = np.zeros((num_new,), bool)
+  for i in range(buf.shape[0]):
+    j = i * num_new // buf.shape[0]
+    row = np.asarray(convert(buf[i])).astype(acc_dtype)
     if filled[j]:
       rows[j] += row
     else:  # assigned, not added to zero: keeps -0.0 and every bit when rows do not merge
@@ -143,11 +144,16 @@ def reshard_state(saved, layout: FlatLayout, tx):
     params=layout.treedef.unflatten(params),
     opt_state=jax.tree.unflatten(jax.tree.structure(saved.opt_state), opt),
   )
+  convert = lambda row: reshard_flat(row, old, layout)
   if delayed:
-    buf, count = _merge_rows(np.asarray(saved.buf), np.asarray(saved.buf_count), old, layout)
+    buf, count = merge_rows(
+      np.asarray(saved.buf), np.asarray(saved.buf_count), layout.num_shards, layout.padded_size,
+      convert,
+    )  # fmt: skip
     out = out._replace(buf=buf, buf_count=count)
   if residual:
     rest = np.asarray(saved.residual)
-    rest, _ = _merge_rows(rest, np.zeros(rest.shape[:1], np.int32), old, layout)
+    zero = np.zeros(rest.shape[:1], np.int32)
+    rest, _ = merge_rows(rest, zero, layout.num_shards, layout.padded_size, convert)
     out = out._replace(residual=rest)
   return out

@@ -23,8 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acco_jax import errors
-from acco_jax.dp import carry, methods, quantize
+from acco_jax.dp import carry, methods, quantize, reshard_owner
 from acco_jax.dp.flat import FlatLayout, TreeLayout
 from acco_jax.dp.owner import OwnerLayout, check_per_leaf
 from acco_jax.dp.quantized_comm import QuantizedComm
@@ -103,6 +102,9 @@ class TrainStep:
     self.num_microbatches = int(num_microbatches)
     self.comm_dtype = jnp.dtype(self.plan.comm_dtype)
     self.owner = self.plan.sharded and self.plan.layout == "owner"
+    # the method transform on another device count (a checkpoint's: the owner layout's masks are in
+    # that count's view); the config's build sets it, a transform with callable masks needs none
+    self.source_tx = lambda n: self.tx
     if self.owner:
       self.layout = OwnerLayout(params_like, self.num_devices, owned)
       check_per_leaf(self.tx, self.plan.name, jax.eval_shape(self.layout.to_shards, params_like))
@@ -283,12 +285,21 @@ class TrainStep:
     optimizer state move bit for bit, the gradient buffers keep their sums over devices (see
     :mod:`acco_jax.dp.reshard`).
     """
-    if self.owner:
-      raise errors.UserValueError(
-        "comm.layout=owner (each weight matrix whole on one device, as opt.name=muon needs) "
-        "cannot resume a checkpoint of another device count yet: set mesh.num_devices to its count"
-      )
+    if self.owner:  # owners reassigned (acco_jax.dp.reshard_owner)
+      old_tx = self.source_tx(saved_num_devices(saved))
+      return reshard_owner.reshard_owner_state(saved, old_tx, self.layout, self.tx, self.comm_dtype)
     return reshard_state(saved, self.layout, self.tx)
+
+  def saved_like(self, shapes: dict) -> TrainState | None:
+    """The structure of a checkpoint whose leaf paths differ from this state's (``shapes``: path ->
+    saved shape): with the owner layout, a state saved on another device count has other slots.
+    ``None`` for the other layouts (their paths never change)."""
+    n = next((s[0] for p, s in shapes.items() if p.startswith(".params") and s), None)
+    if not self.owner or n is None:
+      return None
+    old = reshard_owner.source_layout(self.layout, int(n))
+    tx = self.source_tx(int(n))
+    return TrainState(**reshard_owner.saved_structure(old, tx, self.plan.delayed, self.comm_dtype))
 
   def saved_num_devices(self, saved: TrainState) -> int:
     """The device count ``saved`` (host numpy leaves) was written on."""

@@ -197,6 +197,7 @@ class Checkpointer:
     *,
     reshard: Callable[[PyTree], PyTree] | None = None,
     check_extra: Callable[[dict], None] | None = None,
+    saved_like: Callable[[dict], PyTree | None] | None = None,
   ) -> tuple[PyTree, dict]:
     """Reads a checkpoint into arrays with the target's tree structure, shardings and dtypes.
 
@@ -212,6 +213,10 @@ class Checkpointer:
       check_extra: called with the checkpoint's ``extra`` before any array is read or compared;
         it raises to refuse the checkpoint (e.g. a model-config mismatch with a clearer message
         than the shapes would give).
+      saved_like: with ``reshard``, for a checkpoint whose leaf paths differ from the target's
+        (the owner layout on another device count has other slots): called with the saved
+        shapes by path, it returns the saved state's structure (or ``None``: a mismatch), in which
+        ``reshard`` then receives the arrays, e.g. :meth:`acco_jax.dp.step.TrainStep.saved_like`.
 
     Returns:
       ``(state, extra)``.
@@ -222,7 +227,9 @@ class Checkpointer:
         or ``reshard`` rejects it).
       RuntimeError: the requested step, or every step when ``step`` is ``None``, is corrupt.
     """
-    return self._first_readable(step, lambda s: self._restore_step(s, target, reshard, check_extra))
+    return self._first_readable(
+      step, lambda s: self._restore_step(s, target, reshard, check_extra, saved_like)
+    )
 
   def restore_host(self, step: int | None, target_of: Callable[[dict], PyTree]):
     """``(state, extra)``, ``state`` as host numpy arrays with the shapes they were written with.
@@ -288,12 +295,21 @@ class Checkpointer:
     return saved, meta["extra"]
 
   def _restore_step(
-    self, step: int, target: PyTree, reshard=None, check_extra=None
+    self, step: int, target: PyTree, reshard=None, check_extra=None, saved_like=None
   ) -> tuple[PyTree, dict]:
     paths, leaves = self._flatten(target, "target")
     saved, extra = self._read(step, "metadata", lambda: self._read_meta(step))
     if check_extra is not None:
       check_extra(extra)
+    like = None
+    if reshard is not None and saved_like is not None and set(saved) != set(paths):
+      like = saved_like({p: e["shape"] for p, e in saved.items()})
+    if like is not None:  # another structure that reshard converts (other slots)
+      like_paths = self._flatten(like, "saved structure")[0]
+      if set(like_paths) == set(saved):
+        entries = [saved[p] for p in like_paths]
+        treedef = jax.tree.structure(like)
+        return self._restore_resharded(step, target, entries, reshard, treedef), extra
     convert = (
       reshard is not None
       and set(saved) == set(paths)
@@ -345,12 +361,15 @@ class Checkpointer:
       raise ValueError(f"{bad[0]} does not match its fingerprint ({len(bad)} leaves differ)")
     return restored
 
-  def _restore_resharded(self, step: int, target: PyTree, entries: list[dict], reshard) -> PyTree:
-    """Reads host arrays, converts them with ``reshard`` and places them like the target."""
+  def _restore_resharded(
+    self, step: int, target: PyTree, entries: list[dict], reshard, saved_treedef=None
+  ) -> PyTree:
+    """Reads host arrays, converts them with ``reshard`` and places them like the target
+    (``saved_treedef``: the saved state's structure, default the target's)."""
     restored = self._read(step, "arrays", lambda: self._read_host(step, entries))
     treedef = jax.tree.structure(target)
     try:
-      converted = reshard(jax.tree.unflatten(treedef, restored))
+      converted = reshard(jax.tree.unflatten(saved_treedef or treedef, restored))
     except ValueError as e:
       raise errors.UserValueError(
         f"cannot restore the checkpoint at {self.directory} (step {step}) on this device count: {e}"

@@ -98,7 +98,10 @@ def train_and_evaluate(
     target = train.abstract_state(run.params_shapes)
     restore_t0 = time.time()
     try:
-      state, extra = ckpt.restore(None, target, reshard=reshard, check_extra=check)
+      saved_like = getattr(train, "saved_like", None)  # the owner layout: other slots
+      state, extra = ckpt.restore(
+        None, target, reshard=reshard, check_extra=check, saved_like=saved_like
+      )
       start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
       position = extra["data"]
       if saved_n:
