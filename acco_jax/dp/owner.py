@@ -279,13 +279,14 @@ def check_per_leaf(tx, name: str, view_like) -> None:
     [jax.random.normal(k, x.shape) for k, x in zip(keys[len(small) :], small, strict=True)]
   )
 
+  @jax.jit  # one program for the three probes (run eagerly, each optax op compiles on its own)
   def update(scales):  # a global-norm clip that takes the norm as an argument reads nothing else
     g = treedef.unflatten([x * s for x, s in zip(grads, scales, strict=True)])
     return jax.tree.leaves(tx.update(g, tx.init(params), params, global_norm=jnp.float32(1))[0])
 
-  base = update([1.0] * len(small))
+  base = update(jnp.ones(len(small)))
   for i in {0, len(small) - 1}:
-    other = update([1.0 if j == i else 100.0 for j in range(len(small))])
+    other = update(jnp.asarray([1.0 if j == i else 100.0 for j in range(len(small))]))
     if not np.allclose(base[i], other[i], rtol=1e-5, atol=1e-7):
       raise ValueError(
         f"method {name!r} with layout='owner' runs the inner optimizer on each device's "
