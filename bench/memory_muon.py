@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
 import resource
 import sys
@@ -114,7 +115,7 @@ def worker(args) -> dict:
 
     step_lib.check_per_leaf = lambda *a, **k: None
   n, rows = jax.device_count(), []
-  for method, opt in ROWS:
+  for method, opt in [r for r in ROWS if f"{r[0]}+{r[1]}" in args.only]:
     t0 = time.perf_counter()
     config, model_cfg, shapes, train = build(args.preset, method, opt, n)
     psi = model.num_params(shapes)
@@ -210,7 +211,7 @@ def tables(rows: list[dict]) -> str:
         key
         | {k: mib(m[k]) for k in ("argument", "temp", "total")}
         | {
-          "arg": "yes" if r["argument_minus_inputs"] == r["state_bytes"] else "NO",
+          "arg": f"{r['argument_minus_inputs'] - r['state_bytes']:+d}",
           "compile": f"{r['compile_s']:.1f}",
         }
       )
@@ -251,7 +252,8 @@ def tables(rows: list[dict]) -> str:
   if comp:
     out += [
       "",
-      "Compiled stage program (memory_analysis, MiB per device); arg = argument − batch == state",
+      "Compiled stage program (memory_analysis, MiB per device); arg − state: argument − batch − "
+      "state bytes (negative: unused scalars jit drops)",
       common.format_table(
         comp,
         head
@@ -259,7 +261,7 @@ def tables(rows: list[dict]) -> str:
           ("argument", "argument"),
           ("temp", "temp"),
           ("total", "program"),
-          ("arg", "arg"),
+          ("arg", "arg − state B"),
           ("compile", "compile s"),
         ],
       ),
@@ -274,9 +276,11 @@ def main(argv=None) -> int:
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--seq", type=int, default=128, help="tokens per row (compiled presets)")
   p.add_argument("--rows", type=int, default=1, help="rows per device (one microbatch)")
+  p.add_argument("--only", nargs="+", default=[f"{m}+{o}" for m, o in ROWS], help="method+opt")
   p.add_argument("--timeout", type=float, default=1800, help="seconds per preset")
   p.add_argument("--smoke", action="store_true", help="tiny preset, state only (CI)")
   p.add_argument("--out", type=Path, default=common.RESULTS / "memory_muon.json")
+  p.add_argument("--render", action="store_true", help="only redraw --out's tables from its rows")
   p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
   p.add_argument("--preset", help=argparse.SUPPRESS)  # the worker's
   args = p.parse_args(argv)
@@ -284,6 +288,12 @@ def main(argv=None) -> int:
     args.presets, args.compile = ["tiny"], []
   if args.worker:
     common.write_json(args.worker, worker(args))
+    return 0
+  if args.render:
+    result = json.loads(args.out.read_text())
+    result["table"] = tables(result["rows"])
+    print(result["table"])
+    common.write_json(args.out, result)
     return 0
 
   started, load_start = time.perf_counter(), common.loadavg()
@@ -294,6 +304,7 @@ def main(argv=None) -> int:
     fwd = ["--preset", preset, "--seq", str(args.seq), "--rows", str(args.rows)]
     fwd += ["--compile", preset] if compiled else ["--compile"]
     fwd += ["--smoke"] if args.smoke else []
+    fwd += ["--only", *args.only]
     t = time.perf_counter()
     try:
       run = common.run_worker(__file__, args.devices, fwd, args.timeout)
@@ -316,7 +327,7 @@ def main(argv=None) -> int:
   print(f"1-min load average: {load_start} at start, {common.loadavg()} at end")
   result = {
     "benchmark": "memory_muon",
-    "command": "python bench/memory_muon.py" + (" --smoke" if args.smoke else ""),
+    "command": "python bench/memory_muon.py " + " ".join(sys.argv[1:] if argv is None else argv),
     "machine": common.machine() | {"loadavg_1m_at_start": load_start},
     "config": {
       "presets": args.presets,
@@ -325,7 +336,7 @@ def main(argv=None) -> int:
       "seq": args.seq,
       "rows_per_device": args.rows,
       "num_microbatches": 1,
-      "rows": [f"{m}+{o}" for m, o in ROWS],
+      "rows": args.only,
       "smoke_skips_per_leaf_probe": args.smoke,
     },
     "wall_s": round(time.perf_counter() - started, 1),
