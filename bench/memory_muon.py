@@ -110,10 +110,6 @@ def worker(args) -> dict:
   import acco_jax
   from acco_jax import model
 
-  if args.smoke:  # the owner layout's per-leaf probe runs ~76 tiny eager programs (~15 s here);
-    from acco_jax.dp import step as step_lib  # it only validates the optimizer, not the state
-
-    step_lib.check_per_leaf = lambda *a, **k: None
   n, rows = jax.device_count(), []
   for method, opt in [r for r in ROWS if f"{r[0]}+{r[1]}" in args.only]:
     t0 = time.perf_counter()
@@ -337,7 +333,6 @@ def main(argv=None) -> int:
       "rows_per_device": args.rows,
       "num_microbatches": 1,
       "rows": args.only,
-      "smoke_skips_per_leaf_probe": args.smoke,
     },
     "wall_s": round(time.perf_counter() - started, 1),
     "runs": [{k: v for k, v in run.items() if k != "rows"} for run in runs],
