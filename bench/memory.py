@@ -128,12 +128,37 @@ def temp_breakdown(text: str, psi: int, param_numels: set[int]) -> dict:
 # -- worker -----------------------------------------------------------------------------------------
 
 
-def worker(args) -> dict:
+def abstract_inputs(train, rows: int, seq: int):
+  """(batch, counts) as ``ShapeDtypeStruct`` s sharded over the data axis: ``rows`` rows of ``seq``
+  tokens per device (one microbatch), for lowering ``train``'s stage program."""
   import jax
   import jax.numpy as jnp
-  import optax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
+
+  n, data = train.num_devices, NamedSharding(train.mesh, P("data"))
+  batch = {k: jax.ShapeDtypeStruct((n * rows, seq), jnp.int32, sharding=data)
+           for k in ("inputs", "targets")}  # fmt: skip
+  return batch, jax.ShapeDtypeStruct((n,), jnp.int32, sharding=data)
+
+
+def program_bytes(compiled) -> dict:
+  """``compiled.memory_analysis()``: argument, output, alias, temp bytes and the program's total
+  (argument + output − alias + temp)."""
+  ma = compiled.memory_analysis()
+  mem = {
+    "argument": ma.argument_size_in_bytes,
+    "output": ma.output_size_in_bytes,
+    "alias": ma.alias_size_in_bytes,
+    "temp": ma.temp_size_in_bytes,
+  }
+  mem["total"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+  return mem
+
+
+def worker(args) -> dict:
+  import jax
+  import optax
 
   import acco_jax
   from acco_jax import model
@@ -154,13 +179,7 @@ def worker(args) -> dict:
     state = train.abstract_state(params)
     kind = "delayed" if train.plan.delayed else "sync"
     fn = train._jit(kind, state)
-    data = NamedSharding(train.mesh, P("data"))
-    rows_total = n * args.rows
-    batch = {
-      k: jax.ShapeDtypeStruct((rows_total, args.seq), jnp.int32, sharding=data)
-      for k in ("inputs", "targets")
-    }
-    counts = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=data)
+    batch, counts = abstract_inputs(train, args.rows, args.seq)
     committed = acco_jax.committed_params(state.opt_state, None)
     comp = {
       "w": common.shard_bytes(state.w),
@@ -191,14 +210,7 @@ def worker(args) -> dict:
           breakdown = temp_breakdown(files[-1].read_text(), psi, numels)
     finally:
       shutil.rmtree(dump, ignore_errors=True)
-    ma = compiled.memory_analysis()
-    mem = {
-      "argument": ma.argument_size_in_bytes,
-      "output": ma.output_size_in_bytes,
-      "alias": ma.alias_size_in_bytes,
-      "temp": ma.temp_size_in_bytes,
-    }
-    mem["total"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+    mem = program_bytes(compiled)
     input_bytes = common.shard_bytes((batch, counts))
     rows.append(
       {

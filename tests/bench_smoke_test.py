@@ -1,7 +1,8 @@
-"""Smoke test of bench/memory.py and bench/overhead.py: tiny models, a few steps, JSON checked.
+"""Smoke test of bench/memory.py, bench/overhead.py and bench/memory_muon.py: tiny models, a few
+steps, JSON checked.
 
-Both benchmarks run as subprocesses (they start their own JAX processes with their own device counts),
-concurrently, writing JSON to a temporary directory.
+The benchmarks run as subprocesses (they start their own JAX processes with their own device counts),
+memory and overhead concurrently, writing JSON to a temporary directory.
 """
 
 import json
@@ -96,3 +97,45 @@ def test_overhead_smoke(results):
   assert data["acco_ratio"] == pytest.approx(res["acco"]["ratio_to_plain"])
   assert isinstance(data["target_holds"], bool)
   assert isinstance(data["target_holds_cpu_time"], bool)
+
+
+def test_memory_muon_smoke(tmp_path):
+  """bench/memory_muon.py --smoke: the owner layout shards Muon's state, at the price of its padding."""
+  out = tmp_path / "memory_muon.json"
+  cmd = [sys.executable, str(REPO / "bench" / "memory_muon.py"), "--smoke", "--out", str(out)]
+  proc = subprocess.run(
+    cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  data = json.loads(out.read_text())
+  assert data["failures"] == [] and "opt/(ddp/N)" in data["table"]
+  rows = {(r["method"], r["opt"]): r for r in data["rows"]}
+  assert set(rows) == {(m, o) for m in ("ddp", "zero1", "acco") for o in ("adamw", "muon")}
+  layouts = {k: r["layout"] for k, r in rows.items()}
+  assert layouts == {k: "owner" if k[1] == "muon" and k[0] != "ddp" else "tree" if k == ("ddp", "muon")
+                     else "flat" for k in rows}  # fmt: skip
+  opt = lambda m, o: rows[(m, o)]["state_components"]["opt"]
+  owner, n = rows[("zero1", "muon")], rows[("zero1", "muon")]["N"]
+  assert n == 8
+  # Sharded by owners: below DDP's whole state, above its 1/N share by at most the padding (Muon's
+  # fp32 momentum on empty slots, Adam's m, v on the elementwise part's padding) and a few scalars.
+  flat_pad = owner["padding"] - owner["slot_padding"]
+  ideal = opt("ddp", "muon") / n
+  assert ideal < opt("zero1", "muon") < opt("ddp", "muon")
+  assert opt("zero1", "muon") <= ideal + (4 * owner["slot_padding"] + 8 * flat_pad) / n + 1024
+  assert 0 <= opt("acco", "muon") - opt("zero1", "muon") <= 64  # ACCO's own counters
+  assert opt("zero1", "adamw") == pytest.approx(opt("ddp", "adamw") / n, rel=0.02)
+  # Owners balanced within one largest matrix; the loads are exactly the owned fp32 matrices.
+  loads = owner["loads"]
+  assert max(loads) - min(loads) <= owner["largest_item_bytes"]
+  assert sum(loads) == 4 * owner["owned_elements"]
+  assert owner["slot_padding"] == n * owner["slot_size"] - owner["owned_elements"] > 0
+  # The wire carries the owner's longer row: 2 (N - 1) R bf16 values per stage, twice for ACCO.
+  flat = rows[("zero1", "adamw")]
+  assert owner["row"] > flat["row"] and owner["padded_size"] == n * owner["row"]
+  assert owner["wire_bytes_per_update"] == 2 * (n - 1) * owner["row"] * 2
+  assert rows[("acco", "muon")]["wire_bytes_per_update"] == 2 * owner["wire_bytes_per_update"]
+  # ACCO's committed master is the master's size; the bf16 buffer is the padded row length.
+  acco = rows[("acco", "muon")]["state_components"]
+  assert acco["committed"] == acco["master"] == owner["state_components"]["master"]
+  assert acco["buf"] >= 2 * owner["padded_size"]
