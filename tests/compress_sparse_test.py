@@ -139,10 +139,12 @@ def test_error_feedback_keeps_what_is_not_sent(transform, nbits):
   r = np.random.default_rng(4)
   rows = [jnp.asarray(r.normal(size=(2, p.length)), jnp.float32) for p in plans]
   buffers = [jnp.asarray(r.normal(size=(2, p.length)), jnp.float32) for p in plans]
-  wire, new = sparse.feedback_compress(codec, rows, buffers, decay=0.9, scale=0.5)
+  # compiled as the training step compiles them (op by op, the 2-bit codec took seconds to dispatch)
+  feedback = jax.jit(lambda x, b: sparse.feedback_compress(codec, x, b, decay=0.9, scale=0.5))
+  wire, new = feedback(rows, buffers)
   assert wire.dtype == jnp.uint8 and wire.shape == (2, codec.row_bytes)
-  _, sent = codec.compress([0.9 * b + 0.5 * x for x, b in zip(rows, buffers, strict=True)])
-  decoded = codec.mean(wire[None])
+  _, sent = jax.jit(codec.compress)([0.9 * b + 0.5 * x for x, b in zip(rows, buffers, strict=True)])
+  decoded = jax.jit(codec.mean)(wire[None])
   for b, x, e, s, d, p in zip(buffers, rows, new, sent, decoded, plans, strict=True):
     np.testing.assert_allclose(np.asarray(e + s), np.asarray(0.9 * b + 0.5 * x), atol=1e-6)
     # exact: the sender keeps what the receivers decode from the same bytes (a product promise)
@@ -161,8 +163,9 @@ def test_codec_compress_runs_under_jit_and_per_row():
   wire, sent = jax.jit(codec.compress)([x])
   decoded = codec.mean(wire[None])[0]
   assert wire.shape == (3, codec.row_bytes)
+  one_row = jax.jit(codec.compress)  # one compilation for the three rows' shape
   for i in range(3):  # each row on its own sends the same coefficients
-    one, one_sent = codec.compress([x[i : i + 1]])
+    one, one_sent = one_row([x[i : i + 1]])
     # Not the same bytes: the batched DCT is another GEMM shape, and XLA:CPU may sum it in another
     # order (one float32 coefficient differed in its last bit on a CPU without AVX-512). What must
     # hold is that both decode to the same values, to float32 rounding.

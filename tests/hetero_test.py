@@ -115,6 +115,9 @@ def sgd_config():
   config = gpt2_acco.get_config("tiny")
   config.data.cache_dir = str(pathlib.Path(__file__).parent / ".." / ".pytest_cache" / "acco_data")
   config.model.dtype = config.comm_dtype = "float32"
+  # one narrow block on short rows: compiling is most of the time, and the budgets do not need more
+  config.model.D, config.model.N, config.model.H, config.data.seq_len = 16, 1, 1, 8
+  config.train.eval_batches = 1
   config.opt.name, config.opt.b1, config.opt.clip_norm = "sgd", 0.0, 0.0
   config.opt.schedule, config.opt.warmup_updates, config.opt.lr = "constant", 0, LR
   config.opt.weight_decay = 0.0

@@ -205,7 +205,10 @@ def _column(part, node):
   raise AssertionError(node)
 
 
-@pytest.mark.parametrize("lanes,stages,skip,seed", [(2, 4, 0.25, 1), (4, 2, 0.0, 3)])
+@pytest.mark.parametrize(
+  "lanes,stages,skip,seed",
+  [(2, 4, 0.25, 1), pytest.param(4, 2, 0.0, 3, marks=pytest.mark.slow)],
+)  # by default the skipping plan, whose microbatches change lanes too; no skip: the slow step
 def test_scheduled_plan_runs_across_lanes(params, lanes, stages, skip, seed):
   part, plan = _plan(lanes, stages, skip, seed)
   routes = [

@@ -26,6 +26,11 @@ def tiny(module, **overrides):
   return config
 
 
+# One narrow block on short rows, one evaluation batch: for the tests whose point is the loop's
+# bookkeeping (stages in flight, resume, non-finite losses), not what the model learns.
+SMALL = {"model.D": 16, "model.N": 1, "model.H": 1, "data.seq_len": 8, "train.eval_batches": 1}
+
+
 def rows(workdir):
   lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
   return [json.loads(line) for line in lines]
@@ -74,7 +79,7 @@ def test_baselines_run_through_the_trainer(tmp_path, module, extra, monkeypatch)
 
   monkeypatch.setattr(TrainStep, "step", spy_step)
   monkeypatch.setattr(jax, "block_until_ready", spy_wait)
-  config = tiny(module, **extra)
+  config = tiny(module, **extra, **SMALL)
   summary = trainer.train_and_evaluate(config, str(tmp_path))
   expected_stages = config.train.num_updates + (1 if extra else 0)  # dpu: one fill stage
   assert summary["stages"] == expected_stages and summary["updates"] == config.train.num_updates
@@ -88,7 +93,7 @@ def test_baselines_run_through_the_trainer(tmp_path, module, extra, monkeypatch)
 
 
 def test_resume_continues_the_identical_trajectory(tmp_path, capsys, monkeypatch):
-  config = tiny(gpt2_acco)
+  config = tiny(gpt2_acco, **SMALL)
   whole = trainer.train_and_evaluate(config, str(tmp_path / "whole"))
   first = trainer.train_and_evaluate(config, str(tmp_path / "split"), max_stages=5)
   assert first["stopped"] == 5
@@ -183,7 +188,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
   from acco_jax.run.checkpoint import Checkpointer
 
-  config = tiny(gpt2_acco)
+  config = tiny(gpt2_acco, **SMALL)
   config.ckpt.every = 1
   trainer.train_and_evaluate(config, str(tmp_path), max_stages=4)  # good checkpoints at 2 and 4
   config.opt.lr = 1e30  # resume with an exploding learning rate (same optimizer structure)
