@@ -58,7 +58,7 @@ def test_muloco_matches_reference():
   assert owned and all(x.sharding.spec[:2] == ("replica", "data") for x in owned)
 
 
-@pytest.mark.parametrize("name", ["diloco", "noloco"])
+@pytest.mark.parametrize("name", ["diloco", pytest.param("noloco", marks=pytest.mark.slow)])
 def test_owner_layout_moves_what_the_elementwise_layout_moves(name):
   """An elementwise inner optimizer (SGD with momentum) gives the same run on both layouts: the
   sync's buffer (owned matrices raveled end to end, NoLoCo's [Δ | φ] pair exchange) carries each
