@@ -1,10 +1,13 @@
-"""Smoke test of bench/memory.py and bench/overhead.py: tiny models, a few steps, JSON checked.
+"""Smoke tests of bench/memory.py, bench/overhead.py and bench/muon.py: tiny models, a few steps,
+JSON checked.
 
-Both benchmarks run as subprocesses (they start their own JAX processes with their own device counts),
-concurrently, writing JSON to a temporary directory.
+The benchmarks run as subprocesses (they start their own JAX processes with their own device
+counts), writing JSON to a temporary directory. memory and overhead run concurrently and are slow;
+muon's smoke (two 2-update runs of the tiny model, Muon under zero1 and acco) is in the default run.
 """
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +16,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,7 @@ def results(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow
 def test_memory_smoke(results):
   data, log = results["memory"]
   assert data["benchmark"] == "memory"
@@ -78,6 +80,7 @@ def test_memory_smoke(results):
   assert rows[("zero1", 4)]["state_bytes"] < rows[("zero1", 2)]["state_bytes"]
 
 
+@pytest.mark.slow
 def test_overhead_smoke(results):
   data, log = results["overhead"]
   assert data["benchmark"] == "overhead"
@@ -96,3 +99,30 @@ def test_overhead_smoke(results):
   assert data["acco_ratio"] == pytest.approx(res["acco"]["ratio_to_plain"])
   assert isinstance(data["target_holds"], bool)
   assert isinstance(data["target_holds_cpu_time"], bool)
+
+
+def test_muon_smoke(tmp_path):
+  """bench/muon.py --smoke: Muon under zero1 and acco, finite losses, the same tokens_seen."""
+  cmd = [sys.executable, str(REPO / "bench" / "muon.py"), "--smoke", "--out", str(tmp_path)]
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  data = json.loads((tmp_path / "muon_smoke.json").read_text())
+  assert set(data["runs"]) == {"zero1/muon", "acco/muon"}
+  assert data["chosen"] == {"adamw_lr": 2e-3, "muon_lr": 0.02}
+  updates = data["setting"]["num_updates"]
+  tokens = set()
+  for key, by_seed in data["runs"].items():
+    run = by_seed["0"]
+    assert run["status"] == "ok", key
+    assert math.isfinite(run["final_eval_loss"]) and math.isfinite(run["final_train_loss"]), key
+    assert run["updates"] == updates, key
+    # one training-loss point per update of tokens (acco's two half-batch stages are one update)
+    assert run["train"]["update"] == list(range(1, updates + 1)), key
+    assert all(math.isfinite(x) for x in run["train"]["loss"] + run["eval"]["loss"]), key
+    assert run["tokens_seen"] == updates * run["tokens_per_update"], key
+    tokens.add(run["tokens_seen"])
+  assert len(tokens) == 1 and data["tokens_equal"]
+  assert data["runs"]["acco/muon"]["0"]["stages"] == 2 * data["runs"]["zero1/muon"]["0"]["stages"]
+  for key in data["runs"]:
+    assert data["summary"][key]["final_eval_loss"]["n"] == 1
+  assert "zero1 | muon" in (tmp_path / "muon_smoke.md").read_text()
