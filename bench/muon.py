@@ -224,6 +224,8 @@ def table(results: dict) -> str:
                  f"{t['mean']:.4f} ± {t['std']:.4f} | " + " | ".join(cells) + f" | {w['mean']:.0f} |")  # fmt: skip
   lines.append("")
   for name_, c in results["comparisons"].items():
+    if not c["per_seed_pct"]:
+      continue
     each = ", ".join(f"{x:+.2f}" for x in c["per_seed_pct"])
     lines.append(f"- {name_}: {c['mean']:+.2f} ± {c['std']:.2f}% (per seed: {each})")
   lines.append(f"- tokens_seen equal across runs: {results['tokens_equal']} "

@@ -3,7 +3,9 @@ JSON checked.
 
 The benchmarks run as subprocesses (they start their own JAX processes with their own device
 counts), writing JSON to a temporary directory. memory and overhead run concurrently and are slow;
-muon's smoke (two 2-update runs of the tiny model, Muon under zero1 and acco) is in the default run.
+muon's smoke (two 2-update runs of the tiny model, Muon under zero1 and acco; about 60 CPU-seconds,
+mostly compiling) is slow too; its collection (tuning choice, paired differences, the tokens_seen
+check) is tested in the default run on synthetic run directories.
 """
 
 import json
@@ -101,6 +103,7 @@ def test_overhead_smoke(results):
   assert isinstance(data["target_holds_cpu_time"], bool)
 
 
+@pytest.mark.slow
 def test_muon_smoke(tmp_path):
   """bench/muon.py --smoke: Muon under zero1 and acco, finite losses, the same tokens_seen."""
   cmd = [sys.executable, str(REPO / "bench" / "muon.py"), "--smoke", "--out", str(tmp_path)]
@@ -126,3 +129,51 @@ def test_muon_smoke(tmp_path):
   for key in data["runs"]:
     assert data["summary"][key]["final_eval_loss"]["n"] == 1
   assert "zero1 | muon" in (tmp_path / "muon_smoke.md").read_text()
+
+
+def _fake_run(out, method, opt, lr, muon_lr, seed, loss, updates=4, tokens_per_stage=None):
+  """A run directory as bench/muon.py's worker leaves it: result.json and metrics.jsonl (ACCO: two
+  stages of half a batch per update)."""
+  sys.path.insert(0, str(REPO / "bench"))
+  import muon
+
+  d = muon.run_dir(out, "cpu", updates, method, opt, lr, muon_lr, seed)
+  d.mkdir(parents=True)
+  config = {"mesh": {"num_devices": 8}, "batch": {"microbatches": 4, "microbatch_size": 2},
+            "data": {"seq_len": 128}}  # fmt: skip
+  result = {"status": "ok", "final_eval_loss": loss, "wall_s": 1.0, "config": config}
+  (d / "result.json").write_text(json.dumps(result))
+  per = 2 if method == "acco" else 1
+  step = tokens_per_stage or 8 * 4 * 2 * 128 // per
+  rows = [{"stage": s, "update": s // per, "loss": loss + 1 / s, "tokens_seen": s * step}
+          for s in range(1, updates * per + 1)]  # fmt: skip
+  rows.append({"update": updates, "eval_loss": loss})
+  (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_muon_collect_synthetic(tmp_path):
+  """bench/muon.py's tuning choice, grouping per update, paired differences and token check."""
+  sys.path.insert(0, str(REPO / "bench"))
+  import muon
+
+  sweep = [("zero1", "muon", 2e-3, m, 0) for m in (0.02, 0.04, 0.08)]
+  for r, loss in zip(sweep, (5.0, 4.8, float("nan")), strict=True):
+    _fake_run(tmp_path, *r, loss)
+  won, rows = muon.best(tmp_path, "cpu", 4, sweep)
+  assert won["muon_lr"] == 0.04 and len(rows) == 3  # the NaN run is not chosen
+  for seed in (0, 1):
+    for method in ("zero1", "acco"):
+      _fake_run(tmp_path, method, "adamw", 1e-3, 0.04, seed, 5.0 + seed)
+      if not (seed == 0 and method == "zero1"):  # zero1/muon seed 0: the tuning run
+        _fake_run(tmp_path, method, "muon", 2e-3, 0.04, seed, 4.5 + seed)
+  res = muon.collect(tmp_path, "cpu", 4, [0, 1], 1e-3, 0.04, 2e-3, {})
+  assert res["tokens_equal"] and set(res["tokens_seen"].values()) == {4 * 8192}
+  acco = res["runs"]["acco/adamw"]["0"]
+  assert acco["train"]["update"] == [1, 2, 3, 4] and acco["stages"] == 8 and acco["updates"] == 4
+  assert res["summary"]["zero1/muon"]["final_eval_loss"]["values"] == [4.8, 5.5]
+  c = res["comparisons"]["acco: muon vs adamw"]["per_seed_pct"]
+  assert c == pytest.approx([100 * (4.5 / 5.0 - 1), 100 * (5.5 / 6.0 - 1)])
+  assert "| acco | muon |" in muon.table(res)
+  # a run that saw other tokens (a shorter ACCO stage) is caught
+  _fake_run(tmp_path, "acco", "adamw", 1e-3, 0.04, 2, 5.0, tokens_per_stage=1000)
+  assert not muon.collect(tmp_path, "cpu", 4, [0, 1, 2], 1e-3, 0.04, 2e-3, {})["tokens_equal"]
