@@ -161,7 +161,7 @@ def best(out, setting, updates, runs) -> tuple[float, list[dict]]:
     d = run_dir(out, setting, updates, *r)
     if (d / "result.json").exists():
       x = read_run(d)
-      rows.append({"lr": r[2], "muon_lr": r[3], "final_eval_loss": x["final_eval_loss"],
+      rows.append({"lr": r[2], "muon_lr": r[3] if r[1] == "muon" else None, "final_eval_loss": x["final_eval_loss"],
                    "final_train_loss": x["final_train_loss"], "status": x["status"]})  # fmt: skip
   ok = [row for row in rows if row["final_eval_loss"] is not None
         and math.isfinite(row["final_eval_loss"])]  # fmt: skip
