@@ -1,11 +1,16 @@
-"""Smoke test of bench/memory.py, bench/overhead.py and bench/memory_muon.py: tiny models, a few
-steps, JSON checked.
+"""Smoke tests of bench/memory.py, bench/overhead.py, bench/memory_muon.py and bench/muon.py: tiny
+models, a few steps, JSON checked.
 
-The benchmarks run as subprocesses (they start their own JAX processes with their own device counts),
-memory and overhead concurrently, writing JSON to a temporary directory.
+The benchmarks run as subprocesses (they start their own JAX processes with their own device
+counts), writing JSON to a temporary directory. memory and overhead run concurrently and are slow, as is memory_muon;
+muon's smoke (two 2-update runs of the tiny model, Muon under zero1 and acco; 24 s on a quiet
+2-core machine, about 60 CPU-seconds, mostly compiling) is slow too; its collection (tuning
+choice, paired differences, the tokens_seen check) is tested in the default run on synthetic run
+directories.
 """
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +19,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +43,7 @@ def results(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow
 def test_memory_smoke(results):
   data, log = results["memory"]
   assert data["benchmark"] == "memory"
@@ -79,6 +83,7 @@ def test_memory_smoke(results):
   assert rows[("zero1", 4)]["state_bytes"] < rows[("zero1", 2)]["state_bytes"]
 
 
+@pytest.mark.slow
 def test_overhead_smoke(results):
   data, log = results["overhead"]
   assert data["benchmark"] == "overhead"
@@ -99,6 +104,7 @@ def test_overhead_smoke(results):
   assert isinstance(data["target_holds_cpu_time"], bool)
 
 
+@pytest.mark.slow
 def test_memory_muon_smoke(tmp_path):
   """bench/memory_muon.py --smoke: the owner layout shards Muon's state, at the price of its padding."""
   out = tmp_path / "memory_muon.json"
@@ -139,3 +145,79 @@ def test_memory_muon_smoke(tmp_path):
   acco = rows[("acco", "muon")]["state_components"]
   assert acco["committed"] == acco["master"] == owner["state_components"]["master"]
   assert acco["buf"] >= 2 * owner["padded_size"]
+
+
+@pytest.mark.slow
+def test_muon_smoke(tmp_path):
+  """bench/muon.py --smoke: Muon under zero1 and acco, finite losses, the same tokens_seen."""
+  cmd = [sys.executable, str(REPO / "bench" / "muon.py"), "--smoke", "--out", str(tmp_path)]
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  data = json.loads((tmp_path / "muon_smoke.json").read_text())
+  assert set(data["runs"]) == {"zero1/muon", "acco/muon"}
+  assert data["chosen"] == {"adamw_lr": 2e-3, "muon_lr": 0.02, "muon_adamw_lr": 2e-3}
+  updates = data["setting"]["num_updates"]
+  tokens = set()
+  for key, by_seed in data["runs"].items():
+    run = by_seed["0"]
+    assert run["status"] == "ok", key
+    assert math.isfinite(run["final_eval_loss"]) and math.isfinite(run["final_train_loss"]), key
+    assert run["updates"] == updates, key
+    # one training-loss point per update of tokens (acco's two half-batch stages are one update)
+    assert run["train"]["update"] == list(range(1, updates + 1)), key
+    assert all(math.isfinite(x) for x in run["train"]["loss"] + run["eval"]["loss"]), key
+    assert run["tokens_seen"] == updates * run["tokens_per_update"], key
+    tokens.add(run["tokens_seen"])
+  assert len(tokens) == 1 and data["tokens_equal"]
+  assert data["runs"]["acco/muon"]["0"]["stages"] == 2 * data["runs"]["zero1/muon"]["0"]["stages"]
+  for key in data["runs"]:
+    assert data["summary"][key]["final_eval_loss"]["n"] == 1
+  assert "zero1 | muon" in (tmp_path / "muon_smoke.md").read_text()
+
+
+def _fake_run(out, method, opt, lr, muon_lr, seed, loss, updates=4, tokens_per_stage=None):
+  """A run directory as bench/muon.py's worker leaves it: result.json and metrics.jsonl (ACCO: two
+  stages of half a batch per update)."""
+  sys.path.insert(0, str(REPO / "bench"))
+  import muon
+
+  d = muon.run_dir(out, "cpu", updates, method, opt, lr, muon_lr, seed)
+  d.mkdir(parents=True)
+  config = {"mesh": {"num_devices": 8}, "batch": {"microbatches": 4, "microbatch_size": 2},
+            "data": {"seq_len": 128}}  # fmt: skip
+  result = {"status": "ok", "final_eval_loss": loss, "wall_s": 1.0, "config": config}
+  (d / "result.json").write_text(json.dumps(result))
+  per = 2 if method == "acco" else 1
+  step = tokens_per_stage or 8 * 4 * 2 * 128 // per
+  rows = [{"stage": s, "update": s // per, "loss": loss + 1 / s, "tokens_seen": s * step}
+          for s in range(1, updates * per + 1)]  # fmt: skip
+  rows.append({"update": updates, "eval_loss": loss})
+  (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_muon_collect_synthetic(tmp_path):
+  """bench/muon.py's tuning choice, grouping per update, paired differences and token check."""
+  sys.path.insert(0, str(REPO / "bench"))
+  import muon
+
+  sweep = [("zero1", "muon", 2e-3, m, 0) for m in (0.02, 0.04, 0.08)]
+  for r, loss in zip(sweep, (5.0, 4.8, float("nan")), strict=True):
+    _fake_run(tmp_path, *r, loss)
+  won, rows = muon.best(tmp_path, "cpu", 4, sweep)
+  assert won["muon_lr"] == 0.04 and len(rows) == 3  # the NaN run is not chosen
+  for seed in (0, 1):
+    for method in ("zero1", "acco"):
+      _fake_run(tmp_path, method, "adamw", 1e-3, 0.04, seed, 5.0 + seed)
+      if not (seed == 0 and method == "zero1"):  # zero1/muon seed 0: the tuning run
+        _fake_run(tmp_path, method, "muon", 2e-3, 0.04, seed, 4.5 + seed)
+  res = muon.collect(tmp_path, "cpu", 4, [0, 1], 1e-3, 0.04, 2e-3, {})
+  assert res["tokens_equal"] and set(res["tokens_seen"].values()) == {4 * 8192}
+  acco = res["runs"]["acco/adamw"]["0"]
+  assert acco["train"]["update"] == [1, 2, 3, 4] and acco["stages"] == 8 and acco["updates"] == 4
+  assert res["summary"]["zero1/muon"]["final_eval_loss"]["values"] == [4.8, 5.5]
+  c = res["comparisons"]["acco: muon vs adamw"]["per_seed_pct"]
+  assert c == pytest.approx([100 * (4.5 / 5.0 - 1), 100 * (5.5 / 6.0 - 1)])
+  assert "| acco | muon |" in muon.table(res)
+  # a run that saw other tokens (a shorter ACCO stage) is caught
+  _fake_run(tmp_path, "acco", "adamw", 1e-3, 0.04, 2, 5.0, tokens_per_stage=1000)
+  assert not muon.collect(tmp_path, "cpu", 4, [0, 1, 2], 1e-3, 0.04, 2e-3, {})["tokens_equal"]
