@@ -155,8 +155,8 @@ def _check_config(config) -> None:
   _check_layout(config)
   if config.opt.name == "muon" and config.method not in _MUON_METHODS:
     raise errors.UserValueError(
-      f"opt.name=muon runs under acco, zero1, ddp and the LoCo methods, not method="
-      f"{config.method} yet (its optimizer sees flat buffers, not whole matrices): use adamw"
+      f"opt.name=muon runs under acco, zero1, ddp, diloco, noloco and streaming_diloco, not "
+      f"method={config.method} yet (its optimizer sees flat buffers, not whole matrices): use adamw"
     )
   for key, allowed in _DTYPES.items():
     value = config[key.split(".")[0]][key.split(".")[1]] if "." in key else config[key]
