@@ -26,8 +26,15 @@ M, D, H, CLIP = 2, 4, 2, 0.3  # workers, devices per worker, inner steps per syn
 
 
 def muon(clip):
-  """Muon on the matrices (Adam on the vectors: optax.contrib.muon's own split), after a clip."""
-  return optax.chain(clip, optax.contrib.muon(2e-2, adam_learning_rate=1e-2, weight_decay=0.01))
+  """Muon on the matrices, SGD with momentum on the vectors (no Adam-type step: after several of
+  those a near-zero gradient turns summation-order noise into a learning-rate-sized step), after a
+  clip."""
+  labels = lambda tree: jax.tree.map(lambda x: "muon" if x.ndim == 2 else "sgd", tree)
+  inner = optax.partition(
+    {"muon": optax.contrib.muon(2e-2, weight_decay=0.01), "sgd": optax.sgd(1e-2, momentum=0.9)},
+    labels,
+  )
+  return optax.chain(clip, inner)
 
 
 def owner_step(method, inner):
