@@ -84,16 +84,15 @@ def worker(args) -> dict:
         key: jax.ShapeDtypeStruct((n * args.k * args.rows, cfg.L), jnp.int32, sharding=data)
         for key in ("inputs", "targets")
       }
-      counts = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=data)
       stages = 2 if train.plan.two_stage else 1
       padded = train.layout.padded_size
       item = jnp.dtype(dtype).itemsize
       theory_stage = metrics.comm_bytes_per_stage(train.plan, padded, n)  # = trainer's log
       flat = padded * 4  # bytes of the flat buffer in f32 (XLA:CPU's collective dtype)
-      found = hlo.hlo_collectives(fn.lower(state, batch, counts).compile().as_text())
+      found = hlo.hlo_collectives(fn.lower(state, batch).compile().as_text())
       big = [c for c in found if c.bytes >= flat]
       small = [c for c in found if c.bytes < flat]
-      report = dataflow.dataflow_report(jax.make_jaxpr(fn)(state, batch, counts))
+      report = dataflow.dataflow_report(jax.make_jaxpr(fn)(state, batch))
       movers = [c for c in report.collectives if jaxpr_full_bytes(c, n) >= padded * item]
       row = {
         "method": method, "N": n, "comm_dtype": dtype, "params": train.layout.num_params,

@@ -166,5 +166,4 @@ def abstract_stage(cfg, tx, devices, k: int, rows: int):
   n = len(devices)
   batch = {key: jax.ShapeDtypeStruct((n * k * rows, cfg.L), jnp.int32, sharding=data)
            for key in ("inputs", "targets")}  # fmt: skip
-  counts = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=data)
-  return fn, (state, batch, counts), train
+  return fn, (state, batch), train

@@ -99,8 +99,7 @@ def comm_worker(args) -> None:
         batch = {k: jax.ShapeDtypeStruct((tokens // s["seq_len"], s["seq_len"]), "int32",
                                          sharding=run.train._sharding(jax.P("data")))
                  for k in ("inputs", "targets")}  # fmt: skip
-        counts = jax.ShapeDtypeStruct((8,), "int32", sharding=run.train._sharding(jax.P("data")))
-        text = fn.lower(state, batch, counts).compile().as_text()
+        text = fn.lower(state, batch).compile().as_text()
         found = [c for c in hlo.hlo_collectives(text) if c.kind == "all-reduce"]
         per_step = max(c.bytes for c in found)
         out[label] = {"hlo_bytes_per_sync": per_step, "syncs_per_step": 1.0,

@@ -234,15 +234,12 @@ def programs_worker(args) -> dict:
     if run.loco:
       m = train.num_workers
       per = train.num_devices  # devices per worker
-      counts = jax.ShapeDtypeStruct(
-        (m, per), jnp.int32, sharding=NamedSharding(train.mesh, P("replica", "data"))
-      )
-      progs["stage"] = (train._program("stage", None, state), (state, batch, counts))
+      progs["stage"] = (train._program("stage", None, state), (state, batch))
       meth = train.method
       for p in range(len(train.parts)):
         if meth.overlap_steps:
           stacked = [batch] * meth.overlap_steps
-          progs[f"window{p}"] = (train._program("window", p, state), (state, stacked, counts))
+          progs[f"window{p}"] = (train._program("window", p, state), (state, stacked))
           progs[f"apply{p}"] = (train._program("apply", p, state), (state,))
         else:
           progs[f"sync{p}"] = (train._program("sync", p, state), (state,))
@@ -250,8 +247,7 @@ def programs_worker(args) -> dict:
     else:
       m, per = n_dev, 1
       kind = "delayed" if train.plan.delayed else "sync"
-      dev_counts = jax.ShapeDtypeStruct((n_dev,), jnp.int32, sharding=batch_sharding)
-      progs[kind] = (train._jit(kind, state), (state, batch, dev_counts))
+      progs[kind] = (train._jit(kind, state), (state, batch))
       group_of = lambda i: i  # every device is a worker
     found = {}
     for name, (fn, fn_args) in progs.items():

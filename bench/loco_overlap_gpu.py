@@ -83,13 +83,9 @@ def compile_program(args, overlap: int) -> dict:
     key: jax.ShapeDtypeStruct((rows, args.seq), jnp.int32, sharding=train._batch_sharding())
     for key in ("inputs", "targets")
   }
-  counts = jax.ShapeDtypeStruct(
-    (args.workers, args.per_worker), jnp.int32,
-    sharding=jax.sharding.NamedSharding(train.mesh, jax.P("replica", "data")),
-  )  # fmt: skip
   if overlap:
     fn = train._program("window", 0, state)
-    text = fn.lower(state, [batch] * overlap, counts).compile().as_text()
+    text = fn.lower(state, [batch] * overlap).compile().as_text()
   else:
     text = train._program("sync", 0, state).lower(state).compile().as_text()
   from acco_jax.analysis import hlo

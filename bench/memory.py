@@ -129,7 +129,7 @@ def temp_breakdown(text: str, psi: int, param_numels: set[int]) -> dict:
 
 
 def abstract_inputs(train, rows: int, seq: int):
-  """(batch, counts) as ``ShapeDtypeStruct`` s sharded over the data axis: ``rows`` rows of ``seq``
+  """The batch as ``ShapeDtypeStruct`` s sharded over the data axis: ``rows`` rows of ``seq``
   tokens per device (one microbatch), for lowering ``train``'s stage program."""
   import jax
   import jax.numpy as jnp
@@ -139,7 +139,7 @@ def abstract_inputs(train, rows: int, seq: int):
   n, data = train.num_devices, NamedSharding(train.mesh, P("data"))
   batch = {k: jax.ShapeDtypeStruct((n * rows, seq), jnp.int32, sharding=data)
            for k in ("inputs", "targets")}  # fmt: skip
-  return batch, jax.ShapeDtypeStruct((n,), jnp.int32, sharding=data)
+  return batch
 
 
 def program_bytes(compiled) -> dict:
@@ -179,7 +179,7 @@ def worker(args) -> dict:
     state = train.abstract_state(params)
     kind = "delayed" if train.plan.delayed else "sync"
     fn = train._jit(kind, state)
-    batch, counts = abstract_inputs(train, args.rows, args.seq)
+    batch = abstract_inputs(train, args.rows, args.seq)
     committed = acco_jax.committed_params(state.opt_state, None)
     comp = {
       "w": common.shard_bytes(state.w),
@@ -193,7 +193,7 @@ def worker(args) -> dict:
     assert state_bytes == sum(comp.values()), (state_bytes, comp)
 
     t0 = time.perf_counter()
-    lowered = fn.lower(state, batch, counts)
+    lowered = fn.lower(state, batch)
     t1 = time.perf_counter()
     dump = Path(tempfile.mkdtemp(prefix="acco_mem_"))
     options = {"xla_dump_to": str(dump)} if args.breakdown else None
@@ -211,7 +211,7 @@ def worker(args) -> dict:
     finally:
       shutil.rmtree(dump, ignore_errors=True)
     mem = program_bytes(compiled)
-    input_bytes = common.shard_bytes((batch, counts))
+    input_bytes = common.shard_bytes(batch)
     rows.append(
       {
         "method": method,

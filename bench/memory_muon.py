@@ -148,16 +148,16 @@ def worker(args) -> dict:
 def compile_stats(train, state, args) -> dict:
   """``memory_analysis()`` of the stage program and its lower/compile times."""
   fn = train._jit("delayed" if train.plan.delayed else "sync", state)
-  batch, counts = memory.abstract_inputs(train, args.rows, args.seq)
+  batch = memory.abstract_inputs(train, args.rows, args.seq)
   t0 = time.perf_counter()
-  lowered = fn.lower(state, batch, counts)
+  lowered = fn.lower(state, batch)
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
   mem = memory.program_bytes(compiled)
   return {
     "compiled": mem,
-    "argument_minus_inputs": mem["argument"] - common.shard_bytes((batch, counts)),
+    "argument_minus_inputs": mem["argument"] - common.shard_bytes(batch),
     "lower_s": round(t1 - t0, 2),
     "compile_s": round(t2 - t1, 2),
   }

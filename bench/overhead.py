@@ -124,14 +124,13 @@ def worker(args) -> dict:
     state = train.init(params, first if train.plan.delayed else None)
     kind = "delayed" if train.plan.delayed else "sync"
     placed = train._put_batch(host_batch, per_device=k)
-    counts = train._put_counts(None, k=k)
     t = time.perf_counter()
-    compiled = train._jit(kind, state).lower(state, placed, counts).compile()
+    compiled = train._jit(kind, state).lower(state, placed).compile()
     compile_s[method] = time.perf_counter() - t
     static[method] = static_costs(compiled)
 
-    def run(state, compiled=compiled, placed=placed, counts=counts):
-      return compiled(state, placed, counts)[0]
+    def run(state, compiled=compiled, placed=placed):
+      return compiled(state, placed)[0]
 
     runners[method] = [run, state]
 

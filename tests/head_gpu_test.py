@@ -58,8 +58,7 @@ def compiled_text() -> str:
   data = NamedSharding(train.mesh, P("data"))
   batch = {k: jax.ShapeDtypeStruct((K * ROWS, L), jnp.int32, sharding=data)
            for k in ("inputs", "targets")}  # fmt: skip
-  counts = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=data)
-  return train._jit("sync", state).lower(state, batch, counts).compile().as_text()
+  return train._jit("sync", state).lower(state, batch).compile().as_text()
 
 
 def _dims_list(shape: str) -> list[int]:

@@ -272,7 +272,7 @@ def test_phase_program_reduction_and_inner_steps_are_independent(name):
   batches = [train.put_batch(b) for b in toy_batches(k, M * D * K * B)]
   fn = train._program("phase", 0, state)
   report = dataflow.dataflow_report(
-    jax.make_jaxpr(fn)(state, batches, train._counts()),
+    jax.make_jaxpr(fn)(state, batches),
     psum_limit=16,
     axis="replica",
     loops_with="dot_general",
@@ -280,9 +280,9 @@ def test_phase_program_reduction_and_inner_steps_are_independent(name):
   assert report.loops >= 2  # the first step's microbatch loop, the loop over the others
   assert not report.loop_feeds_comm and not report.comm_feeds_loop
   stage, flush = train._program("stage", None, state), train._program("flush", 0, state)
-  control = lambda s, b, c: flush(stage(s, b, c)[0])
+  control = lambda s, b: flush(stage(s, b)[0])
   blocking = dataflow.dataflow_report(
-    jax.make_jaxpr(control)(state, batches[0], train._counts()),
+    jax.make_jaxpr(control)(state, batches[0]),
     psum_limit=16,
     axis="replica",
     loops_with="dot_general",

@@ -242,6 +242,27 @@ def test_dpu_matches_reference(warmup):
   assert_trees_close(train.params(state), ref)
 
 
+def test_dpu_warmup_reads_the_stage_from_the_device_once(monkeypatch):
+  """Which stage kind runs (sync, fill, delayed) follows the stage count: the step keeps it on the
+  host for the state it returned, so only the first call reads it from the device."""
+  import acco_jax.dp.step as step_module
+
+  params = as_f32(init_params())
+  tx = acco_jax.dpu(optax.sgd(0.1), warmup_steps=2, comm_dtype=jnp.float32)
+  mesh = jax.make_mesh((N,), ("data",))
+  train = acco_jax.make_train_step(loss_fn, tx, mesh, num_microbatches=K, params=params)
+  state = train.init(params, first_microbatch())
+  reads = []
+  get = jax.device_get
+  monkeypatch.setattr(step_module.jax, "device_get", lambda x: reads.append(x) or get(x))
+  for batch in make_batches(5):
+    state, _ = train.step(state, batch)
+  assert len(reads) == 1 and int(get(state.stage)) == 5
+  copy = jax.tree.map(lambda x: x + 0 if x.dtype == jnp.int32 and x.ndim == 0 else x, state)
+  train.step(copy, make_batches(1)[0])  # a state the step did not return: read again
+  assert len(reads) == 2
+
+
 def test_wp_matches_reference():
   params = as_f32(init_params())
   batches = make_batches(10)

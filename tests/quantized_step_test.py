@@ -266,7 +266,7 @@ def test_compute_weights_follow_every_estimate_and_commit(mode="int4"):
 
 def stage_program(train, state):
   fn = train._jit("delayed" if train.plan.delayed else "sync", state)
-  return fn, (state, train._put_batch(make_batches(1)[0], K), train._put_counts(None, K))
+  return fn, (state, train._put_batch(make_batches(1)[0], K))
 
 
 @pytest.mark.parametrize(

@@ -27,8 +27,7 @@ def stage_program(train, state):
   kind = "delayed" if train.plan.delayed else "sync"
   fn = train._jit(kind, state)
   batch = train._put_batch(make_batches(1)[0], K)
-  counts = train._put_counts(None, K)
-  return fn, (state, batch, counts)
+  return fn, (state, batch)
 
 
 @pytest.mark.parametrize("name", METHOD_NAMES)

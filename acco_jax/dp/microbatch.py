@@ -10,8 +10,12 @@ as one loop or split them in two around the optimizer update; the carry between 
   loss_sum : float32 sum of their losses
   aux_sum  : float32 sums of the loss function's auxiliary metrics
 
-The loop's trip count is the device's budget, a traced value, so one compiled program serves any
-per-device counts up to ``k`` (heterogeneous workers).
+The trip count is static where every device runs all ``k`` microbatches (the default): the bounds are
+Python ints, so XLA knows the loop's trip count and XLA:GPU runs it without reading anything back on
+the host. With per-device budgets (heterogeneous workers) a device's count is a traced value and one
+compiled program serves any counts up to ``k``; XLA:GPU then copies the loop predicate to the host at
+every iteration, the price of a slow device doing fewer microbatches (a static loop with masked
+iterations would make it compute all ``k``, which is what budgets are there to avoid).
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ def vary_like(x, ref):
   worker axis when there are workers), so that it can join ``ref`` in a loop carry."""
   missing = tuple(sorted(_varying_axes(ref) - _varying_axes(x)))
   return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def lower(count, h):
+  """``min(count, h)``, static when ``count`` is (a budget of ``None`` means all ``k``)."""
+  return min(count, h) if isinstance(count, int) else jnp.minimum(count, h)
+
+
+def upper(count, h):
+  """``max(count, h)``, static when ``count`` is."""
+  return max(count, h) if isinstance(count, int) else jnp.maximum(count, h)
 
 
 class MicrobatchLoop:
@@ -79,7 +93,12 @@ class MicrobatchLoop:
     mbs = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch_local)
     return params_var, mbs
 
-  def start(self, params_var, mbs, count, buf_1xP=None, buf_count_1=None, keep=None, rest_1xP=None):
+  def count(self, counts_1):
+    """This device's microbatch count: its budget ``counts_1[0]`` (traced), or ``k`` (a Python int:
+    static loop bounds) when the stage runs without budgets (``counts_1`` is ``None``)."""
+    return self.k if counts_1 is None else counts_1[0]
+
+  def start(self, params_var, mbs, buf_1xP=None, buf_count_1=None, keep=None, rest_1xP=None):
     """The initial carry, and the count ``n0`` already in it.
 
     With ``buf_1xP``, the sums start from the device's buffer row (and ``n0`` from its count) when
@@ -88,22 +107,24 @@ class MicrobatchLoop:
     ``rest_1xP`` if given.
     """
     zero = vary_like(jnp.zeros((), jnp.float32), jax.tree.leaves(params_var)[0])
+    none = vary_like(jnp.zeros((), jnp.int32), zero)  # also when ``count`` is a static int
     rest = zero if rest_1xP is None else rest_1xP[0].astype(jnp.float32)
     if buf_1xP is not None:
       acc0 = self.layout.unravel(jnp.where(keep, buf_1xP[0].astype(jnp.float32), rest), jnp.float32)
-      n0 = jnp.where(keep, buf_count_1[0], 0)
+      n0 = jnp.where(keep, buf_count_1[0], none)
     elif rest_1xP is not None:
-      acc0, n0 = self.layout.unravel(rest, jnp.float32), jnp.zeros_like(count)
+      acc0, n0 = self.layout.unravel(rest, jnp.float32), none
     else:
       acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32) + zero, params_var)
-      n0 = jnp.zeros_like(count)
+      n0 = none
     mb0 = jax.tree.map(lambda x: x[0], mbs)
     aux_shape = jax.eval_shape(self.grad_fn, params_var, mb0)[0][1]
     aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32) + zero, aux_shape)
-    return (acc0, jnp.zeros_like(count), zero, aux0), n0
+    return (acc0, none, zero, aux0), n0
 
   def run(self, params_var, mbs, lo, hi, carry):
-    """Adds microbatches ``[lo, hi)`` (traced bounds) to ``carry``."""
+    """Adds microbatches ``[lo, hi)`` to ``carry``: Python-int bounds give XLA a loop of known trip
+    count (none at all when ``lo == hi``), traced bounds one that XLA:GPU steers from the host."""
 
     def body(j, carry):
       acc, used, loss_sum, aux_sum = carry
@@ -119,6 +140,8 @@ class MicrobatchLoop:
       aux_sum = jax.tree.map(add, aux_sum, aux)
       return acc, used + ok.astype(jnp.int32), add(loss_sum, loss), aux_sum
 
+    if isinstance(lo, int) and isinstance(hi, int) and hi <= lo:
+      return carry
     return lax.fori_loop(lo, hi, body, carry)
 
   def finish(self, carry, count, n0):

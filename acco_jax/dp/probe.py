@@ -39,9 +39,8 @@ def probe(train, state, batch, repeats: int = 2) -> tuple[float, float]:
 
     def compute(w_P, batch_local):
       params_var, mbs = loop.prepare(w_P, batch_local)
-      count = lax.pcast(jnp.int32(repeats), axis, to="varying")
-      carry, _ = loop.start(params_var, mbs, count)
-      acc, _, loss_sum, _ = loop.run(params_var, mbs, 0, count, carry)
+      carry, _ = loop.start(params_var, mbs)
+      acc, _, loss_sum, _ = loop.run(params_var, mbs, 0, repeats, carry)
       return (loss_sum + sum(jnp.sum(x) for x in jax.tree.leaves(acc)))[None]  # keeps the backward
 
     def comm(buf_1xP):

@@ -43,6 +43,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from acco_jax.dp import microbatch
 from acco_jax.dp.flat import FlatLayout
 from acco_jax.dp.microbatch import MicrobatchLoop
 from acco_jax.dp.quantized_comm import QuantizedComm, all_gather_invariant
@@ -101,8 +102,9 @@ class StageProgram:
     :class:`acco_jax.dp.step.TrainState`.
 
     ``kind``: 'delayed' (overlapped), 'sync' (no delay) or 'fill' (accumulate only, no update).
-    The 'sync' stage takes an optional ``token`` (see :meth:`accumulate`) and then returns it as
-    a third result."""
+    ``counts``: ``[N]`` per-device budgets (traced loop bounds), or ``None``: every device runs all
+    ``k`` microbatches in loops of static trip count. The 'sync' stage takes an optional ``token``
+    (see :meth:`accumulate`) and then returns it as a third result."""
     plan, k = self.plan, self.num_microbatches
 
     def stage(state, batch, counts, token=None):
@@ -180,7 +182,8 @@ class StageProgram:
     return row, row_count, lax.psum(totals, self.plan.axis_name)
 
   def accumulate(self, w, batch, counts, k, token=None, start=None):
-    """Synchronous methods: each device sums the gradients of its first ``counts[i]`` microbatches.
+    """Synchronous methods: each device sums the gradients of its first ``counts[i]`` microbatches
+    (all ``k`` when ``counts`` is ``None``).
 
     Returns the per-device buffer ``[N, N*S]``, its counts ``[N]`` and the metrics summed over
     devices (one psum after the loop), and ``token`` after it if given. ``token``: a tree of
@@ -193,8 +196,8 @@ class StageProgram:
 
     def local(w_P, batch_local, count_1, start_1xP, *token_1):
       params_var, mbs = loop.prepare(w_P, batch_local)
-      count = count_1[0]
-      carry, n0 = loop.start(params_var, mbs, count, rest_1xP=start_1xP)
+      count = loop.count(count_1)
+      carry, n0 = loop.start(params_var, mbs, rest_1xP=start_1xP)
       carry = loop.run(params_var, mbs, 0, count, carry)
       if token_1:
         carry, token_1 = lax.optimization_barrier((carry, token_1))
@@ -219,9 +222,9 @@ class StageProgram:
 
     def local(w_P, batch_local, count_1, buf_1xP, buf_count_1, keep, g_1xS, valid, rest_1xP):
       params_var, mbs = loop.prepare(w_P, batch_local)
-      count = count_1[0]
-      carry, n0 = loop.start(params_var, mbs, count, buf_1xP, buf_count_1, keep, rest_1xP)
-      carry = loop.run(params_var, mbs, 0, jnp.minimum(count, h), carry)
+      count = loop.count(count_1)
+      carry, n0 = loop.start(params_var, mbs, buf_1xP, buf_count_1, keep, rest_1xP)
+      carry = loop.run(params_var, mbs, 0, microbatch.lower(count, h), carry)
       if sharded:  # the barrier makes every output varying: keep invariant values out of it
         (carry, n0), g_1xS = lax.optimization_barrier(((carry, n0), g_1xS))
       if self.quantized_reduce:  # the bytes received went through the barrier: decode them now
@@ -250,7 +253,7 @@ class StageProgram:
 
     def local(w_P, batch_local, count_1, loop_a, rows_1xS):
       params_var, mbs = loop.prepare(w_P, batch_local)
-      count = count_1[0]
+      count = loop.count(count_1)
       rows_S = tuple(r[0] for r in rows_1xS)
       if self.quantized:  # encoded before the barrier: the all-gather's input is ready for loop B
         rows_S = (self.qcomm.encode_update(w_P, *rows_S),)
@@ -259,7 +262,7 @@ class StageProgram:
         w_next = self.qcomm.apply_update(w_P, rows_S[0])
       else:
         w_next = all_gather_invariant(rows_S[0], self.plan.axis_name)
-      carry = loop.run(params_var, mbs, h, jnp.maximum(count, h), carry)
+      carry = loop.run(params_var, mbs, h, microbatch.upper(count, h), carry)
       return (*self._finish(loop, carry, count, n0), w_next)
 
     d = P(self.plan.axis_name)

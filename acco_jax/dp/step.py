@@ -2,7 +2,9 @@
 
 One call of :meth:`TrainStep.step` runs one *stage* of ``k`` microbatches per device as one XLA
 program: the jit of the function that :class:`acco_jax.dp.stage.StageProgram` composes from its
-per-device blocks (one program per stage kind and state structure, :meth:`TrainStep._jit`). That
+per-device blocks (one program per stage kind, state structure and budget mode,
+:meth:`TrainStep._jit`). Every jitted helper is built once per step object and kept: a stage loop
+traces and compiles nothing after its first call of each. That
 module holds the math of a stage and every ``shard_map`` and collective over the data axis; this one
 what runs around it on the host: the state (:class:`TrainState`) and its shardings, its initial
 value (a delayed method starts from one microbatch gradient per device, :meth:`TrainStep.prime`),
@@ -124,7 +126,8 @@ class TrainStep:
     )  # fmt: skip
     self.keeps_residual = self.program.keeps_residual
     self._sharding = functools.partial(NamedSharding, self.mesh)
-    self._compiled = {}
+    self._compiled = {}  # every jitted program and helper, built once
+    self._stage_of = None  # (the stage array the last step returned, its value on the host)
 
   # -- shardings --------------------------------------------------------------------------------
 
@@ -162,18 +165,27 @@ class TrainStep:
   def _zeros_count(self):
     return jnp.zeros((self.num_devices,), jnp.int32)
 
-  def _jit(self, kind: str, state_like):
+  def _jit(self, kind: str, state_like, budgeted: bool = False):
     """The jitted stage program for ``kind`` and the state's structure (``buf`` present or not).
 
     ``state_like``: a state or its ``ShapeDtypeStruct`` tree; shardings are built only on a miss.
+    Without ``budgeted`` the program is ``(state, batch) -> (state, metrics)``: every device runs
+    all ``k`` microbatches, in loops whose trip counts XLA knows. ``budgeted``: ``(state, batch,
+    counts)``, the per-device counts traced (XLA:GPU steers those loops from the host).
     """
-    key = (kind, jax.tree.structure(state_like))
+    key = (kind, jax.tree.structure(state_like), budgeted)
     if key not in self._compiled:
       state_sharding = self._state_sharding(state_like)
       data = self._sharding(P(self.plan.axis_name))
+      stage = with_counts = self.program.stage_fn(kind)
+      if not budgeted:  # every device runs all k microbatches: static loop bounds
+
+        def stage(state, batch):
+          return with_counts(state, batch, None)
+
       self._compiled[key] = jax.jit(
-        self.program.stage_fn(kind),
-        in_shardings=(state_sharding, data, data),
+        stage,
+        in_shardings=(state_sharding, data, data)[: 3 if budgeted else 2],
         out_shardings=(state_sharding, self._sharding(P())),
         donate_argnums=(0,),
       )
@@ -226,15 +238,14 @@ class TrainStep:
         f"{self.num_devices}*B)"
       )
     batch = self._put_batch(microbatch, per_device=1)
-    counts = self._put_counts(None, k=1)
     if "prime" not in self._compiled:
 
-      def prime(state, batch, counts):
-        buf, count, _ = self.program.accumulate(state.w, batch, counts, 1)
+      def prime(state, batch):
+        buf, count, _ = self.program.accumulate(state.w, batch, None, 1)
         return state._replace(buf=buf, buf_count=count)
 
       self._compiled["prime"] = jax.jit(prime, donate_argnums=(0,))
-    return self._compiled["prime"](state, batch, counts)
+    return self._compiled["prime"](state, batch)
 
   def step(self, state: TrainState, batch: PyTree, counts=None) -> tuple[TrainState, dict]:
     """Runs one stage; returns the new state (the input is donated) and replicated metrics.
@@ -244,7 +255,10 @@ class TrainStep:
       batch: pytree of arrays with leading dim ``N * k * B`` (device-major: device ``i`` takes the
         ``i``-th contiguous block, split into ``k`` microbatches of ``B``).
       counts: optional ``[N]`` int microbatches per device this stage (``1 <= counts[i] <= k``);
-        device ``i`` uses the first ``counts[i]`` microbatches of its block. Default: ``k`` each.
+        device ``i`` uses the first ``counts[i]`` microbatches of its block. Default: ``k`` each,
+        in loops of static trip count; host counts that are all ``k`` run the same program. Other
+        counts (or a placed ``jax.Array`` of them) run the budgeted program, whose loop bounds are
+        traced: on a GPU its loops are steered from the host.
 
     Returns:
       ``(state, metrics)``; metrics: ``loss`` (mean over this stage's microbatches), ``microbatches``
@@ -255,26 +269,46 @@ class TrainStep:
     plan = self.plan
     kind = "delayed" if plan.delayed else "sync"
     if plan.warmup_steps:
-      stage = int(jax.device_get(state.stage))
+      stage = self._host_stage(state)
       kind = "sync" if stage < plan.warmup_steps else "fill" if stage == plan.warmup_steps else kind
     batch = self._put_batch(batch, per_device=self.num_microbatches)
-    counts = self._put_counts(counts, k=self.num_microbatches)
-    return self._jit(kind, state)(state, batch, counts)
+    k = self.num_microbatches
+    if counts is None or (not isinstance(counts, jax.Array) and np.all(np.asarray(counts) == k)):
+      state, metrics = self._jit(kind, state)(state, batch)
+    else:
+      state, metrics = self._jit(kind, state, True)(state, batch, self._put_counts(counts, k=k))
+    if plan.warmup_steps:
+      self._stage_of = (state.stage, stage + 1)
+    return state, metrics
+
+  def _host_stage(self, state: TrainState) -> int:
+    """The state's stage count: known on the host when ``state`` is what the last :meth:`step`
+    returned (no device read on the hot path), read from the device otherwise."""
+    known = self._stage_of
+    if known is not None and known[0] is state.stage:
+      return known[1]
+    return int(jax.device_get(state.stage))
+
+  def _helper(self, name: str, fn, **jit_kwargs):
+    """``jax.jit(fn)`` built on the first call for ``name`` and kept: a new jit object per call
+    retraces, and reads the persistent compilation cache, every time."""
+    if name not in self._compiled:
+      self._compiled[name] = jax.jit(fn, out_shardings=self._sharding(P()), **jit_kwargs)
+    return self._compiled[name]
 
   def params(self, state: TrainState) -> PyTree:
     """The committed parameters θ as a float32 pytree of the original shapes (replicated)."""
     fn = lambda s: self.layout.from_shards(methods.committed_params(s.opt_state, s.params))
-    return jax.jit(fn, out_shardings=self._sharding(P()))(state)
+    return self._helper("params", fn)(state)
 
   def replicated(self, x):
     """A copy of every array of ``x`` on every device (readable on every process)."""
-    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self._sharding(P()))
-    return copy(x)
+    return self._helper("replicated", lambda t: jax.tree.map(jnp.copy, t))(x)
 
   def compute_params(self, state: TrainState) -> PyTree:
     """The weights the next stage computes at (θ̃ after an ACCO estimate), in ``comm_dtype``."""
     fn = lambda w: self.layout.unravel(w, self.comm_dtype)
-    return jax.jit(fn, out_shardings=self._sharding(P()))(state.w)
+    return self._helper("compute_params", fn)(state.w)
 
   # -- elastic restore ----------------------------------------------------------------------------
 

@@ -32,8 +32,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from acco_jax.loco import base, programs
 from acco_jax.loco.replica import REPLICA
@@ -94,7 +92,7 @@ def build(step, kind: str, p: int, sharding):
       ov = ov._replace(mean=base.replace(ov.mean, mean), own=base.replace(ov.own, own))
     return state._replace(overlap=ov)
 
-  def phase(state, batches, counts):
+  def phase(state, batches):
     ref = base.select(state.overlap.start, idx)
     state, own, token, mean_of, extra = _reduce(step, state, p, ref)
     outer = {}
@@ -112,10 +110,10 @@ def build(step, kind: str, p: int, sharding):
     def body(i, carry):
       inner, _ = carry
       batch = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stacked)
-      return programs.inner_step(step, inner, batch, counts)
+      return programs.inner_step(step, inner, batch)
 
     first = jax.tree.map(lambda x: x[0], stacked)
-    *first, token = programs.inner_step(step, inner, first, counts, token)
+    *first, token = programs.inner_step(step, inner, first, token)
     inner, metrics = lax.fori_loop(1, k, body, tuple(first)) if k > 1 else first
     state = state._replace(inner=inner, step=state.step + k)
     mean = mean_of(token)
@@ -138,6 +136,5 @@ def build(step, kind: str, p: int, sharding):
   if kind == "flush":
     return jax.jit(flush, in_shardings=(sharding,), out_shardings=(sharding, None),
                    donate_argnums=(0,))  # fmt: skip
-  counts = NamedSharding(step.mesh, P(REPLICA, step.inner.plan.axis_name))
-  return jax.jit(phase, in_shardings=(sharding, step._batch_sharding(), counts),
+  return jax.jit(phase, in_shardings=(sharding, step._batch_sharding()),
                  out_shardings=(sharding, None), donate_argnums=(0,))  # fmt: skip

@@ -51,8 +51,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from acco_jax.loco import base
 from acco_jax.loco.compress import sparse as sparse_lib
@@ -96,9 +94,10 @@ def _per_worker_batch(step, batch):
   return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
 
-def inner_step(step, inner, batch, counts, token=None):
-  """One inner step of every worker (:meth:`acco_jax.dp.stage.StageProgram.stage_fn`, 'sync')."""
-  return step.inner.program.stage_fn("sync")(inner, _per_worker_batch(step, batch), counts, token)
+def inner_step(step, inner, batch, token=None):
+  """One inner step of every worker (:meth:`acco_jax.dp.stage.StageProgram.stage_fn`, 'sync'):
+  all ``k`` microbatches on every device, in loops of static trip count."""
+  return step.inner.program.stage_fn("sync")(inner, _per_worker_batch(step, batch), None, token)
 
 
 def send(step, state, p: int, ref=None):
@@ -178,11 +177,11 @@ def build(step, kind: str, p: int | None, sharding):
     cleared = jax.tree.map(jnp.zeros_like, state.inflight)
     return state._replace(inflight=cleared, inflight_fragment=jnp.int32(-1)), metrics
 
-  def stage(state, batch, counts):
-    inner, metrics = inner_step(step, state.inner, batch, counts)
+  def stage(state, batch):
+    inner, metrics = inner_step(step, state.inner, batch)
     return state._replace(inner=inner, step=state.step + 1), metrics
 
-  def window(state, batches, counts):
+  def window(state, batches):
     payload, mean, finite = send(step, state, p)
     # Two barriers place the all-reduce of the mean around the first inner step's microbatch
     # loop: the loop starts after the payload is computed (not after it is reduced), and the
@@ -197,9 +196,9 @@ def build(step, kind: str, p: int | None, sharding):
     def body(i, carry):
       inner, _ = carry
       batch = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stacked)
-      return inner_step(step, inner, batch, counts)
+      return inner_step(step, inner, batch)
 
-    *first, mean = inner_step(step, inner, jax.tree.map(lambda x: x[0], stacked), counts, mean)
+    *first, mean = inner_step(step, inner, jax.tree.map(lambda x: x[0], stacked), mean)
     inner, metrics = lax.fori_loop(1, tau, body, tuple(first)) if tau > 1 else first
     zeros = jax.tree.map(jnp.zeros_like, state.inflight)
     inflight = base.replace(zeros, split(step, p, mean))
@@ -214,8 +213,7 @@ def build(step, kind: str, p: int | None, sharding):
     return jax.jit(fn, in_shardings=(sharding,), out_shardings=(sharding, metric_sharding),
                    donate_argnums=(0,))  # fmt: skip
   fn = {"stage": stage, "window": window}[kind]
-  counts = NamedSharding(step.mesh, P(REPLICA, step.inner.plan.axis_name))
-  return jax.jit(fn, in_shardings=(sharding, step._batch_sharding(), counts),
+  return jax.jit(fn, in_shardings=(sharding, step._batch_sharding()),
                  out_shardings=(sharding, metric_sharding), donate_argnums=(0,))  # fmt: skip
 
 

@@ -224,11 +224,6 @@ class LocoStep(SyncAccounting):
 
   # -- programs ----------------------------------------------------------------------------------
 
-  def _counts(self):
-    k, n = self.inner.num_microbatches, self.inner.num_devices
-    counts = np.full((self.num_workers, n), k, np.int32)
-    return jax.device_put(counts, NamedSharding(self.mesh, P(REPLICA, self.inner.plan.axis_name)))
-
   def _program(self, kind: str, p: int | None, state_like):
     """The jitted program ``kind`` of fragment ``p`` (:func:`acco_jax.loco.programs.build`), built
     on the first call; ``state_like``: a state or its ``ShapeDtypeStruct`` tree."""
@@ -269,11 +264,11 @@ class LocoStep(SyncAccounting):
       state, metrics = self._program("apply", call.apply, state)(state)
     batches = [self.put_batch(b) for b in batches]
     if call.phase is not None:
-      state, inner = self._program("phase", call.phase, state)(state, batches, self._counts())
+      state, inner = self._program("phase", call.phase, state)(state, batches)
     elif call.send is not None:
-      state, inner = self._program("window", call.send, state)(state, batches, self._counts())
+      state, inner = self._program("window", call.send, state)(state, batches)
     else:
-      state, inner = self._program("stage", None, state)(state, batches[0], self._counts())
+      state, inner = self._program("stage", None, state)(state, batches[0])
     metrics = {**metrics, **inner}
     if call.sync is not None:
       kind = "sync" if self.method.outer_overlap == "none" else "flush"
@@ -287,13 +282,12 @@ class LocoStep(SyncAccounting):
   def params(self, state: LocoState) -> PyTree:
     """``θ_g`` of worker 0 (the same on every worker) as a float32 tree of the original shapes."""
     fn = lambda s: self.layout.from_shards(jax.tree.map(lambda x: x[0], s.outer.params))
-    return jax.jit(fn, out_shardings=NamedSharding(self.mesh, P()))(state)
+    return self.inner._helper("loco_params", fn)(state)
 
   def replicated(self, x):
     """A copy of every array of ``x`` on every device (readable on every process), e.g.
     per-worker values."""
-    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=NamedSharding(self.mesh, P()))
-    return copy(x)
+    return self.inner.replicated(x)
 
   def reshard(self, saved: LocoState):
     """Refuses a checkpoint of another mesh: workers hold diverged copies, no rule splits or
@@ -303,7 +297,7 @@ class LocoStep(SyncAccounting):
   def worker_params(self, state: LocoState) -> PyTree:
     """Every worker's ``θ_m``, a tree of ``[M, ...]`` float32 arrays of the original shapes."""
     fn = lambda s: jax.vmap(self.layout.from_shards)(s.inner.params)
-    return jax.jit(fn, out_shardings=NamedSharding(self.mesh, P()))(state)
+    return self.inner._helper("worker_params", fn)(state)
 
 
 def check_owner(method: LocoMethod) -> None:

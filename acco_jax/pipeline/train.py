@@ -317,15 +317,21 @@ class PipelineTrainStep:
       )
     return self._compiled["step"](state, batch)
 
+  def _helper(self, name: str, fn):
+    """``jax.jit(fn)`` with replicated results, built once per step object (a new jit per call
+    retraces and reads the compilation cache every time)."""
+    if name not in self._compiled:
+      self._compiled[name] = jax.jit(fn, out_shardings=NamedSharding(self.mesh, P()))
+    return self._compiled[name]
+
   def params(self, state: PipeState):
     """The model's (committed) parameters, original structure, replicated."""
-    rep = NamedSharding(self.mesh, P())
     committed = lambda s: methods.committed_params(s.opt_state, s.params)
-    return jax.jit(lambda s: self.packing.unpack(committed(s)), out_shardings=rep)(state)
+    return self._helper("params", lambda s: self.packing.unpack(committed(s)))(state)
 
   def replicated(self, x):
-    rep = NamedSharding(self.mesh, P())
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=rep)(x)
+    """A copy of every array of ``x`` on every device."""
+    return self._helper("replicated", lambda t: jax.tree.map(jnp.copy, t))(x)
 
   def probe(self, state, batch, repeats: int = 2):
     raise errors.UserValueError("health.probe_every is not supported with method=pipeline: set 0")
