@@ -176,6 +176,9 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.train.on_nonfinite = (
     "stop"  # stop: a non-finite loss ends the run; the last good checkpoint stays
   )
+  # 'a:b': a jax.profiler trace of stages a to b into <workdir>/profile (Perfetto JSON; read it with
+  # ui.perfetto.dev or `python bench/profile_table.py TRACE`); '' = none
+  c.train.profile_stages = ""
 
   c.ckpt = ml_collections.ConfigDict()
   c.ckpt.every = 50  # updates between checkpoints (0 = only at the end)

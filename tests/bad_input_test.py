@@ -160,6 +160,8 @@ CONFIGS += [  # sizes and counts (trainer._check_config); the last field: what h
    "silently reports eval_loss=0.0"),
   ("zero-ckpt-keep", {"ckpt.keep": 0}, ValueError, r"ckpt.keep=0 must be >= 1",
    "'keep must be >= 1 or None, got 0' after the workdir is created"),
+  ("profile-stages-backwards", {"train.profile_stages": "5:3"}, ValueError,
+   r"train.profile_stages='5:3' must be 'a:b', the first and last stage to trace", "new key"),
 ]  # fmt: skip
 CONFIGS += [  # quantized communication (the comm group)
   ("unknown-comm-quantize", {"comm.quantize": "int2"}, ValueError,

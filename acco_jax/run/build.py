@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from acco_jax import data, errors, model
-from acco_jax.run import optim, parallel, registry
+from acco_jax.run import optim, parallel, profile, registry
 
 
 class Run(NamedTuple):
@@ -153,6 +153,7 @@ def _check_config(config) -> None:
       f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'"
     )
   _check_layout(config)
+  profile.parse(config.train.get("profile_stages", ""), float("inf"))
   if config.opt.name == "muon" and config.method not in _MUON_METHODS:
     raise errors.UserValueError(
       f"opt.name=muon runs under acco, zero1, ddp, diloco, noloco and streaming_diloco, not "

@@ -6,6 +6,7 @@ plus ``{"event": ...}`` records), TensorBoard events to ``<workdir>/tb``.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -69,8 +70,8 @@ def quantized_bytes_per_stage(plan, padded_size: int, num_devices: int) -> int:
 
 
 def last_logged(workdir: str) -> dict:
-  """What a run's ``metrics.jsonl`` says last: the loss and rate of its last logged stage and its
-  last evaluation (``{}`` where the file or the rows are missing). A rerun of a finished run reports
+  """What a run's ``metrics.jsonl`` says last: the loss of its last logged stage, its last
+  throughput record (the run's rate) and its last evaluation (``{}`` where the file or the rows are missing). A rerun of a finished run reports
   these instead of training again."""
   found = {}
   try:
@@ -78,7 +79,9 @@ def last_logged(workdir: str) -> dict:
       for line in f:
         row = json.loads(line)
         if "loss" in row:
-          found.update(loss=row["loss"], tokens_per_s=row.get("tokens_per_s"))
+          found["loss"] = row["loss"]
+        if row.get("event") == "throughput":  # the run's rate, first stage to last
+          found["tokens_per_s"] = row["tokens_per_s"]
         if "eval_loss" in row:
           found.update(eval_loss=row["eval_loss"], eval_ppl=row.get("eval_ppl"))
           found["eval_step"] = row.get("step")
@@ -137,45 +140,104 @@ def _jsonable(v):
   return float(v)
 
 
+class StageClock:
+  """When each stage finished, as the host saw it, and the rates the run reports.
+
+  The trainer keeps one stage in flight and then waits for the one before it (:meth:`done` is
+  called when that wait returns): the host is waiting on the device, so the time is the stage's
+  completion, not the moment a log line happens to be written. Rates between two completions count
+  the device's work and every host stall between them (a checkpoint write, an evaluation). The
+  first stage of a process compiles its programs: rates start at its completion.
+
+  Args:
+    window: stages the progress line's rate covers (the last ``window`` completed stages).
+  """
+
+  def __init__(self, window: int = 10):
+    self.window = window
+    self.first: tuple[int, float, int] | None = None  # (stage, time, tokens) of the first done
+    self._recent: collections.deque = collections.deque(maxlen=window + 1)
+    self._row: tuple[int, float, int] | None = None  # the completion of the last row's stage
+
+  def done(self, stage: int, tokens: int, when: float | None = None) -> float:
+    """Stage ``stage`` (stages counted from 0, ``tokens`` seen after it) has finished now."""
+    if self._recent and self._recent[-1][0] >= stage:
+      return self.time_of(stage)
+    record = (stage, time.time() if when is None else when, tokens)
+    self.first = self.first or record
+    self._recent.append(record)
+    return record[1]
+
+  def wait(self, stage: int, tokens: int, ready) -> float:
+    """The completion time of ``stage``: recorded already, or once ``ready`` (its results) is."""
+    if not (self._recent and self._recent[-1][0] >= stage):
+      jax.block_until_ready(ready)
+      self.done(stage, tokens)
+    return self.time_of(stage)
+
+  def time_of(self, stage: int) -> float:
+    return next(t for s, t, _ in reversed(self._recent) if s <= stage)
+
+  def row_rate(self, stage: int) -> float | None:
+    """Tokens/s over the stages a log row for ``stage`` covers: since the previous row's stage
+    (or the first completion); ``None`` for the first stage of the process (its compile)."""
+    now = next(r for r in reversed(self._recent) if r[0] <= stage)
+    before, self._row = self._row or self.first, now
+    if before is None or before[0] >= now[0]:
+      return None
+    return (now[2] - before[2]) / max(now[1] - before[1], 1e-9)
+
+  def window_rate(self) -> tuple[float, int] | None:
+    """``(tokens/s, stages)`` over the last completed stages (at most ``window``)."""
+    if len(self._recent) < 2:
+      return None
+    (s0, t0, n0), (s1, t1, n1) = self._recent[0], self._recent[-1]
+    return (n1 - n0) / max(t1 - t0, 1e-9), s1 - s0
+
+  def stage_rate(self) -> float | None:
+    """Stages per second since the first completion (the ETA's)."""
+    if self.first is None or self._recent[-1][0] <= self.first[0]:
+      return None
+    (s0, t0, _), (s1, t1, _) = self.first, self._recent[-1]
+    return (s1 - s0) / max(t1 - t0, 1e-9)
+
+  def run_rate(self) -> dict | None:
+    """The run's throughput, from the end of its first stage to the end of its last: tokens/s,
+    and the span it covers. ``None`` when the process ran one stage only."""
+    if self.first is None or self._recent[-1][0] <= self.first[0]:
+      return None
+    (s0, t0, n0), (s1, t1, n1) = self.first, self._recent[-1]
+    return {"tokens_per_s": (n1 - n0) / max(t1 - t0, 1e-9), "from_stage": s0, "to_stage": s1,
+            "seconds": t1 - t0, "tokens": n1 - n0}  # fmt: skip
+
+
 class Progress:
   """A one-line progress bar with speed and ETA on a terminal; plain log lines otherwise.
 
-  The speed and the ETA are timed from :meth:`mark`, which the trainer calls once the first stage
-  of this process has run: that stage compiles, and on a resumed run it can be most of the time so
-  far. Until then a line says the stage is not timed rather than print a figure. ``tok/s`` is the
-  rate since the previous update (or since the mark); the ETA is the stage rate since the mark.
+  The figures come from a :class:`StageClock`: ``tok/s`` over the last whole stages the clock
+  holds (at most its ``window``; the line says how many), the ETA from the stage rate since the end
+  of the process's first stage (which compiles: until another stage has finished a line says the
+  stage is not timed rather than print a figure).
   """
 
   def __init__(self, total: int, start: int = 0, *, enabled: bool = True, every_s: float = 10.0):
     self.total, self.done, self.enabled = total, start, enabled
     self.tty = sys.stderr.isatty()
     self.every_s, self._last = every_s, 0.0
-    self._origin: tuple[float, int] | None = None  # (time, stage) of the mark
-    self._prev: tuple[float, int] | None = None  # (time, tokens) of the mark or the last update
 
-  def mark(self, done: int, tokens: int) -> None:
-    """Starts the clock at stage ``done`` with ``tokens`` seen; calls after the first are no-ops."""
-    if self._origin is None:
-      now = time.time()
-      self._origin, self._prev = (now, done), (now, tokens)
-
-  def update(self, done: int, text: str, tokens: int | None = None) -> None:
-    """Shows stage ``done`` with ``text`` and, once timed, ``tokens`` seen as a rate and the ETA."""
+  def update(self, done: int, text: str, clock: StageClock) -> None:
+    """Shows stage ``done`` with ``text`` and the clock's figures."""
     if not self.enabled:
       return
     self.done = done
     now = time.time()
-    timed = self._origin is not None and done > self._origin[1]
-    if timed:
-      rate = (done - self._origin[1]) / max(now - self._origin[0], 1e-9)
-      eta_s = time.strftime("%H:%M:%S", time.gmtime((self.total - done) / rate))
-      speed = ""
-      if tokens is not None:
-        speed = f" {(tokens - self._prev[1]) / max(now - self._prev[0], 1e-9):,.0f} tok/s"
-        self._prev = (now, tokens)
-      figures = f"{speed} eta {eta_s}"
-    else:
+    stage_rate, window = clock.stage_rate(), clock.window_rate()
+    if stage_rate is None:
       figures = " (first stage: compiling, not timed)"
+    else:
+      eta_s = time.strftime("%H:%M:%S", time.gmtime((self.total - done) / stage_rate))
+      rate, stages = window
+      figures = f" {rate:,.0f} tok/s (last {stages} stage{'s' * (stages > 1)}) eta {eta_s}"
     if self.tty:
       width = 24
       filled = int(width * done / max(self.total, 1))

@@ -20,16 +20,31 @@ import jax.numpy as jnp
 import numpy as np
 
 from acco_jax import data, errors, model
-from acco_jax.run import build as build_lib
-from acco_jax.run import checkpoint, compile_cache, health, monitor, optim, parallel, report
-from acco_jax.run import init_from as init_from_lib
+from acco_jax.run import (
+  compile_cache,
+  health,
+  monitor,
+  optim,
+  parallel,
+  profile,
+  report,
+)
 from acco_jax.run import metrics as metrics_lib
+from acco_jax.run import start as start_lib
 from acco_jax.run.build import Run as Run
 from acco_jax.run.build import batch_stream as batch_stream
 from acco_jax.run.build import build as build
-from acco_jax.run.build import check_comm, check_vocab, comm_meta, updates_done, vocab_meta
+from acco_jax.run.build import check_vocab as check_vocab
+from acco_jax.run.build import comm_meta, updates_done, vocab_meta
 from acco_jax.run.report import eval_function as eval_function
 from acco_jax.run.report import evaluate as evaluate
+
+
+@jax.jit
+def _flag_nonfinite(flag, loss, finite):
+  """``flag`` (``None`` before the first stage) or'ed with where ``loss`` or ``finite`` is not."""
+  bad = ~(jnp.isfinite(loss) & finite)
+  return bad if flag is None else flag | bad
 
 
 def train_and_evaluate(
@@ -57,6 +72,7 @@ def train_and_evaluate(
     )
   compile_cache.configure(config.compile.cache_dir)
   run = build(config)
+  window = profile.parse(config.train.profile_stages, run.total_stages)
   train, mesh, n = run.train, run.mesh, run.mesh.size
   # microbatches one stage takes from the stream (a pipeline: M per data lane, not per device)
   mb_per_stage = getattr(train, "microbatches_per_stage", n * train.num_microbatches)
@@ -65,83 +81,15 @@ def train_and_evaluate(
   if run.orders is not None:  # SkipPipe: each microbatch's layer order rides in its batch
     stream = run.orders.stream(stream, jax.process_index(), jax.process_count())
 
-  # -- restore or initialise ----------------------------------------------------------------------
-  # Nothing is written to the workdir until this is done: a config that cannot resume the run
-  # in it (another model, another stream) fails with the workdir as it was.
-  ckpt_dir = os.path.join(workdir, "checkpoints")
-  open_ckpt = lambda: checkpoint.Checkpointer(
-    ckpt_dir, keep=config.ckpt.keep, async_save=config.ckpt.async_save
-  )
-  ckpt = open_ckpt() if os.path.isdir(ckpt_dir) else None
-  start, tokens_seen, events, extra = (ckpt and ckpt.latest_step()), 0, [], {}
-  resumed = start is not None
-  if ckpt is not None and not resumed:  # no step saved yet: opened again to save the first
-    ckpt = ckpt.close()
-  if resumed:
-    # A checkpoint written on another device count is resharded (acco_jax.dp.reshard): weights and
-    # optimizer state exactly, gradient buffers by their sums. The stage count, hence the schedule,
-    # carries over; the global batch is now n/n_old times as large, and the data continues from
-    # the same number of consumed rows (data.data_state).
-    saved_n = []
-
-    def reshard(saved):
-      state = train.reshard(saved)  # LoCo and pipeline steps refuse another mesh
-      saved_n.append(train.saved_num_devices(saved))
-      return state
-
-    def check(extra):  # before any array is read: the clearest message for a config change
-      check_vocab(extra, run.model_cfg)
-      check_comm(extra, config, train)  # LoCo steps keep no residual: always the same
-      if hasattr(train, "check_checkpoint"):  # e.g. a pipeline's scheduled plan
-        train.check_checkpoint(extra)
-
-    target = train.abstract_state(run.params_shapes)
-    restore_t0 = time.time()
-    try:
-      saved_like = getattr(train, "saved_like", None)  # the owner layout: other slots
-      state, extra = ckpt.restore(
-        None, target, reshard=reshard, check_extra=check, saved_like=saved_like
-      )
-      start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
-      position = extra["data"]
-      if saved_n:
-        position = data.data_state(position, rows_per_stage)
-      stream.set_state(position)
-    except BaseException:
-      ckpt.close()
-      raise
-    if saved_n:
-      events.append(("resharded", dict(stage=start, from_devices=saved_n[-1], to_devices=n)))
-      if lead:
-        print(f"resharded the checkpoint of stage {start} from {saved_n[-1]} to {n} devices; "
-              f"data continues at global batch {position['step']}", flush=True)  # fmt: skip
-    events.append(("restored", dict(stage=start, workdir=workdir, restore_s=time.time() - restore_t0,
-                                    time=time.time())))  # fmt: skip
-    if config.ckpt.init_from and lead:
-      print(f"ckpt.init_from ignored: resuming from this workdir's checkpoint of stage {start}",
-            flush=True)  # fmt: skip
-  elif config.ckpt.init_from:  # another run's checkpoint, maybe of another kind (init_from.py)
-    started = init_from_lib.start(run, config, stream, rows_per_stage)
-    state, start, tokens_seen = started.state, started.stage, started.tokens_seen
-    events.append(("initialized_from", started.event))
-    if lead:
-      print(started.line, flush=True)
-  else:
-    start = 0
-    params = model.init_params(run.model_cfg, config.train.seed)
-    if init_params is not None:
-      params = jax.tree.map(lambda p, q: jnp.asarray(q, p.dtype), params, init_params)
-    state = (
-      train.init(params) if run.loco else train.init(params, build_lib.prime_batch(run, config))
-    )
-  if not resumed:
-    events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
+  # -- restore or initialise (acco_jax.run.start); nothing written to the workdir before ---------
+  begun = start_lib.restore_or_init(run, config, workdir, stream, rows_per_stage, init_params, lead)
+  state, start, tokens_seen, extra, events, ckpt = begun
   if start >= run.total_stages:  # nothing left: report the finished run, train nothing
     ckpt.close()
     if on_params is not None:  # a kill may have come between the last checkpoint and this call
       on_params(train.params(state))
     return report.finished(run, config, workdir, start, float(extra.get("wire_bytes", 0.0)), lead)
-  ckpt = ckpt or open_ckpt()
+  ckpt = ckpt or start_lib.open_checkpointer(config, workdir)
   writer = metrics_lib.MetricWriter(workdir, enabled=lead)
   for name, fields in events:
     writer.event(name, **fields)
@@ -183,13 +131,14 @@ def train_and_evaluate(
       watchdog = dog.start()
   preempt = monitor.Preemption()
   progress = metrics_lib.Progress(run.total_stages, start, enabled=lead)
+  clock = metrics_lib.StageClock()  # stage completions: the rates of the rows and the summary
+  profiler = profile.StageProfiler(window, workdir)
   t_start = time.time()
-  last = {"time": t_start, "tokens": tokens_seen}
   summary: dict = {"unigram_baseline": baseline}
   stage = start
   evaluated_at = None  # the stage of the last evaluation
 
-  nonfinite = jnp.zeros((), bool)  # device-side flag, read only at log and checkpoint time
+  nonfinite = None  # device-side flag, read only at log and checkpoint time
   # The next batches are read and placed on the devices by a background thread while a stage runs;
   # `consumed` is the data position after the last batch a stage took (what a checkpoint stores).
   consumed = stream.get_state()
@@ -204,7 +153,7 @@ def train_and_evaluate(
     return train.replicated(tree)
 
   def check_finite(flag, at_stage):
-    if config.train.on_nonfinite != "stop":
+    if config.train.on_nonfinite != "stop" or flag is None:
       return
     flag = readable(flag)  # per-worker flags across processes: one copy everywhere
     if bool(np.any(np.asarray(flag))):
@@ -220,30 +169,41 @@ def train_and_evaluate(
     if pending is None:
       return
     p, pending = pending, None
+    done_at = clock.wait(p["stage"], p["tokens_seen"], p["metrics"])
     m, lr, outer = jax.device_get((p["metrics"], p["lr"], p["outer"]))
-    now = time.time()
-    rate = (p["tokens_seen"] - last["tokens"]) / max(now - last["time"], 1e-9)
-    last.update(time=now, tokens=p["tokens_seen"])
     loss = float(np.mean(m["loss"]))  # LoCo: per-worker values; the mean over workers
     check_finite(p["nonfinite"], p["stage"])
     row = {
       "stage": p["stage"], "update": p["update"], "loss": loss,
-      "grad_norm": float(np.mean(m["grad_norm"])), "lr": float(np.mean(lr)), "tokens_per_s": rate,
+      "grad_norm": float(np.mean(m["grad_norm"])), "lr": float(np.mean(lr)),
       "microbatches": float(np.sum(m["microbatches"])), "committed": bool(np.all(m["committed"])),
       "comm_bytes_per_device": comm_stage, "skipped_microbatches": float(np.sum(m["skipped"])),
-      "tokens_seen": p["tokens_seen"], "wall_s": now - t_start,
+      "tokens_seen": p["tokens_seen"], "wall_s": done_at - t_start,
     }  # fmt: skip
+    rate = clock.row_rate(p["stage"])  # over the stages since the last row; none for a compile
+    if rate is not None:
+      row["tokens_per_s"] = rate
+      if peak:
+        row["mfu"] = rate * flops_token / (peak * n)
     if p["budgets"] is not None:  # every device's budget this stage
       row["budgets"] = p["budgets"]
     if run.loco:  # per-worker losses, bytes sent so far, and the outer steps since the last line
       row.update(worker_loss=np.asarray(m["loss"]).tolist(), wire_bytes_per_worker=p["wire_bytes"])
       for at, o in outer:
         writer.write(at, train.outer_row(o))
-    if peak:
-      row["mfu"] = rate * flops_token / (peak * n)
     writer.write(p["stage"], row)
-    progress.update(p["stage"], f"loss {loss:.3f}", tokens=p["tokens_seen"])
-    summary.update(loss=loss, tokens_per_s=rate)
+    progress.update(p["stage"], f"loss {loss:.3f}", clock)
+    summary["loss"] = loss
+
+  def throughput():
+    """The run's tokens/s from the end of its first stage to the end of its last, into the
+    summary and ``metrics.jsonl``."""
+    if in_flight is not None:  # the last stage may not have been logged
+      clock.wait(stage, tokens_seen, in_flight)
+    rate = clock.run_rate()
+    if rate is not None:
+      writer.event("throughput", **rate)
+      summary["tokens_per_s"] = rate["tokens_per_s"]
 
   def save(stage):
     flush()
@@ -289,7 +249,8 @@ def train_and_evaluate(
           budgets = policy.budgets
           writer.event("budgets", stage=stage, budgets=budgets.tolist(), changed=changed)
       if run.loco:
-        state, m = train.run(state, list(batches), stage, run.total_stages)
+        with profiler.stage(stage, call.stages):
+          state, m = train.run(state, list(batches), stage, run.total_stages)
         sent = call.sync if call.sync is not None else call.send
         for p in (
           call.phase,
@@ -300,25 +261,34 @@ def train_and_evaluate(
         if "outer_fragment" in m:
           outer_rows.append((stage + call.stages, m))
       else:
-        state, m = train.step(state, batch, budgets)
+        with profiler.stage(stage, 1):
+          state, m = train.step(state, batch, budgets)
       consumed = consumed_next
-      flush()  # the previous logged stage, now that this one is queued behind it
       # One stage in flight, never more: the device stays busy while the host waits for the stage
       # before, a hang shows within the watchdog's timeout, and XLA:CPU's dispatch queue stays
       # short (with the host many programs ahead, simulated devices deadlocked in a collective).
       if in_flight is not None:
         jax.block_until_ready(in_flight)
-        progress.mark(stage, tokens_seen)  # the first stage (a compile) has run: time from here
+        clock.done(stage, tokens_seen)  # the stage before this one has finished: now
         if watchdog is not None:
           watchdog.progress(stage)
+      flush()  # the previous logged stage, now that this one is queued behind it
       in_flight = m["loss"]
       stages_run = len(batches)
       used = mb_per_stage if budgets is None else int(budgets.sum())
       tokens_seen += used * rows_per_microbatch * config.data.seq_len * stages_run
       # elementwise, per worker under LoCo: a reduction here would be a collective across every
-      # device after every stage, which the next stage's programs would queue behind
-      nonfinite = nonfinite | ~(jnp.isfinite(m["loss"]) & m.get("outer_finite", True))
+      # device after every stage, which the next stage's programs would queue behind. The first
+      # stage runs both of its programs (no flag yet, a flag): none compiles after it.
+      finite = m.get("outer_finite", True)
+      if nonfinite is None:
+        nonfinite = _flag_nonfinite(None, m["loss"], finite)
+      nonfinite = _flag_nonfinite(nonfinite, m["loss"], finite)
       stage += stages_run
+      traced = profiler.finished(stage, m["loss"])
+      if traced and lead:
+        print(f"profile of stages {config.train.profile_stages}: {traced} (ui.perfetto.dev, or "
+              f"python bench/profile_table.py {traced})", flush=True)  # fmt: skip
       done = updates_done(config, stage)
       prev = updates_done(config, stage - stages_run)
       at_update = done != prev
@@ -353,6 +323,7 @@ def train_and_evaluate(
         if ckpt.latest_step() != stage:
           save(stage)
         ckpt.wait()
+        throughput()
         writer.event("stopped", reason=stop, stage=stage)
         if lead:
           print(f"{stop}: checkpoint saved at stage {stage}; rerun the same command to resume",
@@ -361,6 +332,7 @@ def train_and_evaluate(
         return report.in_order(summary)
     # -- the end ----------------------------------------------------------------------------------
     flush()
+    throughput()
     if run.loco:
       for at, outer in jax.device_get([(at, readable(o)) for at, o in outer_rows]):
         writer.write(at, train.outer_row(outer))
@@ -383,6 +355,7 @@ def train_and_evaluate(
       e.add_note(f"process {jax.process_index()}: {recorder.message()}")
     raise
   finally:
+    profiler.stop()
     feed.close()
     progress.close()
     preempt.restore()

@@ -1,0 +1,109 @@
+"""Where a run starts: this workdir's newest checkpoint, another run's (``ckpt.init_from``), or a fresh
+initialisation.
+
+Nothing is written to the workdir here: a config that cannot resume the run in it (another model,
+another stream) fails with the workdir as it was. A checkpoint written on another device count is
+resharded (:mod:`acco_jax.dp.reshard`): weights and optimizer state exactly, gradient buffers by
+their sums. The stage count, hence the schedule, carries over; the global batch is then n/n_old
+times as large, and the data continues from the same number of consumed rows
+(:func:`acco_jax.data.data_state`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from acco_jax import data, model
+from acco_jax.run import checkpoint
+from acco_jax.run import init_from as init_from_lib
+from acco_jax.run.build import Run, check_comm, check_vocab, prime_batch
+
+
+class Begun(NamedTuple):
+  """What the stage loop starts from."""
+
+  state: Any  # the step's state, placed
+  stage: int  # stages done
+  tokens_seen: int
+  extra: dict  # the restored checkpoint's metadata ({} otherwise)
+  events: list  # (name, fields) for metrics.jsonl, written once the workdir may be
+  ckpt: checkpoint.Checkpointer | None  # open on this workdir's checkpoints, if it has any
+
+
+def open_checkpointer(config, workdir: str) -> checkpoint.Checkpointer:
+  return checkpoint.Checkpointer(
+    os.path.join(workdir, "checkpoints"), keep=config.ckpt.keep, async_save=config.ckpt.async_save
+  )
+
+
+def restore_or_init(
+  run: Run, config, workdir: str, stream, rows_per_stage: int, init_params, lead: bool
+) -> Begun:
+  """The state the run starts from, and the data ``stream`` set to its position."""
+  train, n = run.train, run.mesh.size
+  has_dir = os.path.isdir(os.path.join(workdir, "checkpoints"))
+  ckpt = open_checkpointer(config, workdir) if has_dir else None
+  start, tokens_seen, events, extra = (ckpt and ckpt.latest_step()), 0, [], {}
+  resumed = start is not None
+  if ckpt is not None and not resumed:  # no step saved yet: opened again to save the first
+    ckpt = ckpt.close()
+  if resumed:
+    saved_n = []
+
+    def reshard(saved):
+      state = train.reshard(saved)  # LoCo and pipeline steps refuse another mesh
+      saved_n.append(train.saved_num_devices(saved))
+      return state
+
+    def check(extra):  # before any array is read: the clearest message for a config change
+      check_vocab(extra, run.model_cfg)
+      check_comm(extra, config, train)  # LoCo steps keep no residual: always the same
+      if hasattr(train, "check_checkpoint"):  # e.g. a pipeline's scheduled plan
+        train.check_checkpoint(extra)
+
+    target = train.abstract_state(run.params_shapes)
+    restore_t0 = time.time()
+    try:
+      saved_like = getattr(train, "saved_like", None)  # the owner layout: other slots
+      state, extra = ckpt.restore(
+        None, target, reshard=reshard, check_extra=check, saved_like=saved_like
+      )
+      start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
+      position = extra["data"]
+      if saved_n:
+        position = data.data_state(position, rows_per_stage)
+      stream.set_state(position)
+    except BaseException:
+      ckpt.close()
+      raise
+    if saved_n:
+      events.append(("resharded", dict(stage=start, from_devices=saved_n[-1], to_devices=n)))
+      if lead:
+        print(f"resharded the checkpoint of stage {start} from {saved_n[-1]} to {n} devices; "
+              f"data continues at global batch {position['step']}", flush=True)  # fmt: skip
+    events.append(("restored", dict(stage=start, workdir=workdir, restore_s=time.time() - restore_t0,
+                                    time=time.time())))  # fmt: skip
+    if config.ckpt.init_from and lead:
+      print(f"ckpt.init_from ignored: resuming from this workdir's checkpoint of stage {start}",
+            flush=True)  # fmt: skip
+  elif config.ckpt.init_from:  # another run's checkpoint, maybe of another kind (init_from.py)
+    started = init_from_lib.start(run, config, stream, rows_per_stage)
+    state, start, tokens_seen = started.state, started.stage, started.tokens_seen
+    events.append(("initialized_from", started.event))
+    if lead:
+      print(started.line, flush=True)
+  else:
+    start = 0
+    params = model.init_params(run.model_cfg, config.train.seed)
+    if init_params is not None:
+      params = jax.tree.map(lambda p, q: jnp.asarray(q, p.dtype), params, init_params)
+    state = train.init(params) if run.loco else train.init(params, prime_batch(run, config))
+  if not resumed:
+    events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
+  return Begun(state, start, tokens_seen, extra, events, ckpt)
