@@ -17,6 +17,13 @@ Rows (``--only`` picks some by name):
   PJRT plugin where no GPU is visible.
 * ``torch:V<n>``: ``bench/torch_gpt.py`` (torch.compile, SDPA, fused AdamW, bf16 autocast, clip
   1.0, the same microbatches per update) where ``torch`` imports; skipped otherwise.
+* ``<row>+cb`` (``trainer:`` and ``step:`` rows): the same with XLA:GPU's command buffers (CUDA
+  graphs) on; every other row runs with :data:`acco_jax.run.parallel.GPU_OVERLAP_FLAGS`, which turn
+  them off (the multi-GPU overlap needs that; one GPU may not).
+
+``--profile`` adds to each ``step:`` row a ``jax.profiler`` trace of 4 stages after the timed ones
+(``<out>_<row>.trace.json.gz`` beside the JSON) and its table (``bench/profile_table.py``: GPU busy,
+kernel time by kind, the largest kernels, per-stage gaps and device-to-host copies).
 
 Every row records tokens/s, MFU (model FLOPs of the *real* vocabulary, :func:`model.flops_per_token`,
 over the device's peak bf16 FLOP/s), and the device's peak memory. On a GPU each row runs in its own
@@ -28,6 +35,7 @@ Usage::
   python bench/gpu_throughput.py --only step:zero1,torch:V50304
   python bench/gpu_throughput.py --only adamw --append   # add rows to the JSON of an earlier run
   python bench/gpu_throughput.py --smoke            # tiny shapes on CPU, seconds (CI)
+  python bench/gpu_throughput.py --profile --only trainer:zero1,step:zero1,trainer:acco,step:acco
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from pathlib import Path
 
 import common
 
+COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 ROWS = ("trainer:zero1", "trainer:ddp", "trainer:acco", "step:zero1", "step:acco",
         "fwdbwd:V50257", "fwdbwd:V50304", "fwdbwd:xla", "adamw", "torch:V50257", "torch:V50304",
         "hlo:zero1", "hlo:acco")  # fmt: skip
@@ -122,7 +131,13 @@ def run_step(method: str, s: dict, args) -> dict:
 
   stages = 2 if method == "acco" else 1
   seconds = _timed(one, args.steps * stages, args.warmup * stages) * stages  # per update
-  return {"seconds_per_update": seconds, "tokens_per_update": s["k"] * s["B"] * s["L"]}
+  out = {"seconds_per_update": seconds, "tokens_per_update": s["k"] * s["B"] * s["L"]}
+  if args.profile:  # beside the JSON: <out>_step_<method>.trace.json.gz
+    import profile_table
+
+    keep = Path(args.out).with_suffix("").as_posix() + f"_step_{method}.trace.json.gz"
+    out["profile"] = profile_table.trace_calls(one, keep)
+  return out
 
 
 def run_trainer(method: str, s: dict, args) -> dict:
@@ -150,7 +165,7 @@ def run_trainer(method: str, s: dict, args) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     trainer.train_and_evaluate(config, workdir)
     rows = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-  rows = [r for r in rows if "tokens_per_s" in r and r["update"] >= args.warmup]
+  rows = [r for r in rows if "loss" in r and "tokens_per_s" in r and r["update"] >= args.warmup]
   first, last = rows[0], rows[-1]
   seconds = (last["wall_s"] - first["wall_s"]) / max(last["update"] - first["update"], 1)
   tokens = (last["tokens_seen"] - first["tokens_seen"]) / max(last["update"] - first["update"], 1)
@@ -271,7 +286,7 @@ def run_row(name: str, args) -> dict:
   from acco_jax.run import metrics
 
   s = _shapes(args)
-  kind, _, variant = name.partition(":")
+  kind, _, variant = name.removesuffix("+cb").partition(":")
   start = time.perf_counter()
   if kind == "trainer":
     out = run_trainer(variant, s, args)
@@ -304,9 +319,24 @@ def _child(name: str, args, env: dict | None = None) -> dict:
   """One row in a fresh process (on a GPU: its own peak memory, no compile cache shared)."""
   with tempfile.TemporaryDirectory() as tmp:
     out = Path(tmp) / "row.json"
-    cmd = [sys.executable, __file__, "--row", name, "--worker", str(out),
-           "--steps", str(args.steps), "--warmup", str(args.warmup)] + ["--smoke"] * args.smoke  # fmt: skip
+    cmd = [
+      sys.executable,
+      __file__,
+      "--row",
+      name,
+      "--worker",
+      str(out),
+      "--out",
+      args.out,
+      "--steps",
+      str(args.steps),
+      "--warmup",
+      str(args.warmup),
+    ] + ["--smoke"] * args.smoke
+    cmd += ["--profile"] * args.profile  # fmt: skip
     env = {**os.environ, **(env or {})}
+    if name.endswith("+cb"):  # the user's XLA_FLAGS win over configure_platform's defaults
+      env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), COMMAND_BUFFERS]).strip()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     if proc.returncode != 0 or not out.exists():
       return {"name": name, "error": proc.stdout[-2000:]}
@@ -319,12 +349,16 @@ def summarise(rows: dict) -> dict:
   ratio = lambda a, b: rate(a) / rate(b) if rate(a) and rate(b) else None
   torch_row = next((n for n in rows if n.startswith("torch:") and n != "torch:V50257"), None)
   hlo_rows = [r for n, r in rows.items() if n.startswith("hlo:") and "gemms" in r]
+  busy = lambda n: rows.get(n, {}).get("profile", {}).get("gpu_busy")
   return {
-    "trainer/step zero1 (>= 0.97)": ratio("trainer:zero1", "step:zero1"),
-    "trainer/step acco (>= 0.97)": ratio("trainer:acco", "step:acco"),
-    "trainer acco/zero1 (>= 0.93)": ratio("trainer:acco", "trainer:zero1"),
+    "trainer/step zero1 (>= 0.98)": ratio("trainer:zero1", "step:zero1"),
+    "trainer/step acco (>= 0.98)": ratio("trainer:acco", "step:acco"),
+    "trainer acco/zero1 (>= 0.95)": ratio("trainer:acco", "trainer:zero1"),
     "trainer zero1/torch padded (>= 1.1)": ratio("trainer:zero1", torch_row) if torch_row else None,
     "trainer zero1 MFU (>= 0.40)": rows.get("trainer:zero1", {}).get("mfu"),
+    "bare step GPU busy, zero1 (>= 0.99)": busy("step:zero1"),
+    "bare step GPU busy, acco (>= 0.99)": busy("step:acco"),
+    "command buffers on / off, trainer zero1": ratio("trainer:zero1+cb", "trainer:zero1"),
     "f32 x f32 GEMMs in the steps, xla attention's scores apart (== 0)": (
       sum(r["f32_gemms_outside_attention_scores"] for r in hlo_rows) if hlo_rows else None
     ),
@@ -375,6 +409,8 @@ def main() -> None:
   p.add_argument("--append", action="store_true",
                  help="keep the rows already in --out (same shapes, device and versions); "
                       "re-measured rows replace theirs")  # fmt: skip
+  p.add_argument("--profile", action="store_true",
+                 help="trace 4 stages of each step: row and add its profile table")  # fmt: skip
   p.add_argument("--row", help=argparse.SUPPRESS)
   p.add_argument("--worker", help=argparse.SUPPRESS)
   args = p.parse_args()

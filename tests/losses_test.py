@@ -204,3 +204,17 @@ def test_flops_count_the_real_vocabulary():
 def test_bad_vocab_multiple_is_a_one_line_error(bad):
   with pytest.raises(errors.UserValueError, match="vocab_multiple"):
     model.get_config("tiny", vocab_multiple=bad)
+
+
+def test_one_pass_logsumexp_matches_two_passes():
+  """The online (max, sum) reduction against the textbook logsumexp: large and spread values,
+  columns of -inf (padding), a row of -inf only, and rows whose maximum comes last or first."""
+  x = 40.0 * jax.random.normal(jax.random.key(3), (4, 6, 301))
+  x = x.at[:, :, 250:].set(-jnp.inf)  # padded columns
+  x = x.at[0, 0].set(-jnp.inf)  # nothing but padding
+  x = x.at[1, 0, 249].set(500.0).at[1, 1, 0].set(500.0)  # a far maximum, last and first
+  got = jax.jit(losses.logsumexp_one_pass)(x)
+  want = jax.scipy.special.logsumexp(x, axis=-1)
+  assert got[0, 0] == -jnp.inf
+  np.testing.assert_allclose(got[1:], want[1:], rtol=1e-6)
+  np.testing.assert_allclose(got[0, 1:], want[0, 1:], rtol=1e-6)
