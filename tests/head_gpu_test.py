@@ -140,8 +140,9 @@ def test_benchmark_counts_the_gemms_of_each_method():
     assert r["f32_gemms"] > 0 and r["gemms"]["bf16xbf16"] > 0, (m, r["gemms"])
     assert sum(r["gemms"].values()) == r["gemms"]["bf16xbf16"] + r["f32_gemms"], (m, r["gemms"])
     assert r["temp_bytes"] > 0 and r["argument_bytes"] > 0, m
-  # ACCO's stage differentiates twice per stage (loops A and B), ZeRO-1's once
-  assert rows["acco"]["f32_gemms"] == 2 * rows["zero1"]["f32_gemms"]
+  # the smoke shapes give ACCO one microbatch per stage: loop A's, and no loop B (its bounds are
+  # static, an empty loop is not compiled), so one differentiation per stage, as ZeRO-1's one loop
+  assert rows["acco"]["f32_gemms"] == rows["zero1"]["f32_gemms"]
   named = {f"hlo:{m}": r for m, r in rows.items()}
   key = "f32 x f32 GEMMs in the steps, xla attention's scores apart (== 0)"
   assert gpu_throughput.summarise(named)[key] == 0
