@@ -88,7 +88,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.loco.workers = (
     0  # M, workers on the 'replica' axis, each of devices/M devices (0 = one per device)
   )
-  c.loco.inner = "zero1"  # the inner data-parallel step within a worker: zero1 | ddp
+  c.loco.inner = "zero1"  # the inner data-parallel step within a worker: zero1 | ddp | acco
   c.loco.sync_every = 10  # H, inner steps between two syncs of a fragment (all of it for diloco)
   c.loco.outer_lr = 0.7  # outer SGD learning rate
   c.loco.outer_momentum = 0.9  # outer momentum (Nesterov); 0 = plain SGD

@@ -66,6 +66,7 @@ MODULES = {
   "acco_muon": (gpt2_acco, {}),
   "zero1_muon": (gpt2_zero1, {}),
   "diloco_muon": (gpt2_diloco, {}),
+  "diloco_acco": (gpt2_diloco, {}),
   "streaming_eager": (gpt2_streaming_diloco, {}),
   "sparseloco_eager": (gpt2_sparseloco, {}),
 }
@@ -113,6 +114,15 @@ METHOD_OVERRIDES = {
     "loco.workers": 4,
     "train.num_updates": 24,
   },
+  # ACCO inside eager DiLoCo's 4 workers of 2 devices: every checkpoint holds an ACCO buffer in
+  # flight (the g̃ of the next round) and, from the first sync on, an outer average in flight
+  "diloco_acco": {
+    "loco.inner": "acco",
+    "loco.outer_overlap": "eager",
+    "loco.sync_every": 3,
+    "loco.workers": 4,
+    "train.num_updates": 24,
+  },
   "streaming_eager": {
     "loco.outer_overlap": "eager",
     "loco.overlap_steps": 0,
@@ -130,7 +140,7 @@ METHOD_OVERRIDES = {
 
 
 # methods whose calls may span several stages
-MULTI_STAGE_CALLS = ("diloco_eager", "streaming_eager", "sparseloco_eager")
+MULTI_STAGE_CALLS = ("diloco_eager", "streaming_eager", "sparseloco_eager", "diloco_acco")
 
 
 def overrides_for(method: str) -> dict:

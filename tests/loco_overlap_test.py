@@ -75,27 +75,43 @@ def outer(c, u, d):
   return jax.tree.map(lambda x, g, v: x - LR * (g + MU * v), c, d, u), u
 
 
-def ref_overlap(params, batches, M, D, H, mode):
+class SgdWorkers:
+  """The workers' inner steps of the reference: each its optimizer (:func:`inner_sgd`) on the mean
+  gradient of its microbatches. ``theta[m]`` is worker ``m``'s parameters; a sync sets them with
+  :meth:`move`."""
+
+  def __init__(self, params, M, D):
+    self.tx, self.M, self.D = inner_sgd(), M, D
+    self.theta, self.opt = [params] * M, [self.tx.init(params)] * M
+
+  def step(self, m, batch):
+    g = worker_grad(self.theta[m], batch, m, self.M, self.D)
+    upd, self.opt[m] = self.tx.update(g, self.opt[m], self.theta[m])
+    self.theta[m] = jax.tree.map(lambda a, b: a + b, self.theta[m], upd)
+
+  def move(self, m, theta):
+    self.theta[m] = theta
+
+
+def ref_overlap(params, batches, M, D, H, mode, workers=None):
   """DiLoCo with ``mode`` = none | delayed | eager: Δ_m(t) = s_m(t−1) − θ_m(t) at every sync t.
 
   none: blocking, every worker starts from C(t) = Outer(C(t−1), Δ̄(t)). delayed: the average is
   committed one sync later and every worker starts from the committed model. eager: each worker
   takes its own outer step on Δ̃_m(t) = Δ̄(t−1) − Δ_m(t−1)/M + Δ_m(t)/M
   (its own outer parameters and momentum) and starts from it. The sync no phase follows blocks
-  (eager: its step uses Δ̄(T) for the own fresh share). Returns worker 0's outer parameters and
-  the workers' parameters.
+  (eager: its step uses Δ̄(T) for the own fresh share). ``workers``: the inner steps (default
+  :class:`SgdWorkers`). Returns worker 0's outer parameters and the workers' parameters.
   """
-  tx = inner_sgd()
+  w = workers or SgdWorkers(params, M, D)
   zeros = jax.tree.map(jnp.zeros_like, params)
-  theta, opt = [params] * M, [tx.init(params)] * M
   start, c, u = [params] * M, [params] * M, [zeros] * M  # eager: per worker; else all equal
   last_mean, last_own, pending = zeros, [zeros] * M, None
   avg = lambda xs: jax.tree.map(lambda *v: sum(v[1:], v[0]) / len(v), *xs)
   for s, batch in enumerate(batches):
     for m in range(M):
-      g = worker_grad(theta[m], batch, m, M, D)
-      upd, opt[m] = tx.update(g, opt[m], theta[m])
-      theta[m] = jax.tree.map(lambda a, b: a + b, theta[m], upd)
+      w.step(m, batch)
+    theta = w.theta
     done = s + 1
     if done % H:
       continue
@@ -114,11 +130,12 @@ def ref_overlap(params, batches, M, D, H, mode):
           c[m], u[m] = outer(c[m], u[m], pending)
         if last:
           c[m], u[m] = outer(c[m], u[m], mean)
-      start[m] = theta[m] = c[m]
+      start[m] = c[m]
+      w.move(m, c[m])
     last_mean, last_own, pending = mean, deltas, mean
     if last:
       last_mean, last_own, pending = zeros, [zeros] * M, None
-  return c[0], theta
+  return c[0], w.theta
 
 
 def workers(train, state):

@@ -155,14 +155,15 @@ def ref_loco(
 # -- running the library ---------------------------------------------------------------------------
 
 
-def run(method, M, D, batches, inner_name="zero1", params=None, loss=toy_loss, k=K):
+def run(method, M, D, batches, inner_name="zero1", params=None, loss=toy_loss, k=K, prime=None):
+  """``prime``: an ACCO inner step's first microbatch per device (``LocoStep.init``)."""
   params = toy_params() if params is None else params
   mesh = loco_step.worker_mesh(M, jax.devices()[: M * D])
   tx = inner_name  # a method transform, or the name of one over inner_opt()
   if isinstance(inner_name, str):
     tx = acco_jax.get_method(inner_name, inner_opt(), comm_dtype=jnp.float32)
   train = loco_step.make_loco_step(loss, tx, method, mesh, num_microbatches=k, params=params)
-  state, s, total, logged = train.init(params), 0, len(batches), []
+  state, s, total, logged = train.init(params, prime), 0, len(batches), []
   while s < total:
     n = train.plan(s, total).stages
     state, metrics = train.run(state, batches[s : s + n], s, total)

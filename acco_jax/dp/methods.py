@@ -419,3 +419,13 @@ def committed_params(opt_state, params: PyTree) -> PyTree:
   """The committed parameters θ: ``params`` unless the method keeps them apart (ACCO, WP)."""
   found = find_state(opt_state, lambda s: isinstance(s, AccoState | WpState))
   return params if found is None else found.committed
+
+
+def with_committed(opt_state, params: PyTree):
+  """``opt_state`` with the committed parameters of an :class:`AccoState` set to ``params`` (a
+  LoCo sync moving a worker's θ: its next estimate must start from there); unchanged otherwise."""
+  if isinstance(opt_state, AccoState):
+    return opt_state._replace(committed=params)
+  if find_state(opt_state, lambda s: isinstance(s, AccoState)) is not None:
+    raise ValueError("with_committed: an AccoState nested in another state is not supported")
+  return opt_state

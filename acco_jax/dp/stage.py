@@ -103,8 +103,9 @@ class StageProgram:
 
     ``kind``: 'delayed' (overlapped), 'sync' (no delay) or 'fill' (accumulate only, no update).
     ``counts``: ``[N]`` per-device budgets (traced loop bounds), or ``None``: every device runs all
-    ``k`` microbatches in loops of static trip count. The 'sync' stage takes an optional ``token``
-    (see :meth:`accumulate`) and then returns it as a third result."""
+    ``k`` microbatches in loops of static trip count. The 'sync' and 'delayed' stages take an
+    optional ``token`` (see :meth:`accumulate`; a delayed stage joins it with loop A) and then
+    return it as a third result."""
     plan, k = self.plan, self.num_microbatches
 
     def stage(state, batch, counts, token=None):
@@ -116,8 +117,8 @@ class StageProgram:
       residual = state.residual
       if kind == "delayed":
         reduced = self.reduce(state.buf, state.buf_count)
-        loop_a, reduced = self.first_loop(
-          state.w, batch, counts, k, state.buf, state.buf_count, keep, reduced
+        loop_a, reduced, *ride = self.first_loop(
+          state.w, batch, counts, k, state.buf, state.buf_count, keep, reduced, token
         )
         params, opt_state, gnorm = self.update(reduced, state.opt_state, state.params)
         buf, buf_count, totals, w_next = self.second_loop(
@@ -209,35 +210,41 @@ class StageProgram:
     fn = self.smap(local, in_specs=(P(), d, d, d, *specs), out_specs=(d, d, P(), *specs))
     return fn(w, batch, counts, start, *extra)
 
-  def first_loop(self, w, batch, counts, k, buf, buf_count, keep, reduced):
+  def first_loop(self, w, batch, counts, k, buf, buf_count, keep, reduced, token=None):
     """Delayed methods, loop A: microbatches ``[0, h)``, ``h = ceil(k/2)``, on top of ``buf``.
 
     An ``optimization_barrier`` joins the loop's result with ``reduced`` (the reduce-scatter's
     output), so the inner update, which reads ``reduced``, cannot be scheduled before this loop:
     the reduce-scatter is free to stay in flight across it (without the barrier XLA:GPU puts the
-    update, hence the reduce-scatter's done, before the loop). Returns the per-device loop carry
-    (stacked ``[N, ...]``) and ``reduced``.
+    update, hence the reduce-scatter's done, before the loop). ``token`` (as in :meth:`accumulate`:
+    a collective started before the stage, e.g. a LoCo sync's reduction over workers) joins the
+    same barrier. Returns the per-device loop carry (stacked ``[N, ...]``), ``reduced``, and
+    ``token`` after them if given.
     """
     loop, h = self.loop(k), _loop_a_size(k)
 
-    def local(w_P, batch_local, count_1, buf_1xP, buf_count_1, keep, g_1xS, valid, rest_1xP):
+    def local(w_P, batch_local, count_1, buf_1xP, buf_count_1, keep, g_1xS, valid, rest_1xP,
+              *token_1):  # fmt: skip
       params_var, mbs = loop.prepare(w_P, batch_local)
       count = loop.count(count_1)
       carry, n0 = loop.start(params_var, mbs, buf_1xP, buf_count_1, keep, rest_1xP)
       carry = loop.run(params_var, mbs, 0, microbatch.lower(count, h), carry)
       if sharded:  # the barrier makes every output varying: keep invariant values out of it
-        (carry, n0), g_1xS = lax.optimization_barrier(((carry, n0), g_1xS))
+        (carry, n0), g_1xS, token_1 = lax.optimization_barrier(((carry, n0), g_1xS, token_1))
+      elif token_1:
+        (carry, n0), token_1 = lax.optimization_barrier(((carry, n0), token_1))
       if self.quantized_reduce:  # the bytes received went through the barrier: decode them now
         g_1xS = self.qcomm.mean_of(g_1xS[0][0], g_1xS[1])[None]
-      return jax.tree.map(lambda x: x[None], (carry, n0)), g_1xS, valid
+      return jax.tree.map(lambda x: x[None], (carry, n0)), g_1xS, valid, *token_1
 
     d, sharded = P(self.plan.axis_name), self.plan.sharded
     g_spec = d if sharded else P()
     g_in = (d, P()) if self.quantized_reduce else g_spec
-    specs = (P(), d, d, d, d, P(), g_in, P(), d)
-    fn = self.smap(local, in_specs=specs, out_specs=(d, g_spec, P()))
-    loop_a, g_rows, valid = fn(w, batch, counts, buf, buf_count, keep, *reduced)
-    return loop_a, (g_rows, valid)
+    extra = () if token is None else (token,)
+    specs = (P(), d, d, d, d, P(), g_in, P(), d, *(d for _ in extra))
+    fn = self.smap(local, in_specs=specs, out_specs=(d, g_spec, P(), *(d for _ in extra)))
+    loop_a, g_rows, valid, *ride = fn(w, batch, counts, buf, buf_count, keep, *reduced, *extra)
+    return (loop_a, (g_rows, valid), *ride)
 
   def second_loop(self, w, batch, counts, k, loop_a, rows):
     """Delayed methods, loop B: microbatches ``[h, counts[i])`` while the new weights all-gather.

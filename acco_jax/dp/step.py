@@ -88,9 +88,10 @@ class TrainStep:
     others = [a for a in mesh.axis_names if a not in (axis, replica_axis) and mesh.shape[a] > 1]
     if others:
       raise ValueError(f"only data parallelism over {axis!r} is supported; mesh axes {others} > 1")
-    if replica_axis is not None and (self.plan.delayed or replica_axis not in mesh.axis_names):
+    inner_ok = not self.plan.delayed or self.plan.two_stage  # ddp, zero1 or acco
+    if replica_axis is not None and (not inner_ok or replica_axis not in mesh.axis_names):
       raise ValueError(
-        f"workers over {replica_axis!r} need a synchronous inner method (ddp or zero1) and a mesh "
+        f"workers over {replica_axis!r} need an inner method ddp, zero1 or acco and a mesh "
         f"with that axis; got {self.plan.name!r} on axes {tuple(mesh.axis_names)}"
       )
     self.replica_axis = replica_axis

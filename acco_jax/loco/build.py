@@ -42,7 +42,7 @@ def build_run(config) -> build_lib.Run:
   if config.method == "demo":  # no inner optimizer: the inner step only keeps the gradient
     clip = [optax.clip_by_global_norm(config.opt.clip_norm)] if config.opt.clip_norm > 0 else []
     inner = optax.chain(*clip, loco.keep_gradient())
-  kwargs = {"layout": layout} if config.loco.inner == "zero1" else {}
+  kwargs = {"layout": layout} if config.loco.inner in ("zero1", "acco") else {}
   inner_tx = methods.get_method(
     config.loco.inner, inner, comm_dtype=jnp.dtype(config.comm_dtype), **kwargs
   )
@@ -131,8 +131,13 @@ def _check_loco(config) -> loco.LocoMethod:
       f"hetero.* (per-worker microbatch budgets) applies to ACCO and its baselines, not to "
       f"method={config.method}; set hetero.budgets, hetero.adaptive and hetero.slowdown to ''"
     )
-  if c.inner not in ("zero1", "ddp"):
-    raise errors.UserValueError(f"loco.inner={c.inner!r}: choose 'zero1' or 'ddp'")
+  if c.inner not in ("zero1", "ddp", "acco"):
+    raise errors.UserValueError(f"loco.inner={c.inner!r}: choose 'zero1', 'ddp' or 'acco'")
+  if c.inner == "acco" and (config.batch.microbatches < 2 or config.batch.microbatches % 2):
+    raise errors.UserValueError(
+      f"batch.microbatches={config.batch.microbatches}: loco.inner=acco runs an inner step as two "
+      "stages (estimate, commit) of half the microbatches each: choose an even number >= 2"
+    )
   if c.outer_lr <= 0 or not 0 <= c.outer_momentum < 1:
     raise errors.UserValueError(
       f"loco.outer_lr={c.outer_lr} must be > 0 and loco.outer_momentum={c.outer_momentum} in [0, 1)"

@@ -64,11 +64,9 @@ def _commit(step, state, p: int, mean: dict):
 
 def _move(step, state, p: int, point: dict):
   """``θ_m ← α θ_m + (1 − α) point`` on fragment ``p``, and the new compute weights."""
-  local = base.merge(base.select(state.inner.params, step.parts[p]), point, step.method.alpha)
-  params = base.replace(state.inner.params, local)
-  return state._replace(
-    inner=state.inner._replace(params=params, w=step.inner.program.gather(params))
-  )
+  theta = programs.worker_params(state)
+  local = base.merge(base.select(theta, step.parts[p]), point, step.method.alpha)
+  return programs.set_worker_params(step, state, base.replace(theta, local))
 
 
 def build(step, kind: str, p: int, sharding):

@@ -52,6 +52,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from acco_jax.dp import methods
 from acco_jax.loco import base
 from acco_jax.loco.compress import sparse as sparse_lib
 from acco_jax.loco.demo import kept_gradient
@@ -95,9 +96,61 @@ def _per_worker_batch(step, batch):
 
 
 def inner_step(step, inner, batch, token=None):
-  """One inner step of every worker (:meth:`acco_jax.dp.stage.StageProgram.stage_fn`, 'sync'):
-  all ``k`` microbatches on every device, in loops of static trip count."""
-  return step.inner.program.stage_fn("sync")(inner, _per_worker_batch(step, batch), None, token)
+  """One inner step of every worker (:meth:`acco_jax.dp.stage.StageProgram.stage_fn`): all ``k``
+  microbatches on every device, in loops of static trip count.
+
+  ``ddp``/``zero1``: one 'sync' stage. ``acco``: one ACCO update, its estimate stage on the first
+  ``k/2`` microbatches of each device's rows and its commit stage on the others (so ``H`` counts
+  ACCO updates); ``token`` joins the estimate stage's first loop. Returns ``(inner, metrics)``, and
+  ``token`` after them if given.
+  """
+  program, batch = step.inner.program, _per_worker_batch(step, batch)
+  if not program.plan.delayed:
+    return program.stage_fn("sync")(inner, batch, None, token)
+  delayed = program.stage_fn("delayed")
+  first, second = _halves(step, batch)
+  inner, estimate, *ride = delayed(inner, first, None, token)
+  inner, commit = delayed(inner, second, None)
+  return (inner, round_metrics(estimate, commit), *ride)
+
+
+def _halves(step, batch):
+  """Each device's rows ``[M, D*k*B, ...]`` cut into its first and last ``k/2`` microbatches."""
+  d = step.num_devices
+
+  def half(x, i):
+    rows = x.reshape(x.shape[0], d, 2, x.shape[1] // (2 * d), *x.shape[2:])[:, :, i]
+    return rows.reshape(x.shape[0], x.shape[1] // 2, *x.shape[2:])
+
+  return jax.tree.map(lambda x: half(x, 0), batch), jax.tree.map(lambda x: half(x, 1), batch)
+
+
+def round_metrics(estimate: dict, commit: dict) -> dict:
+  """The metrics of an ACCO update from its two stages': counts and sums added, the loss the mean
+  over both stages' microbatches, the rest (gradient norm, committed, stage) the commit's."""
+  n = estimate["microbatches"] + commit["microbatches"]
+  summed = {k: estimate[k] + v for k, v in commit.items()
+            if k not in ("loss", "grad_norm", "committed", "stage")}  # fmt: skip
+  both = estimate["loss"] * estimate["microbatches"] + commit["loss"] * commit["microbatches"]
+  return {**commit, **summed, "loss": both / jnp.maximum(n, 1)}
+
+
+def worker_params(state) -> PyTree:
+  """Each worker's committed ``θ_m``: the inner step's parameters, or under ACCO the commit's (an
+  estimate's are held only between its two stages)."""
+  return methods.committed_params(state.inner.opt_state, state.inner.params)
+
+
+def set_worker_params(step, state, params):
+  """``θ_m ← params`` on every worker: the inner step's parameters, ACCO's committed copy (its next
+  estimate starts there) and the compute weights. ACCO's gradient buffer is kept (docs/design.md,
+  "ACCO inside the workers")."""
+  inner = state.inner
+  inner = inner._replace(
+    params=params, opt_state=methods.with_committed(inner.opt_state, params),
+    w=step.inner.program.gather(params),
+  )  # fmt: skip
+  return state._replace(inner=inner)
 
 
 def send(step, state, p: int, ref=None):
@@ -110,7 +163,7 @@ def send(step, state, p: int, ref=None):
   """
   idx = step.parts[p]
   ref = base.select(state.outer.params, idx) if ref is None else ref
-  delta = base.pseudo_gradient(ref, base.select(state.inner.params, idx))
+  delta = base.pseudo_gradient(ref, base.select(worker_params(state), idx))
   payload = {k: step.method.compressor.roundtrip(v)[0] for k, v in delta.items()}
   finite = finite_per_worker(payload)
   flat = concat([payload[f"{i:04d}"] for i in idx])
@@ -142,9 +195,9 @@ def apply_outer(step, state, p: int, mean: dict):
   update = functools.partial(base.outer_update, step.method, fragment=p, parts=step.parts)
   outer, new_g = jax.vmap(update, spmd_axis_name=REPLICA)(state.outer, mean)
   idx = step.parts[p]
-  local = base.merge(base.select(state.inner.params, idx), new_g, step.method.alpha)
-  params = base.replace(state.inner.params, local)
-  inner = state.inner._replace(params=params, w=step.inner.program.gather(params))
+  theta = worker_params(state)
+  local = base.merge(base.select(theta, idx), new_g, step.method.alpha)
+  state = set_worker_params(step, state, base.replace(theta, local))
   outer_step = base.pseudo_gradient(base.select(state.outer.params, idx), new_g)
   norm = jax.vmap(optax.tree.norm)  # per worker: no metric moves data between workers
   metrics = {
@@ -152,7 +205,7 @@ def apply_outer(step, state, p: int, mean: dict):
     "outer_step_norm": norm(outer_step),
     "outer_fragment": jnp.int32(p),
   }
-  return state._replace(inner=inner, outer=outer), metrics
+  return state._replace(outer=outer), metrics
 
 
 def build(step, kind: str, p: int | None, sharding):
@@ -226,7 +279,7 @@ def payload(step, state, idx, ref=None) -> dict:
   if step.method.payload == "gradient":
     return base.select(kept_gradient(state.inner.opt_state), idx)
   ref = base.select(state.outer.params, idx) if ref is None else ref
-  return base.pseudo_gradient(ref, base.select(state.inner.params, idx))
+  return base.pseudo_gradient(ref, base.select(worker_params(state), idx))
 
 
 def sync_index(step, state) -> jax.Array:

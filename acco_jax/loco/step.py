@@ -9,7 +9,7 @@ the data, and an outer step every few inner steps that moves data *between* work
 
 State (:class:`LocoState`; every leaf has a leading worker dimension ``M`` sharded over
 ``replica``): the inner :class:`acco_jax.dp.step.TrainState` (``θ_m`` as ``[M, D, s]`` shards, the
-inner optimizer state, the bf16 compute weights), the outer state (each worker's copy of ``θ_g`` and
+inner optimizer state, the bf16 compute weights; under ACCO its gradient buffer and committed copy), the outer state (each worker's copy of ``θ_g`` and
 one outer optimizer state per fragment; identical on every worker except for NoLoCo, whose ``φ_i``
 and ``δ_i`` they are), the mean pseudo-gradient of a fragment in flight, and each worker's
 error-feedback buffer (SparseLoCo) or momentum (DeMo).
@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax import errors
+from acco_jax.dp import methods
 from acco_jax.dp.step import TrainState, TrainStep
 from acco_jax.loco import base, overlap, phase, programs
 from acco_jax.loco.accounting import SyncAccounting
@@ -106,9 +107,16 @@ class LocoStep(SyncAccounting):
     if REPLICA not in mesh.axis_names:
       raise ValueError(f"workers need a mesh with a {REPLICA!r} axis, got {mesh.axis_names}")
     self.method = method
+    # an ACCO inner step is one update: two stages of k/2 microbatches (estimate, commit)
+    self.stages_per_step = 2 if methods.comm_plan(inner_tx).two_stage else 1
+    if num_microbatches % self.stages_per_step:
+      raise ValueError(
+        f"an ACCO inner step runs its {num_microbatches} microbatches per device as two stages: "
+        "use an even number"
+      )
     self.inner = TrainStep(
-      loss_fn, inner_tx, mesh, num_microbatches, has_aux, params_like, skip_nonfinite,
-      replica_axis=REPLICA, owned=owned, elementwise=elementwise,
+      loss_fn, inner_tx, mesh, num_microbatches // self.stages_per_step, has_aux, params_like,
+      skip_nonfinite, replica_axis=REPLICA, owned=owned, elementwise=elementwise,
     )  # fmt: skip
     self.mesh = self.inner.mesh
     self.num_workers = self.inner.num_replicas
@@ -127,7 +135,8 @@ class LocoStep(SyncAccounting):
 
   @property
   def num_microbatches(self) -> int:
-    return self.inner.num_microbatches
+    """``k``, microbatches per device per inner step (ACCO: both stages of its update)."""
+    return self.inner.num_microbatches * self.stages_per_step
 
   @property
   def num_devices(self) -> int:
@@ -186,10 +195,32 @@ class LocoStep(SyncAccounting):
       self._sharding(shapes),
     )
 
-  def init(self, params: PyTree) -> LocoState:
-    """Every worker starts from ``params`` (float32, original shapes), and so does ``θ_g``."""
+  def init(self, params: PyTree, microbatch: PyTree | None = None) -> LocoState:
+    """Every worker starts from ``params`` (float32, original shapes), and so does ``θ_g``.
+
+    An ACCO inner step starts, as ACCO does, from one microbatch gradient at ``params`` per device
+    in its buffer: ``microbatch`` has one microbatch per device of every worker (leading dim
+    ``M * D * B``); other inner steps ignore it.
+    """
     sharding = jax.tree.map(lambda s: s.sharding, self.abstract_state(params))
-    return jax.jit(self._build, out_shardings=sharding)(params)
+    state = jax.jit(self._build, out_shardings=sharding)(params)
+    if not self.inner.plan.delayed:
+      return state
+    if microbatch is None:
+      raise ValueError(
+        "an ACCO inner step starts from one microbatch gradient per device: call init(params, "
+        f"microbatch) with one microbatch per device (leading dim {self.num_workers}*"
+        f"{self.num_devices}*B)"
+      )
+    if "prime" not in self._programs:
+
+      def prime(state, batch):
+        rows = jax.tree.map(lambda x: x.reshape(self.num_workers, -1, *x.shape[1:]), batch)
+        buf, count, _ = self.inner.program.accumulate(state.inner.w, rows, None, 1)
+        return state._replace(inner=state.inner._replace(buf=buf, buf_count=count))
+
+      self._programs["prime"] = jax.jit(prime, donate_argnums=(0,))
+    return self._programs["prime"](state, self.put_batch(microbatch, per_device=1))
 
   # -- schedule ----------------------------------------------------------------------------------
 
@@ -235,9 +266,10 @@ class LocoStep(SyncAccounting):
 
   # -- public API --------------------------------------------------------------------------------
 
-  def put_batch(self, batch):
+  def put_batch(self, batch, per_device: int | None = None):
     """Places a host batch (leading dim ``M * D * k * B``, worker-major) on the mesh."""
-    m, n, k = self.num_workers, self.inner.num_devices, self.inner.num_microbatches
+    m, n = self.num_workers, self.inner.num_devices
+    k = self.num_microbatches if per_device is None else per_device
     for x in jax.tree.leaves(batch):
       if x.ndim < 1 or x.shape[0] % (m * n * k):
         raise ValueError(
@@ -296,7 +328,7 @@ class LocoStep(SyncAccounting):
 
   def worker_params(self, state: LocoState) -> PyTree:
     """Every worker's ``θ_m``, a tree of ``[M, ...]`` float32 arrays of the original shapes."""
-    fn = lambda s: jax.vmap(self.layout.from_shards)(s.inner.params)
+    fn = lambda s: jax.vmap(self.layout.from_shards)(programs.worker_params(s))
     return self.inner._helper("worker_params", fn)(state)
 
 
@@ -376,7 +408,9 @@ def make_loco_step(
 
   Args:
     loss_fn: ``loss_fn(params, microbatch)`` (or ``(loss, aux)`` with ``has_aux``).
-    inner_tx: the inner step, :func:`acco_jax.ddp` or :func:`acco_jax.zero1` of an optax optimizer.
+    inner_tx: the inner step, :func:`acco_jax.ddp`, :func:`acco_jax.zero1` or :func:`acco_jax.acco`
+      of an optax optimizer (ACCO: an inner step is one update, two stages of ``k/2``
+      microbatches, its communication hidden behind them; pass ``init`` a microbatch).
     method: the outer method (:func:`acco_jax.loco.diloco`, ...).
     mesh: a mesh with axes ``('replica', 'data')`` (:func:`worker_mesh`).
     num_microbatches: ``k`` per device per inner step.

@@ -103,7 +103,7 @@ def restore_or_init(
     params = model.init_params(run.model_cfg, config.train.seed)
     if init_params is not None:
       params = jax.tree.map(lambda p, q: jnp.asarray(q, p.dtype), params, init_params)
-    state = train.init(params) if run.loco else train.init(params, prime_batch(run, config))
+    state = train.init(params, prime_batch(run, config))  # a delayed method primes its buffer
   if not resumed:
     events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
   return Begun(state, start, tokens_seen, extra, events, ckpt)

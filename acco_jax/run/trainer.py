@@ -101,6 +101,7 @@ def train_and_evaluate(
   peak = metrics_lib.peak_flops(jax.devices()[0])
   plan = train.inner.plan if run.loco else train.plan
   comm_stage = metrics_lib.comm_bytes_per_stage(plan, train.layout.padded_size, train.num_devices)
+  comm_stage *= getattr(train, "stages_per_step", 1)  # LoCo's ACCO inner step: two stages
   if lead:
     print(
       f"method={config.method} devices={n} params={n_params:,} vocab={run.model_cfg.V} "
