@@ -44,3 +44,26 @@ def test_readme_library_example_runs_as_written():
   theta, metrics = scope["theta"], scope["metrics"]
   assert jax.tree.structure(theta) == jax.tree.structure(params)
   assert np.isfinite(float(np.mean(metrics["loss"])))
+
+
+def test_readme_muon_example_runs_as_written():
+  """The second block: Muon through the public API with its defaults (the owner layout chosen by
+  ``layout='auto'``, optax's global clip first)."""
+  text = README.read_text()
+  m = re.search(r"stays global:\s*```python\n(.*?)```", text, re.S)
+  assert m, "README has no Muon example after 'stays global:'"
+  cfg = model.get_config("tiny", dtype="float32", L=16)
+  params = model.init_params(cfg, 0)
+  n, k, rows = len(jax.devices()), 4, 2
+  r = np.random.default_rng(0)
+  tokens = lambda count: r.integers(0, cfg.V, size=(count, cfg.L + 1), dtype=np.int32)
+  rows_of = lambda t: {"inputs": t[:, :-1], "targets": t[:, 1:]}
+  import acco_jax
+
+  scope = {
+    "acco_jax": acco_jax, "optax": optax, "loss_fn": lambda p, mb: model.loss_fn(p, cfg, mb)[0],
+    "params": params, "mesh": jax.make_mesh((n,), ("data",)),
+    "first_microbatch": rows_of(tokens(n * rows)), "batch": rows_of(tokens(n * k * rows)),
+  }  # fmt: skip
+  exec(compile(m.group(1), str(README), "exec"), scope)
+  assert scope["train"].owner and np.isfinite(float(np.mean(scope["metrics"]["loss"])))

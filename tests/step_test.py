@@ -150,11 +150,17 @@ def test_unknown_axis_name_is_a_clear_error():
   ids=["adafactor", "muon"],
 )
 @pytest.mark.parametrize("method", [acco_jax.acco, acco_jax.zero1])
-def test_non_elementwise_inner_is_rejected(method, inner):
+def test_non_elementwise_inner_takes_the_owner_layout(method, inner):
+  """layout='auto' (the default) gives an optimizer that is not elementwise whole matrices; the
+  elementwise layout, asked for, refuses it in one line."""
   params = {"w": jnp.ones((16, 24)), "b": jnp.ones(24)}
   mesh = jax.make_mesh((N,), ("data",))
+  train = acco_jax.make_train_step(loss_fn, method(inner), mesh, num_microbatches=1, params=params)
+  assert train.plan.layout == "owner" and train.owner
   with pytest.raises(ValueError, match="shaped differently.*comm.layout=owner") as info:
-    acco_jax.make_train_step(loss_fn, method(inner), mesh, num_microbatches=1, params=params)
+    acco_jax.make_train_step(
+      loss_fn, method(inner, layout="elementwise"), mesh, num_microbatches=1, params=params
+    )
   assert "\n" not in str(info.value)
   # DDP keeps the whole state on each device, so any optimizer works there
   acco_jax.make_train_step(loss_fn, acco_jax.ddp(inner), mesh, num_microbatches=1, params=params)

@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from acco_jax.dp import quantize as quantize_lib
@@ -60,7 +59,9 @@ class CommPlan(NamedTuple):
       ``comm_dtype``; only node sums are quantized and cross nodes. 1: every device quantizes.
     layout: how a sharded method splits the optimizer over the data axis: ``elementwise``
       (:mod:`acco_jax.dp.flat`, every leaf in ``N`` chunks) or ``owner`` (:mod:`acco_jax.dp.owner`,
-      each weight matrix whole on one device: Muon, Adafactor). ``auto``: elementwise.
+      each weight matrix whole on one device: Muon, Adafactor). ``auto``: the owner layout for an
+      inner optimizer that is not elementwise (acco, zero1; :mod:`acco_jax.dp.layouts`), else
+      elementwise. :func:`acco_jax.make_train_step` resolves it.
   """
 
   name: str
@@ -83,12 +84,13 @@ class CommPlan(NamedTuple):
 
 
 class MethodTransformation(optax.GradientTransformationExtraArgs):
-  """An ``optax.GradientTransformationExtraArgs`` that also carries its :class:`CommPlan` as ``.plan``."""
+  """An ``optax.GradientTransformationExtraArgs`` that also carries its :class:`CommPlan` as
+  ``.plan`` and the inner optimizer it wraps as ``.inner``."""
 
 
-def _method(init_fn, update_fn, plan: CommPlan) -> MethodTransformation:
+def _method(init_fn, update_fn, plan: CommPlan, inner=None) -> MethodTransformation:
   tx = MethodTransformation(init_fn, update_fn)
-  tx.plan = plan
+  tx.plan, tx.inner = plan, inner
   return tx
 
 
@@ -188,7 +190,9 @@ def acco(
     quantize, block, error_feedback, node_size: quantized communication (see :class:`CommPlan`;
       ``none`` by default).
     layout: ``auto``, ``elementwise`` or ``owner`` (see :class:`CommPlan`); with ``owner`` the
-      inner optimizer may be any per-leaf transform (``optax.contrib.muon``, ``adafactor``).
+      inner optimizer may be any per-leaf transform (``optax.contrib.muon``, ``adafactor``), and
+      ``auto`` takes it for them by itself. An ``optax.clip_by_global_norm`` first in the inner
+      chain stays global on the owner layout (:mod:`acco_jax.dp.layouts`).
 
   Returns:
     A :class:`MethodTransformation` with state :class:`AccoState` and plan ``acco``.
@@ -230,7 +234,7 @@ def acco(
     **_quantized(quantize, block, error_feedback, node_size),
     layout=_layout(layout, quantize),
   )
-  return _method(init_fn, update_fn, plan)
+  return _method(init_fn, update_fn, plan, inner)
 
 
 # -- Baselines ------------------------------------------------------------------------------------
@@ -238,7 +242,7 @@ def acco(
 
 def _passthrough(inner, plan: CommPlan) -> MethodTransformation:
   inner = optax.with_extra_args_support(inner)
-  return _method(inner.init, inner.update, plan)
+  return _method(inner.init, inner.update, plan, inner)
 
 
 def ddp(inner, *, axis_name: str = "data", comm_dtype=jnp.bfloat16) -> MethodTransformation:
@@ -281,7 +285,9 @@ def zero1(
     quantize, block, error_feedback, node_size: quantized communication (see :class:`CommPlan`;
       ``none`` by default).
     layout: ``auto``, ``elementwise`` or ``owner`` (see :class:`CommPlan`); with ``owner`` the
-      inner optimizer may be any per-leaf transform (``optax.contrib.muon``, ``adafactor``).
+      inner optimizer may be any per-leaf transform (``optax.contrib.muon``, ``adafactor``), and
+      ``auto`` takes it for them by itself. An ``optax.clip_by_global_norm`` first in the inner
+      chain stays global on the owner layout (:mod:`acco_jax.dp.layouts`).
 
   Returns:
     The inner transform with plan ``zero1``.
@@ -371,7 +377,7 @@ def wp(inner, *, axis_name: str = "data", comm_dtype=jnp.bfloat16) -> MethodTran
     return _tree_sub(predicted, params), WpState(new_inner, committed)
 
   plan = CommPlan("wp", axis_name, comm_dtype, sharded=True, delayed=True)
-  return _method(init_fn, update_fn, plan)
+  return _method(init_fn, update_fn, plan, inner)
 
 
 def get_method(name: str, inner, **kwargs) -> MethodTransformation:
@@ -380,36 +386,6 @@ def get_method(name: str, inner, **kwargs) -> MethodTransformation:
   if name not in factories:
     raise ValueError(f"unknown method {name!r}: choose one of {', '.join(METHODS)}")
   return factories[name](inner, **kwargs)
-
-
-def check_elementwise(tx, plan: CommPlan, params_like, layout, elementwise=None) -> None:
-  """Rejects inner optimizers that are not elementwise (``elementwise``, or judged by
-  :func:`is_elementwise`: state shaped unlike the parameters)."""
-  if elementwise is None:
-    elementwise = is_elementwise(tx, params_like, layout)
-  if plan.sharded and not elementwise:
-    raise ValueError(
-      f"method {plan.name!r} shards the optimizer elementwise (ZeRO-1), but the inner "
-      "optimizer keeps state shaped differently from the parameters (e.g. Adafactor's factored "
-      "moments, Muon's whole-matrix update): use the owner layout (comm.layout=owner; "
-      "layout='owner' in acco or zero1), an elementwise optimizer (adamw, sgd, lion) or ddp"
-    )
-
-
-def is_elementwise(tx, params_like, layout) -> bool:
-  """Whether ``tx`` keeps the same state on ``layout``'s ``[N, s_l]`` chunks as on the params."""
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.float32), params_like)
-  full = jax.eval_shape(tx.init, shapes)
-  flat = jax.eval_shape(tx.init, layout.shard_shapes())
-  allowed = {}
-  for spec in layout.specs:
-    allowed.setdefault(spec.shape, set()).add((layout.num_shards, spec.chunk))
-  full_leaves, full_def = jax.tree.flatten(full)
-  flat_leaves, flat_def = jax.tree.flatten(flat)
-  return full_def == flat_def and all(
-    a.shape == b.shape or b.shape in allowed.get(a.shape, ())
-    for a, b in zip(full_leaves, flat_leaves, strict=True)
-  )
 
 
 # -- State inspection -----------------------------------------------------------------------------

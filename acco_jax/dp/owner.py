@@ -258,39 +258,3 @@ class OwnerLayout:
 
   def _leaves(self, tree: PyTree) -> list:
     return flat_lib.leaves_of(tree, self.treedef)
-
-
-def check_per_leaf(tx, name: str, view_like) -> None:
-  """Rejects an inner optimizer whose update of one leaf reads another (for the owner layout).
-
-  The owner layout runs the optimizer vmapped over the devices' slots, so a transform coupling
-  leaves (``optax.clip_by_global_norm``) would see one device's only. Probed on ``view_like``'s structure
-  with every dimension cut to 3: the update of the first and of the last leaf must not change when
-  all the other gradients are scaled by 100.
-  """
-  small = [
-    jax.ShapeDtypeStruct(tuple(min(int(d), 3) for d in x.shape[1:]), jnp.float32)
-    for x in jax.tree.leaves(view_like)
-  ]
-  treedef = jax.tree.structure(view_like)
-  keys = jax.random.split(jax.random.key(0), 2 * len(small))
-  grads = [jax.random.normal(k, x.shape) for k, x in zip(keys, small, strict=False)]
-  params = treedef.unflatten(
-    [jax.random.normal(k, x.shape) for k, x in zip(keys[len(small) :], small, strict=True)]
-  )
-
-  @jax.jit  # one program for the three probes (run eagerly, each optax op compiles on its own)
-  def update(scales):  # a global-norm clip that takes the norm as an argument reads nothing else
-    g = treedef.unflatten([x * s for x, s in zip(grads, scales, strict=True)])
-    return jax.tree.leaves(tx.update(g, tx.init(params), params, global_norm=jnp.float32(1))[0])
-
-  base = update(jnp.ones(len(small)))
-  for i in {0, len(small) - 1}:
-    other = update(jnp.asarray([1.0 if j == i else 100.0 for j in range(len(small))]))
-    if not np.allclose(base[i], other[i], rtol=1e-5, atol=1e-7):
-      raise ValueError(
-        f"method {name!r} with layout='owner' runs the inner optimizer on each device's "
-        "items alone, but its update of one leaf reads others (e.g. clip_by_global_norm): use "
-        "per-leaf transforms (clip_by_block_rms, muon, adafactor, adamw), "
-        "acco_jax.run.optim.clip_by_global_norm (the global norm given), or the elementwise layout"
-      )

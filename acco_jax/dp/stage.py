@@ -71,11 +71,11 @@ class StageProgram:
 
   def __init__(
     self, loss_fn: Callable, tx, plan, mesh, layout: FlatLayout, qcomm: QuantizedComm, has_aux,
-    num_microbatches, skip_nonfinite, replica_axis,
+    num_microbatches, skip_nonfinite, replica_axis, global_clip: float | None = None,
   ):  # fmt: skip
     self.loss_fn, self.tx, self.plan, self.mesh, self.layout = loss_fn, tx, plan, mesh, layout
     self.has_aux, self.skip_nonfinite, self.replica_axis = has_aux, skip_nonfinite, replica_axis
-    self.num_microbatches = num_microbatches
+    self.num_microbatches, self.global_clip = num_microbatches, global_clip
     self.num_replicas = mesh.shape[replica_axis] if replica_axis else 1
     self.comm_dtype = jnp.dtype(plan.comm_dtype)
     self.qcomm = qcomm
@@ -353,7 +353,11 @@ class StageProgram:
     norm, update = optax.tree.norm(grads), self.tx.update
     if self.plan.sharded and self.plan.layout == "owner":  # each device's slots on their own;
       # a global-norm clip (acco_jax.run.optim.clip_by_global_norm) takes the whole tree's norm
-      # (empty slots and padding are zeros: they add nothing to it)
+      # (empty slots and padding are zeros: they add nothing to it); optax's, first in the chain,
+      # is applied here to the whole gradient (dp/layouts.py): its per-slot copy does nothing
+      if self.global_clip is not None:
+        c = self.global_clip
+        grads = jax.tree.map(lambda g: jnp.where(norm < c, g, g / norm * c), grads)
       one = lambda g, s, p: self.tx.update(g, s, p, global_norm=norm)
       update = jax.vmap(one, spmd_axis_name=self.plan.axis_name)
     updates, new_opt_state = update(grads, opt_state, params)

@@ -25,11 +25,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.dp import carry, methods, quantize, reshard_owner
-from acco_jax.dp.flat import FlatLayout, TreeLayout
-from acco_jax.dp.owner import OwnerLayout, check_per_leaf
+from acco_jax.dp import elastic, layouts, methods, quantize
 from acco_jax.dp.quantized_comm import QuantizedComm
-from acco_jax.dp.reshard import reshard_state, saved_num_devices
 from acco_jax.dp.stage import StageProgram
 
 PyTree = Any
@@ -60,7 +57,7 @@ class TrainState(NamedTuple):
   residual: jax.Array | None = None
 
 
-class TrainStep:
+class TrainStep(elastic.Elastic):
   """A compiled data-parallel training step for one method. Build it with :func:`make_train_step`.
 
   Attributes:
@@ -104,31 +101,25 @@ class TrainStep:
     self.num_devices = self.mesh.shape[axis]
     self.num_microbatches = int(num_microbatches)
     self.comm_dtype = jnp.dtype(self.plan.comm_dtype)
-    self.owner = self.plan.sharded and self.plan.layout == "owner"
     # the method transform on another device count (a checkpoint's: the owner layout's masks are in
     # that count's view); the config's build sets it, a transform with callable masks needs none
     self.source_tx = lambda n: self.tx
-    if self.owner:
-      self.layout = OwnerLayout(params_like, self.num_devices, owned)
-      check_per_leaf(self.tx, self.plan.name, jax.eval_shape(self.layout.to_shards, params_like))
-    else:
-      self.layout = FlatLayout(params_like, self.num_devices)
-      if elementwise is None:
-        elementwise = methods.is_elementwise(tx, params_like, self.layout)
-      methods.check_elementwise(self.tx, self.plan, params_like, self.layout, elementwise)
-      whole = not self.plan.sharded and replica_axis is None
-      if whole and not elementwise:
-        self.layout = TreeLayout(params_like, self.num_devices)  # ddp(muon): whole parameters
+    # layout='auto' resolved: the owner layout for an inner optimizer that is not elementwise
+    self.plan, self.layout, clip = layouts.choose(
+      tx, self.plan, params_like, self.num_devices, owned, elementwise, replica_axis
+    )
+    self.owner = self.plan.sharded and self.plan.layout == "owner"
     self.qcomm = QuantizedComm(self.plan, self.num_devices, self.layout.shard_size, replica_axis)
     self.quantized, self.quantized_reduce = self.qcomm.quantized, self.qcomm.reduce
     self.program = StageProgram(
       loss_fn, tx, self.plan, self.mesh, self.layout, self.qcomm, has_aux, self.num_microbatches,
-      skip_nonfinite, replica_axis,
+      skip_nonfinite, replica_axis, global_clip=clip,
     )  # fmt: skip
     self.keeps_residual = self.program.keeps_residual
     self._sharding = functools.partial(NamedSharding, self.mesh)
     self._compiled = {}  # every jitted program and helper, built once
     self._stage_of = None  # (the stage array the last step returned, its value on the host)
+    self.state_type = TrainState
 
   # -- shardings --------------------------------------------------------------------------------
 
@@ -311,47 +302,6 @@ class TrainStep:
     fn = lambda w: self.layout.unravel(w, self.comm_dtype)
     return self._helper("compute_params", fn)(state.w)
 
-  # -- elastic restore ----------------------------------------------------------------------------
-
-  def reshard(self, saved: TrainState) -> TrainState:
-    """A state saved on another device count (host numpy leaves) -> numpy leaves for this step.
-
-    Pass it as ``reshard=`` to :meth:`acco_jax.run.checkpoint.Checkpointer.restore`; weights and
-    optimizer state move bit for bit, the gradient buffers keep their sums over devices (see
-    :mod:`acco_jax.dp.reshard`).
-    """
-    if self.owner:  # owners reassigned (acco_jax.dp.reshard_owner)
-      old_tx = self.source_tx(saved_num_devices(saved))
-      return reshard_owner.reshard_owner_state(saved, old_tx, self.layout, self.tx, self.comm_dtype)
-    return reshard_state(saved, self.layout, self.tx)
-
-  def saved_like(self, shapes: dict) -> TrainState | None:
-    """The structure of a checkpoint whose leaf paths differ from this state's (``shapes``: path ->
-    saved shape): with the owner layout, a state saved on another device count has other slots.
-    ``None`` for the other layouts (their paths never change)."""
-    n = next((s[0] for p, s in shapes.items() if p.startswith(".params") and s), None)
-    if not self.owner or n is None:
-      return None
-    old = reshard_owner.source_layout(self.layout, int(n))
-    tx = self.source_tx(int(n))
-    return TrainState(**reshard_owner.saved_structure(old, tx, self.plan.delayed, self.comm_dtype))
-
-  def saved_num_devices(self, saved: TrainState) -> int:
-    """The device count ``saved`` (host numpy leaves) was written on."""
-    return saved_num_devices(saved)
-
-  # -- another run kind (ckpt.init_from; acco_jax.run.portable) -----------------------------------
-
-  def export_state(self, saved: TrainState):
-    """A saved state (host numpy, any device count) -> :class:`acco_jax.run.portable.Portable`:
-    θ and the inner state in the model's structure (:mod:`acco_jax.dp.carry`)."""
-    return carry.export_state(self, saved)
-
-  def import_state(self, portable, stage: int, microbatch: PyTree | None = None) -> TrainState:
-    """The state of a run that starts from ``portable`` at ``stage``, placed; a delayed method
-    primes its buffer with ``microbatch`` as :meth:`init` does (:mod:`acco_jax.dp.carry`)."""
-    return carry.import_state(self, portable, stage, microbatch)
-
   def describe(self) -> str:
     """One line on the quantized communication ('' when the plan quantizes nothing)."""
     return quantize.describe(self.plan, self.num_devices, self.layout.shard_size)
@@ -439,8 +389,8 @@ def make_train_step(
       optimizer then sees :meth:`acco_jax.dp.owner.OwnerLayout.view`'s structure: build its
       masks with that method.
     elementwise: whether the inner optimizer updates each element on its own (if not, DDP gives
-      it whole leaves, the sharded methods need ``layout='owner'``). Default: judged by its state
-      shapes, which a masked Muon passes (elementwise-shaped momentum): say ``False`` for it.
+      it whole leaves, and ``layout='auto'`` gives acco and zero1 the owner layout). Default: judged
+      by its state shapes, which a Muon masked to elementwise-shaped state passes: say ``False``.
 
   Returns:
     A :class:`TrainStep` with ``init``, ``step``, ``params`` and ``compute_params``.
