@@ -1,0 +1,36 @@
+"""docs/compositions.md is what the code does: ``bench/compat.py`` builds every combination again
+(a few minutes: marked slow, run by .ci/run) and the page must come out the same, every refusal one
+line. The table's shape is checked by default."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+import compat  # noqa: E402
+
+
+def test_the_page_has_a_cell_per_combination():
+  text = compat.OUT.read_text()
+  for title, rows in compat.TABLES.items():
+    assert f"## {title}" in text
+    for row in rows:
+      line = next(x for x in text.splitlines() if x.startswith(f"| {compat.label_of(row)} |"))
+      cells = [c.strip() for c in line.strip("|").split("|")[1:]]
+      assert len(cells) == len(compat.OPTIMIZERS), line
+      assert all(c.startswith(("runs", "no (")) for c in cells), line
+  assert "runs · `loco_acco_test`" in text  # ACCO inside the workers is in the table
+
+
+@pytest.mark.slow
+def test_the_page_is_current_and_every_refusal_is_one_line():
+  from acco_jax.run import parallel
+
+  parallel.configure_platform(cpu_devices=8)
+  results = compat.collect()
+  refusals = [t for rows in results.values() for by in rows.values() for t, _ in by.values()
+              if t != "runs"]  # fmt: skip
+  assert refusals and all("\n" not in t for t in refusals), [t for t in refusals if "\n" in t]
+  assert compat.render(results) == compat.OUT.read_text(), "run python bench/compat.py"
