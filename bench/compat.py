@@ -40,7 +40,9 @@ LOCO = ("diloco", "streaming_diloco", "noloco", "sparseloco", "demo")
 TABLES = {
   "Data-parallel methods": [
     {"method": m, "comm.layout": lay, "comm.quantize": q}
-    for m, lay, q in itertools.product(DP, ("auto", "elementwise", "owner"), ("none", "int8", "int4"))
+    for m, lay, q in itertools.product(
+      DP, ("auto", "elementwise", "owner"), ("none", "int8", "int4")
+    )
   ],
   "Low-communication methods (4 workers x 2 devices)": [
     {"method": m, "loco.workers": 4, "loco.inner": i, "loco.outer_overlap": o}
