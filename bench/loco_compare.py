@@ -352,11 +352,16 @@ HOPS = {
 }
 
 
-def project(label: str, prog: dict, steps: float, gbit: float, outer_overlap: str = "none") -> dict:
+def project(
+  label: str, prog: dict, steps: float, gbit: float, outer_overlap: str = "none",
+  inner_method: str = "zero1",
+) -> dict:  # fmt: skip
   """Modelled seconds to ``steps`` inner steps at ``gbit`` Gbit/s between workers.
 
   Data-parallel methods: :func:`acco_jax.analysis.perfmodel.step_time` on 8 nodes of 8 GPUs. LoCo methods:
-  an inner step is ZeRO-1 on one node of 8 GPUs; each sync of fragment ``p`` (every ``H`` steps)
+  an inner step is ``inner_method`` (ZeRO-1, or ACCO: its collectives hidden behind its two halves)
+  on one node of 8 GPUs (``inner_exposed_s``: what it waits for its own collectives); each sync of
+  fragment ``p`` (every ``H`` steps)
   takes ``hops x latency + wire_p / bandwidth`` (``wire_p``: the accounting's bytes a worker sends,
   scaled from the CPU model to GPT-2's parameter count) and is hidden behind ``τ`` inner steps, or,
   with ``outer_overlap`` delayed or eager, behind the ``H/P`` inner steps of the phase it runs
@@ -373,7 +378,10 @@ def project(label: str, prog: dict, steps: float, gbit: float, outer_overlap: st
   acct = prog["accounting"]
   if label in LOCO:
     m = a["workers"]
-    inner = pm.step_time("zero1", _work(a, compute, 1), pm.Cluster(1, a["gpus_per_worker"], intra))
+    k = 2 if inner_method == "acco" else 1
+    inner = pm.step_time(
+      inner_method, _work(a, compute, k), pm.Cluster(1, a["gpus_per_worker"], intra)
+    )
     hops = {"ar": 2 * (m - 1), "ag": m - 1, "pair": 1}[HOPS[label]]
     hidden = acct["overlap_steps"]
     if outer_overlap != "none":
@@ -382,14 +390,15 @@ def project(label: str, prog: dict, steps: float, gbit: float, outer_overlap: st
     for wire in acct["sync_wire"].values():
       t = hops * inter.latency + wire * scale / inter.bandwidth
       exposed += max(0.0, t - hidden * inner.time) / acct["sync_every"]
-    step_s, compute_s = inner.time + exposed, inner.compute
+    step_s, compute_s, inner_exposed = inner.time + exposed, inner.compute, inner.exposed
   else:
     cluster = pm.Cluster(a["workers"], a["gpus_per_worker"], intra, inter)
     st = pm.step_time(label, _work(a, compute, 2 if label == "acco" else 1), cluster)
-    step_s, compute_s, exposed = st.time, st.compute, st.exposed
+    step_s, compute_s, exposed, inner_exposed = st.time, st.compute, st.exposed, 0.0
   return {
     "step_s": step_s,
     "exposed_s": exposed,
+    "inner_exposed_s": inner_exposed,
     "time_s": steps * step_s,
     "compute_share": compute_s / step_s,
   }

@@ -14,7 +14,9 @@ directories ``<out>/runs/loco_compare/<label>/seed<k>/``, resumable). The cases:
   programs replace τ (a fragment's reduction runs for the ``H/P`` steps until the next fragment's
   sync), so the blocking run is the same method without τ;
 * SparseLoCo at H = 15 (where it is competitive with DiLoCo in ``loco_compare``);
-* DiLoCo at H = 15 with plain averaging as its outer step (``loco.outer_lr=1``, no momentum).
+* DiLoCo at H = 15 with plain averaging as its outer step (``loco.outer_lr=1``, no momentum);
+* DiLoCo at H = 15 on 4 workers of 2 devices, with ``loco.inner=zero1`` and ``loco.inner=acco``
+  (issue 47: ACCO inside the workers, at equal tokens).
 
 ``--updates`` shortens every run (the same for every mode, so the comparison stays at equal
 tokens). Reported per case and mode: the final eval loss (mean ± std over seeds) and the paired
@@ -28,6 +30,8 @@ Usage::
   python bench/loco_overlap.py --collect --updates 200 --seeds 0 1 2 \
     --merge bench/results/loco_overlap_seed0.json      # seed 0's runs from an earlier JSON
   python bench/loco_overlap.py --smoke --out /tmp/lo     # CI-size: tiny model, 4 steps, 1 seed
+  python bench/loco_overlap.py --jobs 1 --updates 200 --modes none eager --json loco_acco_inner.json \
+    --cases "diloco H=15 4x2 zero1 inside" "diloco H=15 4x2 acco inside"   # ACCO inside workers
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ CASES = {
   "diloco H=15 plain averaging": (
     "diloco@loco.sync_every=15,loco.outer_lr=1.0,loco.outer_momentum=0.0"
   ),
+  # the inner step of 4 workers of 2 devices: ZeRO-1 (its collectives waited for) or ACCO (hidden)
+  "diloco H=15 4x2 zero1 inside": "diloco@loco.sync_every=15,loco.workers=4,loco.inner=zero1",
+  "diloco H=15 4x2 acco inside": "diloco@loco.sync_every=15,loco.workers=4,loco.inner=acco",
 }
 
 
@@ -133,6 +140,7 @@ def main(argv=None) -> int:
   p.add_argument("--out", type=Path, default=common.RESULTS)
   p.add_argument("--seeds", nargs="+", type=int, default=list(loco_compare.SEEDS))
   p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+  p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
   p.add_argument("--updates", type=int, help="inner steps per run (default: the setting's)")
   p.add_argument("--jobs", type=int, default=1)
   p.add_argument("--timeout", type=float, default=3600)
@@ -145,7 +153,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.smoke:
     args.seeds, args.updates = [0], None
-  labels = [label(c, m, args.updates) for c in args.cases for m in MODES]
+  labels = [label(c, m, args.updates) for c in args.cases for m in args.modes]
   for text in labels:
     loco_compare.make_config(text, 0, args.smoke)  # a bad value stops here, before any run
   plan = [(text, k) for k in args.seeds for text in labels]  # seed-major
