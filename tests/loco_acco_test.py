@@ -152,8 +152,8 @@ def test_no_collective_on_the_loops_within_or_across_workers():
 
 @pytest.mark.parametrize(
   "name",
-  ["streaming_diloco", *(pytest.param(n, marks=pytest.mark.slow) for n in
-                         ("noloco", "sparseloco_eager", "demo"))],
+  [pytest.param(n, marks=pytest.mark.slow) for n in
+   ("streaming_diloco", "noloco", "sparseloco_eager", "demo")],
 )  # fmt: skip
 def test_every_loco_method_trains_with_acco_inside(tmp_path, name):
   """Through the trainer, tiny preset, 8 devices: Streaming DiLoCo's fragments (a window of tau

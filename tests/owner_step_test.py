@@ -178,7 +178,7 @@ def clipped_muon(clip=0.05):
   [
     ("acco", clipped_muon, params_with_stack, 4),
     pytest.param("zero1", clipped_muon, params_with_stack, 2, marks=pytest.mark.slow),
-    ("zero1", adafactor, lambda: as_f32(init_params()), 2),
+    pytest.param("zero1", adafactor, lambda: as_f32(init_params()), 2, marks=pytest.mark.slow),
   ],
   ids=["acco-clipped-muon", "zero1-clipped-muon", "zero1-adafactor"],
 )

@@ -48,7 +48,15 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# ddp's stage is zero1's 'sync' program with an all-reduce, and the pipeline's loop runs in
+# .ci/run's slow step: the README command's time is bounded
+SLOW = ("ddp", "pipeline")
+
+
+@pytest.fixture(
+  scope="module",
+  params=[pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in FAMILIES],
+)
 def traced_run(request, tmp_path_factory):
   module, overrides, updates, settled = FAMILIES[request.param]
   config = tiny(module, **{**SMALL, **overrides, "train.log_every": 1, "train.eval_every": 0,
