@@ -30,14 +30,9 @@ import acco_jax
 from acco_jax import model
 from acco_jax.analysis import hlo
 from acco_jax.run import parallel
+from tests import cuda_plugin
 
-pytestmark = [
-  pytest.mark.cuda_plugin,
-  pytest.mark.skipif(
-    not parallel.has_cuda_plugin(),
-    reason='needs the CUDA PJRT plugin: pip install "jax-cuda12-pjrt==<jaxlib version>"',
-  ),
-]
+pytestmark = cuda_plugin.MARKS
 
 V, VP, L, D, ROWS, K = 1000, 1024, 32, 64, 4, 2  # ROWS per microbatch, K microbatches per stage
 HEAD = "bld,vd->blv"  # the head's einsum, named in every GEMM it becomes

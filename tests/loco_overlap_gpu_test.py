@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from acco_jax.run import parallel
+from tests import cuda_plugin
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,10 +30,7 @@ def schedules(tmp_path_factory):
 
 
 @pytest.mark.cuda_plugin
-@pytest.mark.skipif(
-  not parallel.has_cuda_plugin(),
-  reason='needs the CUDA PJRT plugin: pip install "jax-cuda12-pjrt==<jaxlib version>"',
-)
+@cuda_plugin.NEEDS_PLUGIN
 def test_outer_all_reduce_brackets_the_inner_step_and_the_control_does_not(schedules):
   window, sync = schedules["window"], schedules["sync"]
   assert window["device_kind"].startswith("NVIDIA H100")

@@ -23,6 +23,7 @@ import jax
 import pytest
 
 from acco_jax.run import parallel
+from tests import cuda_plugin
 
 REPO = Path(__file__).resolve().parent.parent
 HAS_PLUGIN = parallel.has_cuda_plugin()
@@ -65,10 +66,7 @@ def check_brackets(schedule: dict) -> None:
 
 
 # .ci/run installs the plugin after the README's test command and runs `pytest -m cuda_plugin`.
-needs_plugin = pytest.mark.skipif(
-  not HAS_PLUGIN,
-  reason='needs the CUDA PJRT plugin: pip install "jax-cuda12-pjrt==<jaxlib version>"',
-)
+needs_plugin = cuda_plugin.NEEDS_PLUGIN
 needs_gpu = [
   pytest.mark.gpu,
   pytest.mark.skipif(

@@ -26,14 +26,9 @@ import acco_jax
 from acco_jax import model
 from acco_jax.analysis import hlo
 from acco_jax.run import parallel
+from tests import cuda_plugin
 
-pytestmark = [
-  pytest.mark.cuda_plugin,
-  pytest.mark.skipif(
-    not parallel.has_cuda_plugin(),
-    reason='needs the CUDA PJRT plugin: pip install "jax-cuda12-pjrt==<jaxlib version>"',
-  ),
-]
+pytestmark = cuda_plugin.MARKS
 
 N, ROWS, L = 2, 2, 32  # devices, rows per microbatch, tokens per row
 
