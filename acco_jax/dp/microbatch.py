@@ -44,13 +44,14 @@ def vary_like(x, ref):
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def lower(count, h):
-  """``min(count, h)``, static when ``count`` is (a budget of ``None`` means all ``k``)."""
+def loop_a_end(count, h):
+  """Where a delayed stage's loop A ends for a device of ``count`` microbatches: ``min(count, h)``,
+  static when ``count`` is."""
   return min(count, h) if isinstance(count, int) else jnp.minimum(count, h)
 
 
-def upper(count, h):
-  """``max(count, h)``, static when ``count`` is."""
+def loop_b_end(count, h):
+  """Where its loop B (from ``h``) ends: ``max(count, h)``, static when ``count`` is."""
   return max(count, h) if isinstance(count, int) else jnp.maximum(count, h)
 
 
@@ -107,20 +108,20 @@ class MicrobatchLoop:
     ``rest_1xP`` if given.
     """
     zero = vary_like(jnp.zeros((), jnp.float32), jax.tree.leaves(params_var)[0])
-    none = vary_like(jnp.zeros((), jnp.int32), zero)  # also when ``count`` is a static int
+    no_count = vary_like(jnp.zeros((), jnp.int32), zero)  # varying, as a traced count would be
     rest = zero if rest_1xP is None else rest_1xP[0].astype(jnp.float32)
     if buf_1xP is not None:
       acc0 = self.layout.unravel(jnp.where(keep, buf_1xP[0].astype(jnp.float32), rest), jnp.float32)
-      n0 = jnp.where(keep, buf_count_1[0], none)
+      n0 = jnp.where(keep, buf_count_1[0], no_count)
     elif rest_1xP is not None:
-      acc0, n0 = self.layout.unravel(rest, jnp.float32), none
+      acc0, n0 = self.layout.unravel(rest, jnp.float32), no_count
     else:
       acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32) + zero, params_var)
-      n0 = none
+      n0 = no_count
     mb0 = jax.tree.map(lambda x: x[0], mbs)
     aux_shape = jax.eval_shape(self.grad_fn, params_var, mb0)[0][1]
     aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32) + zero, aux_shape)
-    return (acc0, none, zero, aux0), n0
+    return (acc0, no_count, zero, aux0), n0
 
   def run(self, params_var, mbs, lo, hi, carry):
     """Adds microbatches ``[lo, hi)`` to ``carry``: Python-int bounds give XLA a loop of known trip

@@ -265,10 +265,13 @@ class TrainStep(elastic.Elastic):
       kind = "sync" if stage < plan.warmup_steps else "fill" if stage == plan.warmup_steps else kind
     batch = self._put_batch(batch, per_device=self.num_microbatches)
     k = self.num_microbatches
-    if counts is None or (not isinstance(counts, jax.Array) and np.all(np.asarray(counts) == k)):
+    if counts is not None:
+      placed = self._put_counts(counts, k=k)  # checked (host counts) and placed once per value
+      counts = None if not isinstance(counts, jax.Array) and np.all(counts == k) else placed
+    if counts is None:
       state, metrics = self._jit(kind, state)(state, batch)
     else:
-      state, metrics = self._jit(kind, state, True)(state, batch, self._put_counts(counts, k=k))
+      state, metrics = self._jit(kind, state, True)(state, batch, counts)
     if plan.warmup_steps:
       self._stage_of = (state.stage, stage + 1)
     return state, metrics
