@@ -14,7 +14,6 @@ from configs import (
   gpt2_acco,
   gpt2_diloco,
   gpt2_dpu,
-  gpt2_pipeline,
   gpt2_streaming_diloco,
   gpt2_zero1,
 )
@@ -54,9 +53,6 @@ def test_muon_is_refused_where_it_cannot_run():
   config = tiny(gpt2_zero1, **{"opt.name": "muon", "comm.quantize": "int8"})
   with pytest.raises(errors.UserValueError, match="does not run with the owner layout"):
     dp_build.choose_layout(config, 8, p)
-  config = tiny(gpt2_pipeline, **{"opt.name": "muon"})
-  with pytest.raises(errors.UserValueError, match="not method=pipeline yet"):
-    build.build(config)
   config = tiny(gpt2_diloco, **{"opt.name": "muon", "loco.inner": "ddp"})
   with pytest.raises(errors.UserValueError, match="set loco.inner=zero1"):
     build.build(config)

@@ -95,16 +95,24 @@ def scheduled_plan(config, model_cfg: model.GPTConfig, num_devices: int):
   return plans.make(p, model_cfg, num_devices, mbs, rows, equal=True)
 
 
+def whole_matrices(config, shapes):
+  """The block's matrices an optimizer updates whole (``opt.name=muon``: Muon's), or None."""
+  return model.muon_mask(shapes)["blocks"]["0"] if config.opt.name == "muon" else None
+
+
 def _split_and_tx(config, model_cfg, stages: int, lanes: int):
-  """The run's blocks per stage, the parameters' shapes and the inner optimizer on the buffers."""
+  """The run's blocks per stage, the parameters' shapes and the inner optimizer on the buffers
+  (Muon: on the view of whole matrices, :func:`acco_jax.pipeline.packing.on_view`)."""
   p = config.pipeline
   # SkipPipe's paths skip whole stages: equal stages where they divide the blocks (the paper's)
   counts = packing_lib.stage_counts(
     model_cfg, stages, p.get("blocks_per_stage", "auto"), equal=p.schedule == "skippipe"
   )
   shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
-  buffers = pipe.packing_for(shapes, stages, counts, lanes)
-  return counts, shapes, build_lib.inner_optimizer(config, shapes, lambda _: buffers.decay_mask())
+  matrices = whole_matrices(config, shapes)
+  buffers = pipe.packing_for(shapes, stages, counts, lanes, matrices)
+  tx = build_lib.inner_optimizer(config, shapes, view=buffers.view_mask)
+  return counts, shapes, tx if matrices is None else packing_lib.on_view(tx, buffers)
 
 
 def source_step(config, model_cfg: model.GPTConfig, num_devices: int) -> carry.SourceStep:
@@ -115,7 +123,7 @@ def source_step(config, model_cfg: model.GPTConfig, num_devices: int) -> carry.S
   data_method = config.pipeline.get("data_method", "ddp")
   if data_method == "acco":
     tx = methods.acco(tx)
-  packing = pipe.packing_for(shapes, stages, counts)
+  packing = pipe.packing_for(shapes, stages, counts, matrices=whole_matrices(config, shapes))
   comm = jnp.dtype(config.comm_dtype)
   build = lambda params: build_state(packing, tx, data_method, 1, comm, params)
   return carry.SourceStep(packing, tx, data_method, build)
@@ -148,7 +156,7 @@ def build_run(config) -> build_lib.Run:
   counts, shapes, tx = _split_and_tx(config, model_cfg, stages, lanes)
   train = PipelineTrainStep(
     model_cfg, tx, mesh, schedule, shapes, planned, counts, p.get("data_method", "ddp"),
-    jnp.dtype(config.comm_dtype),
+    jnp.dtype(config.comm_dtype), whole_matrices(config, shapes),
   )  # fmt: skip
   axis = pipe.DATA if lanes > 1 and not schedule.mesh_wide else None
   return build_lib.Run(

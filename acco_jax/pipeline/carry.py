@@ -36,8 +36,17 @@ def _updates(data_method: str, stage: int) -> int:
   return max(stage - 1, 0) // 2 if data_method == "acco" else stage
 
 
+def _check(packing) -> None:
+  if packing.matrix_slots:
+    raise ValueError(
+      "a pipeline run with opt.name=muon keeps its optimizer state per stacked matrix; it cannot "
+      "be carried to another run kind yet: resume it in its own workdir"
+    )
+
+
 def export_state(packing, data_method: str, saved) -> Portable:
   """``saved`` (host numpy, as written) -> :class:`Portable` (see the module)."""
+  _check(packing)
   opt = saved.opt_state
   acco = isinstance(opt, AccoState)
   theta = opt.committed if acco else saved.params
@@ -60,6 +69,7 @@ def export_state(packing, data_method: str, saved) -> Portable:
 
 def import_state(step, portable: Portable, stage: int):
   """:class:`Portable` -> ``step``'s state, placed, at stage ``stage`` (see the module)."""
+  _check(step.packing)
   like = step.params_like
   abstract = step.abstract_state(like)
   acco = isinstance(abstract.opt_state, AccoState)

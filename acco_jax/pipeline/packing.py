@@ -30,6 +30,22 @@ optimizers (weight decay of zero is zero).
 
 ``pack`` and ``unpack`` move numbers and never change them (numpy in, numpy out; jax in, jax out),
 so a checkpoint converts between this layout and the model's bit for bit.
+
+**Whole matrices** (``matrices=``, Muon: ``opt.name=muon``). An optimizer that updates each weight
+matrix whole cannot run on flat buffers cut over the data lanes. With a mask of the block's
+matrices the packing takes them out of ``decay`` into a third buffer, ``matrices``, of ``K'``
+slots (``K`` rounded up to a multiple of the lanes; the extra slots stay zero), nothing else in it:
+
+.. code-block:: none
+
+  matrices  [ slot 0: block's matrices | slot 1 | ... | slot K' - 1 ]     P_m = K' * block_m
+
+Cut over ``L`` lanes (ZeRO-1, ACCO) each lane holds ``K' / L`` whole slots: the owner layout over a
+stage's lanes, with no collective beyond the elementwise layout's (the reduce-scatter lands each
+matrix on its owner). :meth:`StagePacking.view` shows the optimizer that buffer as ``[S, K', a, b]``
+stacks of matrices (the leading axes are batch axes for Muon) beside the other buffers, and
+:func:`on_view` runs an optax transform on that view. A zero slot stays zero under Muon's
+Newton–Schulz iterations and its weight decay.
 """
 
 from __future__ import annotations
@@ -40,10 +56,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from acco_jax import errors, model
 
 GROUPS = ("decay", "nodecay")
+MATRICES = "matrices"
 
 
 class _Leaf(NamedTuple):
@@ -70,11 +88,12 @@ def _set(tree: dict, keys, value) -> None:
   tree[keys[-1]] = value
 
 
-def _leaves(tree, mask) -> tuple[list[_Leaf], dict[str, int]]:
-  out, used = [], dict.fromkeys(GROUPS, 0)
+def _leaves(tree, mask, whole=None) -> tuple[list[_Leaf], dict[str, int]]:
+  out, used = [], dict.fromkeys((MATRICES, *GROUPS), 0)
   masked = dict(jax.tree_util.tree_leaves_with_path(mask))
+  whole = dict(jax.tree_util.tree_leaves_with_path(whole)) if whole is not None else {}
   for path, x in jax.tree_util.tree_leaves_with_path(tree):
-    group = GROUPS[0] if masked[path] else GROUPS[1]
+    group = MATRICES if whole.get(path) else GROUPS[0] if masked[path] else GROUPS[1]
     size = int(np.prod(x.shape))
     out.append(_Leaf(_keys(path), tuple(x.shape), size, group, used[group]))
     used[group] += size
@@ -142,14 +161,18 @@ class StagePacking:
     params_like: the model's parameter tree (arrays or ``ShapeDtypeStruct``), one dtype.
     counts: blocks per stage, each >= 1, summing to the model's blocks.
     multiple: every buffer length is a multiple of this (the data lanes that shard it).
+    matrices: a pytree of bools like one block's parameters, True for the matrices an optimizer
+      updates whole (``model.muon_mask(params)['blocks']['0']``): they go to the ``matrices``
+      buffer, ``multiple`` divides its slots (see the module docstring). None: no such buffer.
 
   Attributes:
     counts, starts: blocks per stage and each stage's first block.
     slots: ``K``, the most blocks on one stage.
+    matrix_slots: ``K'``, the slots of the ``matrices`` buffer (0 without one).
     sizes: ``{g: P_g}``, buffer length per group.
   """
 
-  def __init__(self, params_like, counts, multiple: int = 1):
+  def __init__(self, params_like, counts, multiple: int = 1, matrices=None):
     counts = tuple(int(c) for c in counts)
     blocks = params_like["blocks"]
     if min(counts) < 1 or sum(counts) != len(blocks):
@@ -162,10 +185,13 @@ class StagePacking:
     self.starts = tuple(int(x) for x in np.cumsum((0, *counts[:-1])))
     self.slots = max(counts)
     shared = {k: v for k, v in params_like.items() if k != "blocks"}
-    self._block, self._block_sizes = _leaves(blocks["0"], model.decay_mask(blocks["0"]))
+    self._block, self._block_sizes = _leaves(blocks["0"], model.decay_mask(blocks["0"]), matrices)
     self._shared, shared_sizes = _leaves(shared, model.decay_mask(shared))
     self._shared_at = {g: counts[0] * self._block_sizes[g] for g in GROUPS}
-    self.sizes = {}
+    self.sizes, self.matrix_slots = {}, 0
+    if self._block_sizes[MATRICES]:
+      self.matrix_slots = math.ceil(self.slots / multiple) * multiple
+      self.sizes[MATRICES] = self.matrix_slots * self._block_sizes[MATRICES]
     for g in GROUPS:
       need = max(self.slots * self._block_sizes[g], self._shared_at[g] + shared_sizes[g])
       if need:
@@ -237,8 +263,79 @@ class StagePacking:
     return pull((d_blocks, d_shared))[0]
 
   def decay_mask(self) -> dict:
-    """``opt.decay=matrices`` on the buffers: ``{decay: True, nodecay: False}``."""
-    return {g: g == GROUPS[0] for g in self.sizes}
+    """``opt.decay=matrices`` on the buffers: ``{decay: True, nodecay: False}`` (and
+    ``matrices: True``)."""
+    return {g: g != GROUPS[1] for g in self.sizes}
+
+  # -- the optimizer's view of whole matrices (``matrices=``) ----------------------------------------
+
+  def view(self, buffers) -> dict:
+    """``{g: [S, P_g]}`` -> the same with ``matrices`` as ``{leaf path: [S, K', *shape]}`` (one
+    block's structure, each leaf stacked over stages and slots); the identity without it."""
+    if MATRICES not in self.sizes:
+      return buffers
+    out = dict(buffers)
+    m = buffers[MATRICES]
+    slots = m.reshape(*m.shape[:-1], self.matrix_slots, self._block_sizes[MATRICES])
+    tree = {}
+    for leaf in self._block:
+      if leaf.group == MATRICES:
+        cut = slots[..., leaf.offset : leaf.offset + leaf.size]
+        _set(tree, leaf.path, cut.reshape(*slots.shape[:-1], *leaf.shape))
+    out[MATRICES] = tree
+    return out
+
+  def unview(self, viewed) -> dict:
+    """The inverse of :meth:`view`."""
+    if MATRICES not in self.sizes:
+      return viewed
+    out = dict(viewed)
+    parts = []
+    for leaf in self._block:
+      if leaf.group == MATRICES:
+        x = _get(viewed[MATRICES], leaf.path)
+        parts.append(x.reshape(*x.shape[: -len(leaf.shape)], leaf.size))
+    m = jnp.concatenate(parts, axis=-1)
+    out[MATRICES] = m.reshape(*m.shape[:-2], -1)
+    return out
+
+  def view_mask(self, mask) -> dict:
+    """A per-leaf mask of the model's parameters (``model.decay_mask``, ``model.muon_mask``) on
+    :meth:`view`'s structure: each matrix leaf its own value, each other buffer the value its
+    leaves share (a mask that splits a buffer is an error)."""
+    out = {}
+    block = mask["blocks"]["0"]
+    shared = {k: v for k, v in mask.items() if k != "blocks"}
+    for g in self.sizes:
+      if g == MATRICES:
+        out[g] = {}
+        for leaf in self._block:
+          if leaf.group == g:
+            _set(out[g], leaf.path, bool(_get(block, leaf.path)))
+        continue
+      values = {bool(_get(block, x.path)) for x in self._block if x.group == g}
+      values |= {bool(_get(shared, x.path)) for x in self._shared if x.group == g}
+      if len(values) > 1:
+        raise ValueError(f"the mask splits the {g!r} buffer: its leaves take both values")
+      out[g] = values.pop() if values else False
+    return out
+
+
+def on_view(tx, packing: StagePacking) -> optax.GradientTransformationExtraArgs:
+  """``tx`` run on :meth:`StagePacking.view` of the buffers: its state is in the view's structure,
+  its updates come back as buffers (extra arguments, such as a global norm, pass through)."""
+
+  def init(params):
+    return tx.init(packing.view(params))
+
+  def update(updates, state, params=None, **extra):
+    params = None if params is None else packing.view(params)
+    updates, state = optax.with_extra_args_support(tx).update(
+      packing.view(updates), state, params, **extra
+    )
+    return packing.unview(updates), state
+
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 def stage_counts(cfg: model.GPTConfig, num_stages: int, spec: str, equal: bool) -> tuple[int, ...]:

@@ -70,12 +70,13 @@ def make_mesh(num_stages: int, data_lanes: int = 1, devices=None) -> jax.shardin
   return jax.sharding.Mesh(arr, (DATA, STAGE), axis_types=(auto, auto))
 
 
-def packing_for(params_like, num_stages: int, counts=None, lanes: int = 1):
+def packing_for(params_like, num_stages: int, counts=None, lanes: int = 1, matrices=None):
   """The :class:`acco_jax.pipeline.packing.StagePacking` of a model on ``num_stages`` stages:
-  ``counts`` blocks per stage (default: equal stages), buffers a multiple of ``lanes`` long."""
+  ``counts`` blocks per stage (default: equal stages), buffers a multiple of ``lanes`` long, and
+  ``matrices`` (a block's mask) whole in slots that ``lanes`` divides."""
   n = len(params_like["blocks"])
   counts = packing_lib.equal_counts(n, num_stages) if counts is None else counts
-  return packing_lib.StagePacking(params_like, counts, multiple=lanes)
+  return packing_lib.StagePacking(params_like, counts, multiple=lanes, matrices=matrices)
 
 
 def param_spec(mesh, sharded: bool = False) -> P:

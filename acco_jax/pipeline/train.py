@@ -108,6 +108,9 @@ class PipelineTrainStep:
     counts: blocks per stage (default: equal stages).
     data_method: ``ddp``, ``zero1`` or ``acco`` over the data lanes of each stage.
     comm_dtype: dtype of the lanes' reduce-scatter and all-gather (``zero1``, ``acco``).
+    matrices: a block's mask of the matrices ``tx`` updates whole (Muon), packed apart and owned
+      whole by the lanes (:mod:`acco_jax.pipeline.packing`); ``tx`` then runs on the packing's view
+      (:func:`acco_jax.pipeline.packing.on_view`). None: every buffer elementwise.
 
   Attributes:
     schedule: the :class:`acco_jax.pipeline.ticks.Schedule` every step runs.
@@ -123,7 +126,7 @@ class PipelineTrainStep:
 
   def __init__(
     self, cfg: model.GPTConfig, tx, mesh, schedule: ticks.Schedule, params_like, planned=None,
-    counts=None, data_method: str = "ddp", comm_dtype=jnp.float32,
+    counts=None, data_method: str = "ddp", comm_dtype=jnp.float32, matrices=None,
   ):  # fmt: skip
     if data_method not in DATA_METHODS:
       raise errors.UserValueError(
@@ -139,7 +142,7 @@ class PipelineTrainStep:
     self.microbatches_per_stage = self.num_microbatches * self.lanes
     self.num_devices = mesh.size
     self.plan = _Plan(name=f"pipeline-{data_method}")
-    self.packing = pipe.packing_for(params_like, schedule.num_stages, counts, self.lanes)
+    self.packing = pipe.packing_for(params_like, schedule.num_stages, counts, self.lanes, matrices)
     self.params_like = params_like
     n = self.packing.num_params
     self.layout = _Layout(n, sum(self.packing.sizes.values()) * schedule.num_stages)
@@ -162,14 +165,30 @@ class PipelineTrainStep:
     named = lambda spec: jax.tree.map(lambda _: NamedSharding(self.mesh, spec), shapes.params)
     params = named(pipe.param_spec(self.mesh, self.sharded))
     rep = NamedSharding(self.mesh, P())
-    opt = optax.tree_map_params(
-      self.tx, lambda _, s: s, shapes.opt_state, params, transform_non_params=lambda _: rep
-    )
+    if self.packing.matrix_slots:  # state in the view's structure: by shape
+      opt = jax.tree.map(self._sharding_by_shape, shapes.opt_state)
+    else:
+      opt = optax.tree_map_params(
+        self.tx, lambda _, s: s, shapes.opt_state, params, transform_non_params=lambda _: rep
+      )
     out = PipeState(params, opt, rep)
     if self.data_method == "acco":
       lanes = pipe.DATA if self.lanes > 1 else None
       out = out._replace(w=named(P(pipe.STAGE)), buf=named(P(lanes, pipe.STAGE)), buf_count=rep)
     return out
+
+  def _sharding_by_shape(self, x) -> NamedSharding:
+    """An optimizer-state leaf's sharding: a buffer's ``[S, P_g]`` as the parameters, a stack of
+    matrices ``[S, K', a, b]`` over ``stage`` and its slots over ``data`` (each lane owns whole
+    matrices), anything else replicated."""
+    S, K = self.schedule.num_stages, self.packing.matrix_slots
+    if x.ndim == 2 and x.shape[0] == S and x.shape[1] in self.packing.sizes.values():
+      spec = pipe.param_spec(self.mesh, self.sharded)
+    elif x.ndim > 2 and x.shape[:2] == (S, K):
+      spec = P(*pipe.param_spec(self.mesh, self.sharded))
+    else:
+      spec = P()
+    return NamedSharding(self.mesh, spec)
 
   def abstract_state(self, params) -> PipeState:
     shapes = jax.eval_shape(self._build, params)

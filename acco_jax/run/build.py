@@ -96,12 +96,6 @@ def updates_done(config, stage: int) -> int:
   return registry.lookup(config.method).updates_done(config, stage)
 
 
-# the methods whose inner step can give Muon whole matrices (the owner layout; ddp: whole leaves);
-# dpu, wp and sparseloco, demo refuse it with their own one-line errors
-_MUON_METHODS = ("acco", "zero1", "ddp", "dpu", "wp", "diloco", "streaming_diloco", "noloco",
-                 "sparseloco", "demo")  # fmt: skip
-
-
 def inner_optimizer(config, shapes, decay_mask=model.decay_mask, view=None):
   """The config's inner optimizer; ``decay_mask`` maps the parameters' shapes to the weight-decay
   mask of ``opt.decay=matrices`` (its layout is the step's). ``view`` maps a per-leaf tree like
@@ -154,11 +148,6 @@ def _check_config(config) -> None:
     )
   _check_layout(config)
   profile.parse(config.train.get("profile_stages", ""), float("inf"))
-  if config.opt.name == "muon" and config.method not in _MUON_METHODS:
-    raise errors.UserValueError(
-      f"opt.name=muon runs under acco, zero1, ddp, diloco, noloco and streaming_diloco, not "
-      f"method={config.method} yet (its optimizer sees flat buffers, not whole matrices): use adamw"
-    )
   for key, allowed in _DTYPES.items():
     value = config[key.split(".")[0]][key.split(".")[1]] if "." in key else config[key]
     if value not in allowed:
