@@ -59,6 +59,7 @@ COVERAGE = (
   (dict(opt="muon", method="diloco"), "muloco_test"),
   (dict(opt="muon", method="noloco"), "muloco_test"),
   (dict(opt="muon", method="streaming_diloco"), "muloco_test"),
+  (dict(opt="muon", method="pipeline"), "pipeline_muon_test"),
   (dict(opt="muon"), "muon_config_test"),
   ({"comm.quantize": "int8"}, "quantized_step_test"),
   ({"comm.quantize": "int4"}, "quantized_step_test"),

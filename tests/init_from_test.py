@@ -522,3 +522,41 @@ def test_train_py_acco_to_pipeline_and_back(tmp_path):
   assert f"ckpt.init_from: the pipeline run in {tmp_path / 'pipe'} (stage 9, 4 updates) " \
          "continues as acco at stage 8" in back.stdout, back.stdout  # fmt: skip
   assert json.loads(back.stdout.strip().splitlines()[-1])["updates"] == 6
+
+
+def test_owner_layout_run_starts_an_owner_run_on_4_devices(tmp_path, capsys, monkeypatch):
+  """opt.name=muon: a zero1 run's owner-layout checkpoint on 8 devices (Muon's momentum per owned
+  matrix) continues as acco on 4, whose owners are others: θ and the inner state arrive bit for
+  bit in the model's structure (acco_jax.dp.carry_owner; against the plain layout:
+  carry_owner_test)."""
+  muon = {"opt.name": "muon", "train.num_updates": 2, "ckpt.every": 2}
+  trainer.train_and_evaluate(tiny(gpt2_zero1, **muon), str(tmp_path / "src"))
+  source = build.build(tiny(gpt2_zero1, **muon)).train
+  assert source.owner
+  with Checkpointer(tmp_path / "src" / "checkpoints", read_only=True) as ckpt:
+    saved, _ = ckpt.restore_host(None, lambda e: source.abstract_state(source_shapes(source)))
+  want = source.export_state(saved)
+  seen = {}
+  original = TrainStep.import_state
+
+  def spy(self, *args, **kwargs):
+    state = original(self, *args, **kwargs)
+    seen["export"] = self.export_state(portable.to_host(state))
+    return state
+
+  monkeypatch.setattr(TrainStep, "import_state", spy)
+  config = tiny(gpt2_acco, **{**muon, "train.num_updates": 3, "mesh.num_devices": 4,
+                              "ckpt.init_from": str(tmp_path / "src")})  # fmt: skip
+  trainer.train_and_evaluate(config, str(tmp_path / "run"), max_stages=5)
+  out = capsys.readouterr().out
+  assert f"the zero1 run in {tmp_path / 'src'} (stage 2, 2 updates) continues as acco at stage 4 " \
+         "on 4 devices" in out, out  # fmt: skip
+  same_bits(seen["export"].params, want.params, "theta")
+  same_bits(seen["export"].opt, want.opt, "inner optimizer state")
+
+
+def source_shapes(step):
+  layout = step.layout
+  return layout.treedef.unflatten(
+    [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes, strict=True)]
+  )

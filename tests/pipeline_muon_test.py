@@ -93,7 +93,7 @@ def _reference(params, batches, data_method):
   order = np.arange(CFG.N, dtype=np.int32)
   grad = lambda w, b: jax.tree.map(jnp.float32, _mean_grad(w, b, M, LANES, order))
   apply = lambda w, g, s: (lambda u, s2: (optax.apply_updates(w, u), s2))(*tx.update(g, s, w))
-  if data_method == "zero1":
+  if data_method != "acco":
     for b in batches:
       theta, state = apply(theta, grad(theta, b), state)
     return theta
@@ -108,18 +108,24 @@ def _reference(params, batches, data_method):
   return theta
 
 
-@pytest.mark.parametrize("data_method,flushes", [("zero1", 3), ("acco", 5)])
+@pytest.mark.parametrize(
+  "data_method,flushes",
+  [pytest.param("ddp", 2, marks=pytest.mark.slow), ("zero1", 3), ("acco", 5)],
+)
 def test_muon_over_a_stages_lanes_equals_the_plain_layout(params, data_method, flushes):
   batches = _batches(flushes, M * LANES * B, seed=3)
   train = _step(params, data_method)
   state = train.init(params)
   for b in batches:
     state, _ = train.step(state, b)
-  # Muon's momentum is a stack of whole matrices, its slots split over the lanes (owners)
+  # Muon's momentum is a stack of whole matrices, its slots split over the lanes (owners; ddp:
+  # every lane holds every slot)
   inner = state.opt_state.inner_state if data_method == "acco" else state.opt_state
   stacks = [x for x in jax.tree.leaves(inner) if x.ndim == 4]
-  assert stacks and all(tuple(x.sharding.spec) == ("stage", "data") for x in stacks)
-  assert stacks[0].sharding.shard_shape(stacks[0].shape)[1] == 2  # 2 whole slots per lane
+  owned = ("stage",) if data_method == "ddp" else ("stage", "data")
+  assert stacks and all(tuple(x.sharding.spec) == owned for x in stacks)
+  per_lane = stacks[0].sharding.shard_shape(stacks[0].shape)[1]
+  assert per_lane == (4 if data_method == "ddp" else 2)
   ref = _reference(params, batches, data_method)
   _close(train.params(state), ref, params)
 

@@ -52,7 +52,7 @@ def build_run(config) -> build_lib.Run:
     skip_nonfinite=config.train.on_nonfinite == "skip", owned=owned,
     elementwise=optimizer_is_elementwise(config),
   )  # fmt: skip
-  train.source_tx = lambda n: method(config, n, shapes)[0]  # a checkpoint of another count
+  _for_checkpoints(train, config, shapes)
   policy = None
   if config.hetero.adaptive:
     policy = hetero.BudgetPolicy(
@@ -124,8 +124,18 @@ def source_step(config, model_cfg: model.GPTConfig, num_devices: int):
   shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
   no_loss = lambda p, b: 0.0  # the step is not run: its stage program is never traced
   tx, owned = method(config, mesh.size, shapes)
-  return make_train_step(no_loss, tx, mesh, num_microbatches=1, params=shapes, owned=owned,
+  step = make_train_step(no_loss, tx, mesh, num_microbatches=1, params=shapes, owned=owned,
                          elementwise=optimizer_is_elementwise(config))  # fmt: skip
+  return _for_checkpoints(step, config, shapes)
+
+
+def _for_checkpoints(train, config, shapes):
+  """``train`` with the config's optimizers for checkpoints of other runs: the method transform
+  on another device count (the owner layout's masks are in that count's view) and the inner
+  optimizer on the model's tree (``ckpt.init_from`` of the owner layout)."""
+  train.source_tx = lambda n: method(config, n, shapes)[0]
+  train.tree_inner = build_lib.inner_optimizer(config, shapes)
+  return train
 
 
 def comm_args(config, n: int, shapes) -> dict:

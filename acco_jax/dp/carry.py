@@ -26,7 +26,11 @@ microbatch per device. WP drops its prediction θ̂ and buffer the same way, DPU
 prime like ACCO (DPU during its synchronous warm-up does not need to).
 
 Also not carried: the undelivered residual of quantized sends (ZeRO-1 with ``comm.quantize``),
-and the compute weights' quantization error: ``w`` restarts at θ. The owner layout is refused.
+and the compute weights' quantization error: ``w`` restarts at θ.
+
+**The owner layout** (``layout='owner'``, Muon): θ is put back into the model's shapes from the
+owners' shards of the saved device count, and the inner state becomes the state the same optimizer
+holds on the model's tree (:mod:`acco_jax.dp.carry_owner`); import cuts both for this run's owners.
 """
 
 from __future__ import annotations
@@ -34,18 +38,42 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from acco_jax.dp import carry_owner, reshard_owner
 from acco_jax.dp.flat import TreeLayout, leaves_of
 from acco_jax.dp.methods import AccoState, WpState
 from acco_jax.dp.owner import OwnerLayout
+from acco_jax.dp.reshard import saved_num_devices
 from acco_jax.run.portable import Portable, check_fits, map_param_subtrees, place
 
 
-def _check(step) -> None:
-  if isinstance(step.layout, OwnerLayout):
-    raise ValueError(
-      "layout='owner' keeps the optimizer state per owned matrix; it cannot be carried to "
-      "another run kind yet: use the elementwise layout"
+class _OwnerView:
+  """The owner layout's conversions for one device count, with :func:`export_state`'s and
+  :func:`import_state`'s signatures: θ and the inner state to the model's structure and back."""
+
+  def __init__(self, step, num_devices: int):
+    self.layout = reshard_owner.source_layout(step.layout, num_devices)
+    self.inner_tx, self.tree_tx = step.source_tx(num_devices).inner, step.tree_inner
+    self.like = self.layout.treedef.unflatten(
+      [
+        jax.ShapeDtypeStruct(s, d)
+        for s, d in zip(self.layout.shapes, self.layout.dtypes, strict=True)
+      ]
     )
+
+  def theta_to_model(self, shards):
+    return jax.tree.map(np.asarray, self.layout.from_shards(shards))
+
+  def theta_to_shards(self, tree):
+    return jax.tree.map(np.asarray, self.layout.to_shards(tree))
+
+  def inner_to_model(self, inner):
+    return carry_owner.to_model(inner, self.layout, self.inner_tx, self.tree_tx, self.like)
+
+  def inner_to_shards(self, tree_state):
+    return carry_owner.to_owner(tree_state, self.layout, self.inner_tx, self.tree_tx, self.like)
+
+  def inner_like(self):
+    return jax.eval_shape(self.tree_tx.init, self.like)
 
 
 def _to_model(sub, layout):
@@ -95,13 +123,17 @@ def _updates(plan, stage: int) -> int:
 
 def export_state(step, saved) -> Portable:
   """``saved`` (host numpy, written on any device count) -> :class:`Portable` (see the module)."""
-  _check(step)
   layout, plan, opt = step.layout, step.plan, saved.opt_state
   apart = isinstance(opt, AccoState | WpState)
   theta = opt.committed if apart else saved.params
   inner = opt.inner_state if apart else opt
-  stage = int(np.asarray(saved.stage))
+  stage = int(np.asarray(np.ravel(saved.stage)[0]))
   to_model = lambda sub: _to_model(sub, layout)
+  if isinstance(layout, OwnerLayout):
+    owner = _OwnerView(step, saved_num_devices(saved))
+    theta_model, inner_model = owner.theta_to_model(theta), owner.inner_to_model(inner)
+  else:
+    theta_model, inner_model = to_model(theta), map_param_subtrees(to_model, inner, saved.params)
   dropped = []
   if plan.two_stage and stage % 2:
     dropped.append("the estimate of the round in progress")
@@ -112,8 +144,8 @@ def export_state(step, saved) -> Portable:
   if saved.residual is not None and np.any(np.asarray(saved.residual)):
     dropped.append("the undelivered residual of quantized sends")
   return Portable(
-    params=to_model(theta),
-    opt=map_param_subtrees(to_model, inner, saved.params),
+    params=theta_model,
+    opt=inner_model,
     updates=_updates(plan, stage),
     source=plan.name,
     dropped=", ".join(dropped),
@@ -122,17 +154,25 @@ def export_state(step, saved) -> Portable:
 
 def import_state(step, portable: Portable, stage: int, microbatch=None):
   """:class:`Portable` -> this step's state, placed, at stage ``stage`` (see the module)."""
-  _check(step)
   layout, plan = step.layout, step.plan
-  like = model_like(layout)
+  owner = _OwnerView(step, layout.num_shards) if isinstance(layout, OwnerLayout) else None
+  like = owner.like if owner else model_like(layout)
   abstract = step.abstract_state(like)
   apart = isinstance(abstract.opt_state, AccoState | WpState)
   inner_like = abstract.opt_state.inner_state if apart else abstract.opt_state
-  check_fits(portable, like, map_param_subtrees(lambda _: like, inner_like, abstract.params))
-  to_shards = lambda sub: _to_shards(sub, layout)
-  theta = to_shards(portable.params)
-  inner = map_param_subtrees(to_shards, portable.opt, like)
-  count = np.asarray(stage, np.int32)
+  if owner:
+    check_fits(portable, like, owner.inner_like())
+    theta = owner.theta_to_shards(portable.params)
+    inner = owner.inner_to_shards(portable.opt)
+    w = np.asarray(layout.ravel(portable.params, step.comm_dtype))
+  else:
+    check_fits(portable, like, map_param_subtrees(lambda _: like, inner_like, abstract.params))
+    to_shards = lambda sub: _to_shards(sub, layout)
+    theta = to_shards(portable.params)
+    inner = map_param_subtrees(to_shards, portable.opt, like)
+    w = _flat(portable.params, layout, step.comm_dtype)
+  opt_stage = getattr(abstract.opt_state, "stage", None)
+  count = np.full(np.shape(opt_stage) if opt_stage is not None else (), stage, np.int32)
   if isinstance(abstract.opt_state, AccoState):  # a fresh cycle: parity even, an estimate next
     opt = AccoState(inner, theta, count)
   elif isinstance(abstract.opt_state, WpState):
@@ -141,8 +181,8 @@ def import_state(step, portable: Portable, stage: int, microbatch=None):
     opt = inner
   zeros = lambda x: None if x is None else np.zeros(x.shape, x.dtype)
   host = abstract._replace(
-    w=_flat(portable.params, layout, step.comm_dtype), params=theta, opt_state=opt,
-    buf=zeros(abstract.buf), buf_count=zeros(abstract.buf_count), stage=count,
+    w=w, params=theta, opt_state=opt,
+    buf=zeros(abstract.buf), buf_count=zeros(abstract.buf_count), stage=np.asarray(stage, np.int32),
     residual=zeros(abstract.residual),
   )  # fmt: skip
   state = place(host, abstract)

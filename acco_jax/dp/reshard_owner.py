@@ -65,13 +65,15 @@ def _copies(tags: list) -> list[list[int]]:
 
 
 def _holders(layout: OwnerLayout) -> list[set[int]]:
-  """Per shards leaf (slot or elementwise chunk, in order): the parameter leaves it holds items of."""
+  """Per shards leaf (slot or elementwise chunk, in the view's leaf order): the parameter leaves it
+  holds items of."""
   held = [set() for _ in range(sum(layout.slots))]
   first = np.cumsum([0, *layout.slots])
   for i, places in enumerate(layout.places):
     for p in places or ():
       held[int(first[p.group]) + p.slot].add(i)
-  return held + [{i} for i in layout.elem]
+  view = {"owned": held, "elementwise": [{i} for i in layout.elem]}  # as shard_shapes() flattens
+  return jax.tree.leaves(view, is_leaf=lambda x: isinstance(x, set))
 
 
 def _move(values: dict[int, np.ndarray], old: OwnerLayout, new: OwnerLayout, want: list[int]):

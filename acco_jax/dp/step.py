@@ -104,6 +104,9 @@ class TrainStep(elastic.Elastic):
     # the method transform on another device count (a checkpoint's: the owner layout's masks are in
     # that count's view); the config's build sets it, a transform with callable masks needs none
     self.source_tx = lambda n: self.tx
+    # the inner optimizer on the model's tree (ckpt.init_from of the owner layout: its state's
+    # portable form); the config's build sets it, a transform with callable masks is its own
+    self.tree_inner = getattr(tx, "inner", None)
     # layout='auto' resolved: the owner layout for an inner optimizer that is not elementwise
     self.plan, self.layout, clip = layouts.choose(
       tx, self.plan, params_like, self.num_devices, owned, elementwise, replica_axis

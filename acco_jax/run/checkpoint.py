@@ -231,14 +231,19 @@ class Checkpointer:
       step, lambda s: self._restore_step(s, target, reshard, check_extra, saved_like)
     )
 
-  def restore_host(self, step: int | None, target_of: Callable[[dict], PyTree]):
+  def restore_host(
+    self, step: int | None, target_of: Callable[[dict], PyTree],
+    saved_like: Callable[[dict], PyTree | None] | None = None,
+  ):  # fmt: skip
     """``(state, extra)``, ``state`` as host numpy arrays with the shapes they were written with.
 
     For a state whose structure only the checkpoint's ``extra`` tells (another run's,
     ``ckpt.init_from``): ``target_of(extra)`` returns a pytree of that structure (its leaves'
-    shapes do not matter), or raises to refuse the checkpoint. Fingerprints and the fall-back to
-    older steps are :meth:`restore`'s."""
-    return self._first_readable(step, lambda s: self._host_step(s, target_of))
+    shapes do not matter), or raises to refuse the checkpoint. Where the saved leaf paths differ
+    from the target's (the owner layout on another device count), ``saved_like`` (called after
+    ``target_of``) gives the saved structure from the saved shapes, as for :meth:`restore`.
+    Fingerprints and the fall-back to older steps are :meth:`restore`'s."""
+    return self._first_readable(step, lambda s: self._host_step(s, target_of, saved_like))
 
   def _first_readable(self, step: int | None, read: Callable[[int], Any]):
     """``read(step)``, or with ``step=None`` ``read`` of the newest step that reads back intact."""
@@ -341,10 +346,15 @@ class Checkpointer:
     out = [r if r.dtype == x.dtype else cast(r, x) for r, x in zip(restored, leaves, strict=True)]
     return jax.tree.unflatten(jax.tree.structure(target), out), extra
 
-  def _host_step(self, step: int, target_of) -> tuple[PyTree, dict]:
+  def _host_step(self, step: int, target_of, saved_like=None) -> tuple[PyTree, dict]:
     saved, extra = self._read(step, "metadata", lambda: self._read_meta(step))
     target = target_of(extra)
     paths, leaves = self._flatten(target, "target")
+    if saved_like is not None and set(saved) != set(paths):
+      like = saved_like({p: e["shape"] for p, e in saved.items()})
+      if like is not None:
+        target = like
+        paths, leaves = self._flatten(target, "saved structure")
     self._check_matches(step, saved, paths, leaves, shapes=False)
     entries = [saved[p] for p in paths]
     restored = self._read(step, "arrays", lambda: self._read_host(step, entries))

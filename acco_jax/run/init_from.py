@@ -202,7 +202,8 @@ def start(run, config, stream, rows_per_stage: int) -> Started:
     return found["step"].abstract_state(run.params_shapes)
 
   with _reader(directory) as ckpt:
-    saved, extra = ckpt.restore_host(None, target_of)
+    saved_like = lambda shapes: getattr(found["step"], "saved_like", lambda _: None)(shapes)
+    saved, extra = ckpt.restore_host(None, target_of, saved_like)
   src, portable = found["config"], found["step"].export_state(saved)
   if portable.updates >= config.train.num_updates:
     raise _refuse(
