@@ -250,7 +250,7 @@ def run_hlo(method: str, s: dict, args) -> dict:
 
   import acco_jax
   from acco_jax import model
-  from acco_jax.analysis import hlo
+  from acco_jax.analysis import kernels
   from acco_jax.run import parallel
 
   on_gpu = jax.default_backend() == "gpu"
@@ -262,7 +262,7 @@ def run_hlo(method: str, s: dict, args) -> dict:
   tx = getattr(acco_jax, method)(_inner_optimizer())
   fn, fargs, _ = common.abstract_stage(cfg, tx, devices, k, s["B"])
   compiled = fn.lower(*fargs).compile()
-  gemms = hlo.gemms(compiled.as_text())
+  gemms = kernels.gemms(compiled.as_text())
   f32 = [g for g in gemms if set(g.dtypes) == {"f32"}]
   scores = [g for g in f32 if "BTNH,BSNH->BNTS" in g.op_name]  # attention='xla' only
   mem = compiled.memory_analysis()

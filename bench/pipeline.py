@@ -37,7 +37,8 @@ import common  # noqa: E402
 def _schedules(S: int, M: int, seed: int = 0):
   import numpy as np
 
-  from acco_jax.pipeline import paths, ticks
+  from acco_jax.pipeline import ticks
+  from acco_jax.skippipe import paths
 
   out = []
   full = [paths.full_path(S)] * M
@@ -216,10 +217,11 @@ def aot_worker(args) -> dict:
   import jax.numpy as jnp
 
   from acco_jax import model
-  from acco_jax.pipeline import packing, paths, ticks
+  from acco_jax.pipeline import packing, ticks
   from acco_jax.pipeline import step as pipe
   from acco_jax.pipeline import train as pipe_train
   from acco_jax.run import optim, parallel
+  from acco_jax.skippipe import paths
 
   if not parallel.has_cuda_plugin():
     return {"skipped": "no CUDA PJRT plugin (pip install jax-cuda12-pjrt==<jaxlib version>)"}

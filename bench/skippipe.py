@@ -2,7 +2,7 @@
 
 Four tables (``--part``):
 
-* ``sim``: the iteration time the discrete-event simulator (:mod:`acco_jax.pipeline.simulate`) gives
+* ``sim``: the iteration time the discrete-event simulator (:mod:`acco_jax.skippipe.simulate`) gives
   for the topology presets single-cluster, multi-cluster and geo, S = 6 and 8 stages, skip ratios
   0 / 0.25 / 0.33 / 0.5, swaps off and on: the full pipeline on fixed lanes (GPipe fill-drain and
   1F1B) against random valid paths (median of 5 draws) and the path scheduler. The cost model is a
@@ -76,7 +76,7 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
   """The iteration-time table; ``grad_bytes`` > 0 adds each stage's gradient all-reduce (bytes per
   gradient value) to every makespan and the scheduler's objective, and, with
   ``assign_allreduce``, to the stage assignment's cost."""
-  from acco_jax.pipeline import assign, bounds, paths, schedule, simulate, topology
+  from acco_jax.skippipe import assign, bounds, paths, schedule, simulate, topology
 
   rows = []
   for name in topologies:
@@ -151,7 +151,7 @@ def timeline(path, stages=6, skip=0.25, num_mb=16, iters=400, topology_name="geo
   """Draws each node's timeline for GPipe, 1F1B and the scheduled plan (swaps on) of one setting,
   the gradient all-reduce priced (in the stage assignment too); returns the makespans."""
   from acco_jax.analysis import timeline as timeline_lib
-  from acco_jax.pipeline import assign, bounds, schedule, simulate, topology
+  from acco_jax.skippipe import assign, bounds, schedule, simulate, topology
 
   topo = topology.preset(topology_name, topology.default_nodes(stages), seed=0)
   costs = simulate.transformer_costs(stages, 24, 2048, 32000, 1024, 4, 1e14, grad_bytes=2)
@@ -211,8 +211,8 @@ def _train(run, config, orders):
   import jax
 
   from acco_jax import model
-  from acco_jax.pipeline import orders as orders_lib
   from acco_jax.run import parallel, trainer
+  from acco_jax.skippipe import orders as orders_lib
 
   train, mesh = run.train, run.mesh
   rows = mesh.size * train.num_microbatches * config.batch.microbatch_size
@@ -229,9 +229,9 @@ def _train(run, config, orders):
 def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None:
   """Every run of the table in one process: one compiled step per path length, shared by the
   seeds, the swap settings and (for skip 0) normal training."""
-  from acco_jax.pipeline import orders as orders_lib
-  from acco_jax.pipeline import paths
   from acco_jax.run import trainer
+  from acco_jax.skippipe import orders as orders_lib
+  from acco_jax.skippipe import paths
 
   per_stage = conv["N"] // STAGES
   half_every_other = np.arange(conv["N"]).reshape(STAGES, per_stage)[::2].reshape(-1)

@@ -1,7 +1,7 @@
 r"""The pipeline simulator against an emulated network: measured vs predicted iteration times.
 
 One ``train.py`` process (one CPU device, gloo, ``jax.distributed``) per node of a topology JSON
-file (format in :mod:`acco_jax.pipeline.topology`), each in its own network namespace. The
+file (format in :mod:`acco_jax.skippipe.topology`), each in its own network namespace. The
 namespaces hang off a bridge (``bench/netns.py``'s helpers); each node's egress is shaped per
 destination, so every ordered pair ``(i, j)`` gets the file's rate (and, where the kernel has netem,
 its one-way latency):
@@ -64,8 +64,9 @@ import common
 import netns
 
 from acco_jax.pipeline import build as pipe_build
-from acco_jax.pipeline import simulate, ticks
-from acco_jax.pipeline import topology as topology_lib
+from acco_jax.pipeline import ticks
+from acco_jax.skippipe import simulate
+from acco_jax.skippipe import topology as topology_lib
 
 TOPOLOGY = common.REPO / "bench" / "topologies" / "two_regions_4.json"
 RUNS = common.RESULTS / "runs" / "skippipe_netns"
@@ -297,7 +298,7 @@ def config_for(overrides: dict):
 
 def runtime_order(schedule: ticks.Schedule) -> list[list[tuple[int, int]]]:
   """Per stage, the ``(microbatch, step)`` pairs its tick table runs, in tick order (the steps
-  numbered as in :mod:`acco_jax.pipeline.simulate`, which match ``ticks.chain``'s operations)."""
+  numbered as in :mod:`acco_jax.skippipe.simulate`, which match ``ticks.chain``'s operations)."""
   done = [0] * schedule.num_microbatches
   order = [[] for _ in range(schedule.num_stages)]
   for t in range(schedule.num_ticks):

@@ -286,8 +286,8 @@ def plan_report(spec: str, devices: int = 8, out: Path | None = None) -> dict:
   import importlib
 
   from acco_jax.pipeline import build as pipe_build
-  from acco_jax.pipeline import plans
   from acco_jax.run import build as build_lib
+  from acco_jax.skippipe import plans
 
   path, _, arg = spec.partition(":")
   name = Path(path).stem

@@ -8,7 +8,7 @@ r"""GPT-2 trained with SkipPipe paths (acco_jax.pipeline) on the `zero1` method.
 
 With method=pipeline every device is a node of the topology (a preset drawn with the device count),
 each stage has one node per data lane, and microbatches cross lanes on the routes the scheduler
-picks (acco_jax.pipeline.plans, ticks.from_plan).
+picks (acco_jax.skippipe.plans, ticks.from_plan).
 
 Every microbatch runs stage 0's blocks and then a scheduled path through the other stages, with a
 quarter of the stages left out and swaps allowed; the path scheduler plans for the geo preset.

@@ -2,7 +2,7 @@
 
 XLA:GPU compiles a small GPT's ZeRO-1 stage for one abstract H100
 (:func:`acco_jax.run.parallel.gpu_aot_devices`, the CUDA PJRT plugin, no GPU), with V = 1000 padded
-to 1024 (``vocab_multiple=128``). The optimized module is read with :func:`acco_jax.analysis.hlo.gemms`:
+to 1024 (``vocab_multiple=128``). The optimized module is read with :func:`acco_jax.analysis.kernels.gemms`:
 
 * no GEMM of the head (forward, input gradient, weight gradient) has a float32 x float32 operand
   pair, and no GEMM outside attention has one either (the model's ``attention='xla'`` fallback takes
@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import acco_jax
 from acco_jax import model
-from acco_jax.analysis import hlo
+from acco_jax.analysis import hlo, kernels
 from acco_jax.run import parallel
 from tests import cuda_plugin
 
@@ -66,7 +66,7 @@ def _dims(shape: str) -> set[int]:
 
 
 def test_no_float32_gemm_in_head_or_loss(compiled_text):
-  gs = hlo.gemms(compiled_text)
+  gs = kernels.gemms(compiled_text)
   head = [g for g in gs if HEAD in g.op_name]
   assert len(head) >= 3, [g.op_name for g in gs]  # forward, input gradient, weight gradient
   f32 = lambda g: g.dtypes == ("f32", "f32")
@@ -87,7 +87,7 @@ def _numel(shape: str) -> int:
 def test_head_runs_over_the_padded_vocabulary(compiled_text):
   """Each head GEMM reads the [VP, D] embedding or the [ROWS*L, VP] logits' cotangent (by size:
   XLA may split the contracting dimension, e.g. 1024 as 16 x 64); none reads an unpadded one."""
-  gs = hlo.gemms(compiled_text)
+  gs = kernels.gemms(compiled_text)
   padded, unpadded = {VP * D, ROWS * L * VP}, {V * D, ROWS * L * V}
   for g in (g for g in gs if HEAD in g.op_name):
     assert padded & {_numel(s) for s in g.operands}, (g.name, g.operands, g.result)

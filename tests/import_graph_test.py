@@ -1,4 +1,5 @@
-"""One-way imports: the run shell imports no family, and the package's import graph has no cycle.
+"""One-way imports: the run shell imports no family, a family imports of another only what that
+one declares shared (``SHARED`` in its ``__init__``), and the import graph has no cycle.
 
 Every ``import`` statement counts, also one inside a function (a lazy import is still an edge).
 The implicit import of a module's parent packages does not: ``acco_jax/__init__`` registers the
@@ -87,3 +88,47 @@ def test_the_import_graph_has_no_cycle():
 def test_find_cycle_sees_one():
   assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
   assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def shared() -> dict[str, tuple[str, ...]]:
+  """Family -> the modules it declares shared (``SHARED = (...)`` in its ``__init__.py``)."""
+  out = {}
+  for family in FAMILIES:
+    tree = ast.parse((ROOT / "acco_jax" / family / "__init__.py").read_text())
+    found = [
+      ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+      and any(getattr(t, "id", None) == "SHARED" for t in node.targets)
+    ]  # fmt: skip
+    assert len(found) == 1, f"acco_jax/{family}/__init__.py declares no SHARED tuple"
+    out[family] = tuple(found[0])
+  return out
+
+
+def across_families(graph: dict[str, set[str]], declared: dict[str, tuple]) -> dict[str, list]:
+  """Module -> the modules of other families it imports that those do not declare shared."""
+
+  def family(module):
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in FAMILIES else None
+
+  out = {}
+  for name, edges in graph.items():
+    bad = sorted(
+      e for e in edges if family(e) and family(name) and family(e) != family(name)
+      and e.split(".")[2:3] != [] and e.split(".")[2] not in declared[family(e)]
+    )  # fmt: skip
+    if bad:
+      out[name] = bad
+  return out
+
+
+def test_no_family_imports_another_beyond_what_it_shares():
+  """The data-parallel family shares its step and transforms; the pipeline and LoCo share nothing
+  (SkipPipe's scheduler and layer orders live below both, in acco_jax/skippipe)."""
+  graph, declared = import_graph(), shared()
+  assert across_families(graph, declared) == {}
+  assert declared["pipeline"] == () and declared["loco"] == ()
+  # the edge the data-parallel build had while the layer orders lived in the pipeline family
+  old = {**graph, "acco_jax.dp.build": graph["acco_jax.dp.build"] | {"acco_jax.pipeline.orders"}}
+  assert across_families(old, declared) == {"acco_jax.dp.build": ["acco_jax.pipeline.orders"]}
+  assert not any(e.startswith("acco_jax.pipeline") for e in graph["acco_jax.skippipe.orders"])

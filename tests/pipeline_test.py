@@ -12,8 +12,9 @@ import pytest
 
 from acco_jax import layers, model
 from acco_jax.analysis import hlo
-from acco_jax.pipeline import assign, schedule, simulate, ticks, topology
 from acco_jax.pipeline import step as pipe
+from acco_jax.pipeline import ticks
+from acco_jax.skippipe import assign, schedule, simulate, topology
 
 CFG = model.get_config("tiny", N=4, dtype="float32")
 S = 4

@@ -12,9 +12,10 @@ import jax
 import pytest
 
 from acco_jax import errors
-from acco_jax.pipeline import plans, schedule, ticks
+from acco_jax.pipeline import ticks
 from acco_jax.run import trainer
 from acco_jax.run.checkpoint import Checkpointer
+from acco_jax.skippipe import plans, schedule
 from configs import gpt2_skippipe
 
 

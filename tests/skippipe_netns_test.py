@@ -11,9 +11,10 @@ sys.path.insert(0, str(BENCH))
 
 import skippipe_netns as sn  # noqa: E402
 
-from acco_jax.pipeline import paths as paths_lib  # noqa: E402
-from acco_jax.pipeline import simulate, ticks  # noqa: E402
-from acco_jax.pipeline import topology as topology_lib  # noqa: E402
+from acco_jax.pipeline import ticks  # noqa: E402
+from acco_jax.skippipe import paths as paths_lib  # noqa: E402
+from acco_jax.skippipe import simulate  # noqa: E402
+from acco_jax.skippipe import topology as topology_lib  # noqa: E402
 
 # Stage costs of the order of the ones measured on this machine (seconds, bytes).
 MEASURED = {"op_s": {"F0": 0.012, "F": 0.01, "H": 0.003, "B": 0.04, "B0": 0.05}, "stages": 4,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from acco_jax import errors
-from acco_jax.pipeline import assign, bounds, left_out, paths, schedule, simulate, topology
+from acco_jax.skippipe import assign, bounds, left_out, paths, schedule, simulate, topology
 
 
 def _topo(latency, bandwidth, speed=None):

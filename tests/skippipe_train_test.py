@@ -1,4 +1,4 @@
-"""Training with SkipPipe layer orders through the trainer's build (acco_jax.pipeline.orders).
+"""Training with SkipPipe layer orders through the trainer's build (acco_jax.skippipe.orders).
 
 * With the identity order (skip 0, no swaps) ZeRO-1 trains as it does without paths: another
   program (a scan over stacked blocks), so float tolerance. The steps are SGD's, whose size is
@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from acco_jax import model
-from acco_jax.pipeline import orders as orders_lib
-from acco_jax.pipeline import paths
 from acco_jax.run import parallel, trainer
+from acco_jax.skippipe import orders as orders_lib
+from acco_jax.skippipe import paths
 from configs import gpt2_skippipe
 from tests.bad_input_test import CACHE
 from tests.layers_test import _reference_loss

@@ -1,7 +1,7 @@
 """What each node of a pipeline does and when: intervals from the simulator, and a picture of them.
 
 :func:`node_intervals` turns one simulated iteration (``simulate.SimResult``: start and end of each
-step of each microbatch, steps numbered as in :mod:`acco_jax.pipeline.simulate`) into per-node
+step of each microbatch, steps numbered as in :mod:`acco_jax.skippipe.simulate`) into per-node
 intervals of forward, backward and head steps, and each stage's gradient all-reduce (which starts
 when the stage's last node is done and lasts ``simulate.ring_allreduce_s``). :func:`plot_timelines`
 draws them, one row per node and one panel per schedule; it imports matplotlib when called, so a
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from acco_jax.pipeline import simulate
-from acco_jax.pipeline.topology import Topology
+from acco_jax.skippipe import simulate
+from acco_jax.skippipe.topology import Topology
 
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "H": "#55a868", "allreduce": "#8172b3"}
 LABELS = {"F": "forward", "B": "backward", "H": "head + loss", "allreduce": "stage all-reduce"}

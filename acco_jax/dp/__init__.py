@@ -10,3 +10,8 @@ restore, on the host). Own every collective over the ``data`` axis: ``step`` (st
 API), ``stage`` (one stage's per-device blocks), ``quantized_comm`` and ``probe``. For the run
 shell: ``family`` (the registry entry), ``updates`` (stages per update) and ``build`` (a config's run).
 """
+
+# What the other families may import of this one: the LoCo workers run this step and its method
+# transforms (their ``loco.inner``), the pipeline's lanes run ACCO's transform and its all-gather
+# (tests/import_graph_test.py holds every family to its neighbours' lists).
+SHARED = ("build", "methods", "owner", "quantized_comm", "step")

@@ -21,9 +21,9 @@ from acco_jax.dp.flat import FlatLayout
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.dp.step import make_train_step
 from acco_jax.dp.updates import stage_plan
-from acco_jax.pipeline import orders as pipeline_orders
 from acco_jax.run import build as build_lib
 from acco_jax.run import health, parallel
+from acco_jax.skippipe import orders as pipeline_orders
 
 
 def build_run(config) -> build_lib.Run:
@@ -39,7 +39,7 @@ def build_run(config) -> build_lib.Run:
   loss = lambda p, b: model.loss_fn(p, model_cfg, b)
   budgets, k_max = _budgets(config, mesh.size, k)
   orders = None
-  if skippipe:  # a layer order per microbatch, in the batch (acco_jax.pipeline.orders)
+  if skippipe:  # a layer order per microbatch, in the batch (acco_jax.skippipe.orders)
     orders = pipeline_orders.LayerOrders(
       config.pipeline, model_cfg, mesh.size * k_max, config.batch.microbatch_size
     )

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.dp import elastic, layouts, methods, quantize
+from acco_jax.dp import elastic, layouts, methods, placement, quantize
 from acco_jax.dp.quantized_comm import QuantizedComm
 from acco_jax.dp.stage import StageProgram
 
@@ -57,7 +57,7 @@ class TrainState(NamedTuple):
   residual: jax.Array | None = None
 
 
-class TrainStep(elastic.Elastic):
+class TrainStep(elastic.Elastic, placement.Placement):
   """A compiled data-parallel training step for one method. Build it with :func:`make_train_step`.
 
   Attributes:
@@ -311,37 +311,6 @@ class TrainStep(elastic.Elastic):
   def describe(self) -> str:
     """One line on the quantized communication ('' when the plan quantizes nothing)."""
     return quantize.describe(self.plan, self.num_devices, self.layout.shard_size)
-
-  # -- input placement ----------------------------------------------------------------------------
-
-  def _put_batch(self, batch, per_device: int):
-    n = self.num_devices
-    for x in jax.tree.leaves(batch):
-      if x.ndim < 1 or x.shape[0] % (n * per_device):
-        raise ValueError(
-          f"batch leading dim {x.shape[0] if x.ndim else 'scalar'} is not divisible by devices x "
-          f"microbatches = {n} x {per_device}; use a global batch of {n}*{per_device}*B rows"
-        )
-    sharding = self._sharding(P(self.plan.axis_name))
-    return jax.tree.map(
-      lambda x: x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding),
-      batch,
-    )
-
-  def _put_counts(self, counts, k: int):
-    if isinstance(counts, jax.Array):
-      return counts
-    counts = np.full((self.num_devices,), k, np.int32) if counts is None else np.asarray(counts)
-    if counts.shape != (self.num_devices,) or counts.min() < 1 or counts.max() > k:
-      raise ValueError(
-        f"counts must be {self.num_devices} ints in [1, {k}] (microbatches per device), got {counts}"
-      )
-    # placed once per distinct value: re-placing host data every stage is a cross-process check
-    key = ("counts", k, tuple(int(c) for c in counts))
-    if key not in self._compiled:
-      counts = counts.astype(np.int32)
-      self._compiled[key] = jax.device_put(counts, self._sharding(P(self.plan.axis_name)))
-    return self._compiled[key]
 
   # -- timing probes (heterogeneous budgets, slow-worker detection) -------------------------------
 

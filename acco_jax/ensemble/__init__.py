@@ -9,3 +9,5 @@ the jobs (``hdee.jobs``); ``recipe`` plans, runs the jobs in order, then evaluat
 owns a collective: the experts never communicate. ``family`` registers ``method=hdee`` with the run
 shell (:mod:`acco_jax.run.registry`).
 """
+
+SHARED = ()  # no other family imports this one (tests/import_graph_test.py)

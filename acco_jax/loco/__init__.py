@@ -24,3 +24,5 @@ from acco_jax.loco.sparseloco import sparseloco as sparseloco
 from acco_jax.loco.streaming import streaming_diloco as streaming_diloco
 
 METHODS = ("diloco", "streaming_diloco", "noloco", "sparseloco", "demo")
+
+SHARED = ()  # no other family imports this one (tests/import_graph_test.py)

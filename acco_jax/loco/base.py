@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from acco_jax import errors
 from acco_jax.loco.compress import Compressor, get_compressor
 from acco_jax.loco.compress.bits import BITS
 from acco_jax.loco.compress.sparse import AGGREGATES
@@ -351,3 +352,21 @@ def merge(local: PyTree, global_: PyTree, alpha: float) -> PyTree:
   if alpha == 1.0:
     return local
   return jax.tree.map(lambda m, g: (alpha * m + (1.0 - alpha) * g).astype(m.dtype), local, global_)
+
+
+def check_owner(method: LocoMethod) -> None:
+  """Refuses what the owner layout (whole matrices per device: an inner Muon) cannot run under
+  ``method``: fragments by block (a slot holds other blocks' matrices on other devices), and the
+  sparse and quantised payloads (their codecs cut each leaf's flat chunk)."""
+  what = (
+    f"loco.fragments={method.fragments}" if method.fragments != 1
+    else f"method={method.name}'s sparse payload" if method.sparse is not None
+    else f"loco.quantize={method.compressor.name}" if method.compressor.name != "none"
+    else None
+  )  # fmt: skip
+  if what is not None:
+    raise errors.UserValueError(
+      f"{what} does not run with the owner layout of an inner optimizer that needs whole matrices "
+      "(opt.name=muon) yet: use diloco, noloco or streaming_diloco with loco.fragments=1 and "
+      "loco.quantize=none, or opt.name=adamw"
+    )

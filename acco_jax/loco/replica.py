@@ -110,3 +110,13 @@ class ReplicaCollectives:
 
     specs = self._specs(tree)
     return jax.shard_map(local, mesh=self.mesh, in_specs=(specs, P()), out_specs=specs)(tree, which)
+
+
+def mesh_mismatch(saved, mesh) -> str:
+  """The one-line error for a checkpoint written on another ``workers x devices`` mesh."""
+  m, d = saved.inner.w.shape[0], jax.tree.leaves(saved.inner.params)[0].shape[1]
+  return (
+    f"the checkpoint was written by {m} workers x {d} devices; this run has "
+    f"{mesh.shape[REPLICA]} x {mesh.shape['data']}: resume with loco.workers={m} on {m * d} devices "
+    "(workers hold their own parameters, so a LoCo run does not move to another mesh)"
+  )

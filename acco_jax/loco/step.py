@@ -7,18 +7,15 @@ same :class:`acco_jax.dp.step.TrainStep`, its collectives staying inside a worke
 the data, and an outer step every few inner steps that moves data *between* workers
 (:mod:`acco_jax.loco.replica`). What the outer step does is a :class:`acco_jax.loco.LocoMethod`.
 
-State (:class:`LocoState`; every leaf has a leading worker dimension ``M`` sharded over
-``replica``): the inner :class:`acco_jax.dp.step.TrainState` (``θ_m`` as ``[M, D, s]`` shards, the
-inner optimizer state, the bf16 compute weights; under ACCO its gradient buffer and committed copy), the outer state (each worker's copy of ``θ_g`` and
-one outer optimizer state per fragment; identical on every worker except for NoLoCo, whose ``φ_i``
-and ``δ_i`` they are), the mean pseudo-gradient of a fragment in flight, and each worker's
-error-feedback buffer (SparseLoCo) or momentum (DeMo).
+State (:class:`LocoState`, a leading worker dimension ``M`` over ``replica``): the inner
+:class:`acco_jax.dp.step.TrainState` (``θ_m`` shards, inner optimizer state, compute weights;
+under ACCO its buffer and committed copy), the outer state (``θ_g`` and one outer optimizer state
+per fragment, per worker: NoLoCo's ``φ_i`` and ``δ_i`` differ), the mean pseudo-gradient of a
+fragment in flight, and each worker's error feedback (SparseLoCo) or momentum (DeMo).
 
-Here: the state, its shardings and initial value, the schedule (:meth:`LocoStep.plan`, the
-programs one :meth:`LocoStep.run` calls after ``s`` inner steps), the cache of the programs and the
-public API. The programs themselves (stage, sync, window and apply: what each computes, and which
-moves data between workers) are in :mod:`acco_jax.loco.programs`; what a sync costs, and the log
-fields of an outer step, in :mod:`acco_jax.loco.accounting`.
+Here: the state, its shardings and initial value, the schedule (:meth:`LocoStep.plan`), the cache
+of the programs and the public API. The programs (stage, sync, window, apply) are in
+:mod:`acco_jax.loco.programs`; a sync's cost and log fields in :mod:`acco_jax.loco.accounting`.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from acco_jax import errors
 from acco_jax.dp import methods
 from acco_jax.dp.step import TrainState, TrainStep
-from acco_jax.loco import base, overlap, phase, programs
+from acco_jax.loco import base, overlap, phase, programs, replica
 from acco_jax.loco.accounting import SyncAccounting
 from acco_jax.loco.base import LocoMethod, OuterState
 from acco_jax.loco.replica import REPLICA, ReplicaCollectives
@@ -124,7 +121,7 @@ class LocoStep(SyncAccounting):
     shards = self.layout.shard_shapes(1)
     self.shard_shapes = [x.shape[1:] for x in jax.tree.leaves(shards)]  # per device, leaf order
     if self.inner.owner:
-      check_owner(method)
+      base.check_owner(method)
     self.parts = base.partition(shards, method.fragments, method.layout)
     self.comm = ReplicaCollectives(
       self.mesh, self.inner.plan.axis_name, self.inner.plan.sharded, REPLICA
@@ -324,40 +321,12 @@ class LocoStep(SyncAccounting):
   def reshard(self, saved: LocoState):
     """Refuses a checkpoint of another mesh: workers hold diverged copies, no rule splits or
     merges them (the trainer's ``reshard=`` hook)."""
-    raise errors.UserValueError(mesh_mismatch(saved, self.mesh))
+    raise errors.UserValueError(replica.mesh_mismatch(saved, self.mesh))
 
   def worker_params(self, state: LocoState) -> PyTree:
     """Every worker's ``θ_m``, a tree of ``[M, ...]`` float32 arrays of the original shapes."""
     fn = lambda s: jax.vmap(self.layout.from_shards)(programs.worker_params(s))
     return self.inner._helper("worker_params", fn)(state)
-
-
-def check_owner(method: LocoMethod) -> None:
-  """Refuses what the owner layout (whole matrices per device: an inner Muon) cannot run under
-  ``method``: fragments by block (a slot holds other blocks' matrices on other devices), and the
-  sparse and quantised payloads (their codecs cut each leaf's flat chunk)."""
-  what = (
-    f"loco.fragments={method.fragments}" if method.fragments != 1
-    else f"method={method.name}'s sparse payload" if method.sparse is not None
-    else f"loco.quantize={method.compressor.name}" if method.compressor.name != "none"
-    else None
-  )  # fmt: skip
-  if what is not None:
-    raise errors.UserValueError(
-      f"{what} does not run with the owner layout of an inner optimizer that needs whole matrices "
-      "(opt.name=muon) yet: use diloco, noloco or streaming_diloco with loco.fragments=1 and "
-      "loco.quantize=none, or opt.name=adamw"
-    )
-
-
-def mesh_mismatch(saved: LocoState, mesh) -> str:
-  """The one-line error for a checkpoint written on another ``workers x devices`` mesh."""
-  m, d = saved.inner.w.shape[0], jax.tree.leaves(saved.inner.params)[0].shape[1]
-  return (
-    f"the checkpoint was written by {m} workers x {d} devices; this run has "
-    f"{mesh.shape[REPLICA]} x {mesh.shape['data']}: resume with loco.workers={m} on {m * d} devices "
-    "(workers hold their own parameters, so a LoCo run does not move to another mesh)"
-  )
 
 
 def worker_mesh(num_workers: int, devices=None) -> jax.sharding.Mesh:

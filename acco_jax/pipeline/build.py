@@ -10,13 +10,14 @@ import numpy as np
 
 from acco_jax import errors, model
 from acco_jax.dp import methods
-from acco_jax.pipeline import carry, orders, plans, ticks
+from acco_jax.pipeline import carry, ticks
 from acco_jax.pipeline import packing as packing_lib
-from acco_jax.pipeline import paths as paths_lib
 from acco_jax.pipeline import step as pipe
 from acco_jax.pipeline.train import PipelineTrainStep, build_state
 from acco_jax.run import build as build_lib
 from acco_jax.run import parallel
+from acco_jax.skippipe import orders, plans
+from acco_jax.skippipe import paths as paths_lib
 
 SCHEDULES = ("gpipe", "1f1b", "skippipe")
 
@@ -85,7 +86,7 @@ def updates_done(config, stage: int) -> int:
 
 def scheduled_plan(config, model_cfg: model.GPTConfig, num_devices: int):
   """The plan ``method=pipeline`` trains on ``num_devices`` devices
-  (:class:`acco_jax.pipeline.plans.Planned`), or None unless ``pipeline.schedule=skippipe`` with
+  (:class:`acco_jax.skippipe.plans.Planned`), or None unless ``pipeline.schedule=skippipe`` with
   ``pipeline.paths=scheduled``. ``bench/skippipe.py --part plan`` prints the same."""
   p = config.pipeline
   if p.schedule != "skippipe" or p.paths != "scheduled":

@@ -1,7 +1,7 @@
 """Tick tables: a pipeline schedule as the static program :mod:`acco_jax.pipeline.step` runs.
 
 Pure host code (NumPy). A microbatch ``m`` on path ``p = (p_1, ..., p_k)`` (see
-:mod:`acco_jax.pipeline.paths`) is a chain of ``2k + 3`` operations, each on one device (a *column*
+:mod:`acco_jax.skippipe.paths`) is a chain of ``2k + 3`` operations, each on one device (a *column*
 of the tables):
 
   F0 on 0,  F on p_1, ..., F on p_k,  H on 0,  B on p_k, ..., B on p_1,  B0 on 0
@@ -10,7 +10,7 @@ F0 embeds the tokens and runs stage 0's blocks; F runs a stage's blocks; H is th
 and its backward (it returns the cotangent of the last activation); B is a stage's backward
 (recomputed from its saved input: only stage inputs are kept); B0 is stage 0's backward into the
 embedding. Operation ``i + 1`` needs the output of operation ``i``; B on ``p_j`` also needs the input
-that F on ``p_j`` saved. Operation ``i`` is step ``i`` of :mod:`acco_jax.pipeline.simulate`.
+that F on ``p_j`` saved. Operation ``i`` is step ``i`` of :mod:`acco_jax.skippipe.simulate`.
 
 Two kinds of tables:
 
@@ -18,7 +18,7 @@ Two kinds of tables:
   data lane runs the same tables on its own rows of every microbatch.
 * **mesh-wide** (:func:`from_plan`): the columns are all ``lanes x S`` devices, device ``l * S + s``
   (lane ``l``, stage ``s``; the row-major order of the mesh) holding node ``partition[s][l]`` of the
-  path scheduler's :class:`~acco_jax.pipeline.schedule.Plan`. Each microbatch is whole and runs on
+  path scheduler's :class:`~acco_jax.skippipe.schedule.Plan`. Each microbatch is whole and runs on
   the nodes the plan gives it, so an activation may move from lane 2 of stage 1 to lane 0 of
   stage 3; each device runs its operations in the plan's order for its node.
 
@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from acco_jax.pipeline import paths as paths_lib
+from acco_jax.skippipe import paths as paths_lib
 
 IDLE, F0, F, H, B, B0 = range(6)
 KIND_NAMES = ("idle", "F0", "F", "H", "B", "B0")
@@ -298,7 +298,7 @@ def from_plan(plan, partition: Sequence[Sequence[int]]) -> Schedule:
   """Mesh-wide tables of a path scheduler's plan (see the module docstring).
 
   Args:
-    plan: a :class:`acco_jax.pipeline.schedule.Plan`; its nodes are those of ``partition``.
+    plan: a :class:`acco_jax.skippipe.schedule.Plan`; its nodes are those of ``partition``.
     partition: the nodes of each stage, as many on every stage (the data lanes); node
       ``partition[s][l]`` runs on device ``l * S + s``.
 

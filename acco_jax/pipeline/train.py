@@ -26,7 +26,7 @@ Schedules (``pipeline.schedule``): ``gpipe`` and ``1f1b`` run the full path for 
 ``skippipe`` with
 
   ``pipeline.paths=scheduled`` (the default) runs the path scheduler's plan for the run's devices
-    (:mod:`acco_jax.pipeline.plans`): device (lane l, stage s) is node ``partition[s][l]`` of the
+    (:mod:`acco_jax.skippipe.plans`): device (lane l, stage s) is node ``partition[s][l]`` of the
     topology, each microbatch goes through the nodes its route gives, across lanes, and each device
     runs its steps in the plan's order (:func:`acco_jax.pipeline.ticks.from_plan`). The plan is
     stored in every checkpoint and a resumed run keeps it;
@@ -48,8 +48,9 @@ from jax.sharding import PartitionSpec as P
 
 from acco_jax import errors, model
 from acco_jax.dp import methods
-from acco_jax.pipeline import carry, plans, ticks
+from acco_jax.pipeline import carry, ticks
 from acco_jax.pipeline import step as pipe
+from acco_jax.skippipe import plans
 
 DATA_METHODS = ("ddp", "zero1", "acco")
 
@@ -114,7 +115,7 @@ class PipelineTrainStep:
 
   Attributes:
     schedule: the :class:`acco_jax.pipeline.ticks.Schedule` every step runs.
-    planned: the scheduler's plan it was built from (:class:`acco_jax.pipeline.plans.Planned`), or
+    planned: the scheduler's plan it was built from (:class:`acco_jax.skippipe.plans.Planned`), or
       None.
     packing: the :class:`acco_jax.pipeline.packing.StagePacking` of the state.
     num_microbatches: M, microbatches per data lane per step.
@@ -231,7 +232,7 @@ class PipelineTrainStep:
 
   def check_checkpoint(self, extra: dict) -> None:
     """Before a restore reads arrays: a checkpoint with a plan needs this run's plan settings, and
-    its plan is the one the run goes on with (see :func:`acco_jax.pipeline.plans.check_resume`)."""
+    its plan is the one the run goes on with (see :func:`acco_jax.skippipe.plans.check_resume`)."""
     saved_counts = extra.get("blocks_per_stage")
     if saved_counts is not None and tuple(saved_counts) != self.packing.counts:
       raise errors.UserValueError(

@@ -36,7 +36,7 @@ class Run(NamedTuple):
   budgets: np.ndarray | None  # fixed per-device budgets per stage (hetero.budgets), else None
   batch_axis: Any = parallel.DATA  # the mesh axes a batch's rows are sharded over
   loco: bool = False  # a low-communication method (train is an acco_jax.loco.step.LocoStep)
-  orders: Any = None  # SkipPipe paths: acco_jax.pipeline.orders.LayerOrders (pipeline.stages > 0)
+  orders: Any = None  # SkipPipe paths: acco_jax.skippipe.orders.LayerOrders (pipeline.stages > 0)
   policy: Any = None  # hetero.adaptive's per-device budgets: acco_jax.dp.hetero.BudgetPolicy
   # every process reads the whole global batch (a pipeline: a lane's devices sit on several
   # processes, which must hold the same rows)

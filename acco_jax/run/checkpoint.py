@@ -51,6 +51,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint.path import step as step_lib
 
 from acco_jax import errors
+from acco_jax.run import ckpt_leaves as leaves_lib
 from acco_jax.run import fingerprint, settling
 
 PyTree = Any
@@ -60,10 +61,6 @@ _log = logging.getLogger(__name__)
 
 class _Corrupt(Exception):
   """A checkpoint step that cannot be read back intact."""
-
-
-def _spec(shape, dtype) -> str:
-  return f"{jnp.dtype(dtype).name}[{','.join(map(str, shape))}]"
 
 
 def _all_processes_agree(ok: bool) -> bool:
@@ -141,7 +138,7 @@ class Checkpointer:
     self._manager.wait_until_finished()
     if step == self._last_saved and step in self._manager.all_steps():
       return
-    paths, leaves = self._flatten(state, "state")
+    paths, leaves = leaves_lib.flatten(state, "state")
     bad_type = [p for p, x in zip(paths, leaves, strict=True) if not isinstance(x, jax.Array)]
     if bad_type:
       raise TypeError(f"checkpoint state leaves must be jax.Arrays; {bad_type[0]} is not")
@@ -302,7 +299,7 @@ class Checkpointer:
   def _restore_step(
     self, step: int, target: PyTree, reshard=None, check_extra=None, saved_like=None
   ) -> tuple[PyTree, dict]:
-    paths, leaves = self._flatten(target, "target")
+    paths, leaves = leaves_lib.flatten(target, "target")
     saved, extra = self._read(step, "metadata", lambda: self._read_meta(step))
     if check_extra is not None:
       check_extra(extra)
@@ -310,7 +307,7 @@ class Checkpointer:
     if reshard is not None and saved_like is not None and set(saved) != set(paths):
       like = saved_like({p: e["shape"] for p, e in saved.items()})
     if like is not None:  # another structure that reshard converts (other slots)
-      like_paths = self._flatten(like, "saved structure")[0]
+      like_paths = leaves_lib.flatten(like, "saved structure")[0]
       if set(like_paths) == set(saved):
         entries = [saved[p] for p in like_paths]
         treedef = jax.tree.structure(like)
@@ -320,7 +317,7 @@ class Checkpointer:
       and set(saved) == set(paths)
       and any(saved[p]["shape"] != tuple(x.shape) for p, x in zip(paths, leaves, strict=True))
     )
-    self._check_matches(step, saved, paths, leaves, not convert)
+    leaves_lib.check_matches(self.directory, step, saved, paths, leaves, not convert)
     for p, x in zip(paths, leaves, strict=True):
       if getattr(x, "sharding", None) is None:
         raise ValueError(f"restore target leaf {p} has no sharding; pass arrays or sharded structs")
@@ -349,13 +346,13 @@ class Checkpointer:
   def _host_step(self, step: int, target_of, saved_like=None) -> tuple[PyTree, dict]:
     saved, extra = self._read(step, "metadata", lambda: self._read_meta(step))
     target = target_of(extra)
-    paths, leaves = self._flatten(target, "target")
+    paths, leaves = leaves_lib.flatten(target, "target")
     if saved_like is not None and set(saved) != set(paths):
       like = saved_like({p: e["shape"] for p, e in saved.items()})
       if like is not None:
         target = like
-        paths, leaves = self._flatten(target, "saved structure")
-    self._check_matches(step, saved, paths, leaves, shapes=False)
+        paths, leaves = leaves_lib.flatten(target, "saved structure")
+    leaves_lib.check_matches(self.directory, step, saved, paths, leaves, shapes=False)
     entries = [saved[p] for p in paths]
     restored = self._read(step, "arrays", lambda: self._read_host(step, entries))
     return jax.tree.unflatten(jax.tree.structure(target), restored), extra
@@ -397,37 +394,3 @@ class Checkpointer:
 
     with jax.transfer_guard("allow"):
       return jax.tree.unflatten(treedef, [place(a, x) for a, x in zip(got, leaves, strict=True)])
-
-  def _check_matches(self, step: int, saved: dict, paths: list, leaves: list, shapes=True) -> None:
-    """Raises a one-line ValueError if the target is not the state the checkpoint was written for
-    (with ``shapes=False``, if their leaf paths differ: a reshard converts the shapes)."""
-    want = dict(zip(paths, leaves, strict=True))
-    details = [
-      f"target leaf {p} ({_spec(x.shape, x.dtype)}) is not in the checkpoint"
-      for p, x in want.items()
-      if p not in saved
-    ]
-    details += [
-      f"{p} is {_spec(saved[p]['shape'], saved[p]['dtype'])} in the checkpoint but "
-      f"{_spec(x.shape, x.dtype)} in the target"
-      for p, x in want.items()
-      if shapes and p in saved and saved[p]["shape"] != tuple(x.shape)
-    ]
-    details += [
-      f"checkpoint leaf {p} ({_spec(e['shape'], e['dtype'])}) is not in the target"
-      for p, e in saved.items()
-      if p not in want
-    ]
-    if details:
-      raise errors.UserValueError(
-        f"the checkpoint at {self.directory} (step {step}) was written for a different state: "
-        f"{details[0]} ({len(details)} leaves differ; {len(saved)} saved, {len(want)} in the "
-        "target); resume with the config it was written with, or start in a new directory"
-      )
-
-  @staticmethod
-  def _flatten(tree: PyTree, what: str) -> tuple[list[str], list[Any]]:
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    if not flat:
-      raise ValueError(f"the {what} has no array leaves")
-    return [jax.tree_util.keystr(p) for p, _ in flat], [x for _, x in flat]

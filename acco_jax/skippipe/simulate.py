@@ -1,7 +1,7 @@
 """Discrete-event simulation of one pipeline iteration: the makespan of a set of routes.
 
 A *route* sends one microbatch from its stage-0 node ``origin`` through the stages of its ``path``
-(:mod:`acco_jax.pipeline.paths`), one node per stage (``nodes``), back to ``origin`` for the head and
+(:mod:`acco_jax.skippipe.paths`), one node per stage (``nodes``), back to ``origin`` for the head and
 the loss, and backward along the same nodes in reverse. With ``K = len(path)`` its chain of
 ``2K + 3`` *steps* is
 
@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from acco_jax.pipeline.topology import Topology
+from acco_jax.skippipe.topology import Topology
 
 POLICIES = ("fifo", "gpipe", "1f1b")
 

@@ -2,7 +2,7 @@
 
 :func:`lower_bound` holds for every plan of ``n`` microbatches whose paths visit ``K`` distinct
 stages after stage 0 (in any order, on any nodes, under any processing order: a simulator policy or
-a replayed static order), priced as :mod:`acco_jax.pipeline.simulate` prices them. It is the largest
+a replayed static order), priced as :mod:`acco_jax.skippipe.simulate` prices them. It is the largest
 of three bounds, each a time some stage's all-reduce cannot end before:
 
   stage 0   every microbatch runs stage 0's forward, the head and stage 0's backward on one
@@ -27,9 +27,9 @@ of three bounds, each a time some stage's all-reduce cannot end before:
             ``T >= max_s AR_s``.
 
 ``lo`` and ``hi`` apply to plans that meet the balance bound ``c`` (every plan
-:func:`acco_jax.pipeline.schedule.schedule` and ``random_plan`` make, and the full pipeline at skip
+:func:`acco_jax.skippipe.schedule.schedule` and ``random_plan`` make, and the full pipeline at skip
 0, where ``c = n``); ``balance=None`` bounds any plan. ``AR_s`` is
-:func:`acco_jax.pipeline.simulate.ring_allreduce_s` over the stage's nodes, 0 when the
+:func:`acco_jax.skippipe.simulate.ring_allreduce_s` over the stage's nodes, 0 when the
 costs give no gradient sizes. Each argument lower-bounds a node's busy time or a chain's length,
 which no waiting, collision or processing order can shorten, so the maximum is a valid bound.
 """
@@ -41,9 +41,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from acco_jax.pipeline import paths as paths_lib
-from acco_jax.pipeline import simulate
-from acco_jax.pipeline.topology import Topology
+from acco_jax.skippipe import paths as paths_lib
+from acco_jax.skippipe import simulate
+from acco_jax.skippipe.topology import Topology
 
 
 def _least_time(demand: int, groups) -> float:

@@ -1,7 +1,7 @@
 """The path scheduler: a route per microbatch that shortens the iteration, under SkipPipe's
 constraints.
 
-Given a topology, a stage assignment (:mod:`acco_jax.pipeline.assign`), ``n`` microbatches, a skip
+Given a topology, a stage assignment (:mod:`acco_jax.skippipe.assign`), ``n`` microbatches, a skip
 ratio and whether swaps are allowed, every microbatch ``b`` gets a stage-0 node ``o_b``, a path of
 ``K = paths.path_length(S, skip)`` distinct stages (in increasing order unless swaps are allowed)
 and a node of each visited stage's partition. The constraints:
@@ -10,7 +10,7 @@ and a node of each visited stage's partition. The constraints:
   balance    every stage s >= 1 is visited by at most ``c`` microbatches; by default
              ``c = ceil(n K / (S - 1))``, an equal share;
   collisions a node computes one step at a time; waiting is priced by the simulator's 'fifo'
-             policy (:mod:`acco_jax.pipeline.simulate`).
+             policy (:mod:`acco_jax.skippipe.simulate`).
 
 The objective is the simulated makespan (with each stage's gradient all-reduce when the costs give
 gradient sizes: a stage whose all-reduce is slow should finish its last backward early).
@@ -24,7 +24,7 @@ does not grow. The result is the best of the search's plan and two kinds of cand
 properties hold: with swaps, the in-order search's result (same seed) is a start and a candidate,
 so allowing swaps is never worse; and the full pipeline's lanes with stages left out, in every
 rotation, simulated under each policy or run in GPipe's or 1F1B's recorded order with the left-out
-steps deleted (:mod:`acco_jax.pipeline.left_out`), so skipping is never slower than the full
+steps deleted (:mod:`acco_jax.skippipe.left_out`), so skipping is never slower than the full
 pipeline when the transfer times satisfy the triangle inequality. Seeded and deterministic.
 
 The result is a :class:`Plan`: plain data a pipeline runtime builds its tick tables from.
@@ -38,10 +38,10 @@ import math
 import numpy as np
 
 from acco_jax import errors
-from acco_jax.pipeline import bounds, left_out, simulate
-from acco_jax.pipeline import paths as paths_lib
-from acco_jax.pipeline.assign import Partition
-from acco_jax.pipeline.topology import Topology
+from acco_jax.skippipe import bounds, left_out, simulate
+from acco_jax.skippipe import paths as paths_lib
+from acco_jax.skippipe.assign import Partition
+from acco_jax.skippipe.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Plan:
     paths: per microbatch, the stages it visits after stage 0, in order (``paths.Path``).
     nodes: per microbatch, the node of each stage of its path (``len(nodes[b]) == len(paths[b])``).
     order: per node, the ``(microbatch, step)`` pairs it runs, in the order the simulator assumed;
-      steps are numbered as in :mod:`acco_jax.pipeline.simulate` (0 = stage 0 forward on the
+      steps are numbered as in :mod:`acco_jax.skippipe.simulate` (0 = stage 0 forward on the
       origin, 1..K the path forward, K+1 head, K+2..2K+1 the path backward, 2K+2 stage 0 backward).
     makespan: the simulated iteration time [s] of this order (all-reduces included when the costs
       give gradient sizes); ``simulate.replay`` of ``order`` gives the same.
@@ -207,7 +207,7 @@ def _rotations(s_count, num_mb, k):
 def _left_out_plans(topo, costs, partition, num_mb, k, c, m) -> list[Plan]:
   """The full pipeline's lanes with ``S - 1 - k`` stages left out, each rotation that meets the
   bounds: simulated under every policy, and the GPipe and 1F1B orders replayed with the left-out
-  steps deleted (:mod:`acco_jax.pipeline.left_out`)."""
+  steps deleted (:mod:`acco_jax.skippipe.left_out`)."""
   s_count = len(partition)
   full = simulate.lanes(topo, costs, partition, num_mb)
   orders = {p: simulate.simulate(topo, costs, full, p, partition).order for p in ("gpipe", "1f1b")}

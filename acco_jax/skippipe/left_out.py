@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from acco_jax.pipeline import simulate
-from acco_jax.pipeline.topology import Topology
+from acco_jax.skippipe import simulate
+from acco_jax.skippipe.topology import Topology
 
 
 def triangle_holds(topo: Topology, num_bytes: float, rtol: float = 1e-12) -> bool:
@@ -71,7 +71,7 @@ def lane_routes(full: Sequence[simulate.Route], left_out: Sequence[set[int]]):
 
 def _step_map(full_len: int, kept: Sequence[bool]) -> list[int | None]:
   """Step ``j`` of a full route -> its step in the route that keeps ``kept`` hops (None: removed);
-  steps numbered as in :mod:`acco_jax.pipeline.simulate`."""
+  steps numbered as in :mod:`acco_jax.skippipe.simulate`."""
   k = sum(kept)
   rank, r = [], 0
   for keep in kept:

@@ -6,7 +6,7 @@ remainder on stage 0 (:func:`stage_sizes`).
 
 The objective is the expected communication cost of one microbatch's round trip. Each stage-0 node
 starts a lane; the lane takes, stage by stage, the nearest node of the next partition that still
-has room (:func:`acco_jax.pipeline.simulate.lanes`), and returns to its origin:
+has room (:func:`acco_jax.skippipe.simulate.lanes`), and returns to its origin:
 
   cost(P) = mean over lanes l of  sum_{s=0}^{S-1} transfer(y_l[s], y_l[s+1 mod S])
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from acco_jax import errors
-from acco_jax.pipeline import simulate
-from acco_jax.pipeline.topology import Topology
+from acco_jax.skippipe import simulate
+from acco_jax.skippipe.topology import Topology
 
 Partition = tuple[tuple[int, ...], ...]
 

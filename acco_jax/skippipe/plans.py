@@ -1,7 +1,7 @@
 """The path scheduler's plan a run trains with, made from its config.
 
 One function makes it for both runtimes: data-parallel workers that run each microbatch's layer
-order (:mod:`acco_jax.pipeline.orders`) and the pipeline over a ``('data', 'stage')`` mesh
+order (:mod:`acco_jax.skippipe.orders`) and the pipeline over a ``('data', 'stage')`` mesh
 (:mod:`acco_jax.pipeline.build`), and ``bench/skippipe.py --part plan`` prints the same plan. The
 steps:
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from acco_jax import errors, model
-from acco_jax.pipeline import assign, schedule, simulate, topology
-from acco_jax.pipeline.assign import Partition
+from acco_jax.skippipe import assign, schedule, simulate, topology
+from acco_jax.skippipe.assign import Partition
 
 FLOPS_PER_S = 1e14  # a speed-1.0 node's effective compute, for the costs
 

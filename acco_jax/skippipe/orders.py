@@ -2,7 +2,7 @@
 
 As SkipPipe's convergence runs do, every data-parallel worker holds the whole model and runs each
 microbatch through stage 0's blocks and then the blocks of the microbatch's path, in path order
-(:func:`acco_jax.pipeline.paths.layer_order`). The data-parallel step itself is unchanged: the
+(:func:`acco_jax.skippipe.paths.layer_order`). The data-parallel step itself is unchanged: the
 order rides in the batch as one more array, ``batch['order']`` of shape ``[rows, K]`` (every row of
 a microbatch carries its microbatch's order), and the per-microbatch loss reads it,
 
@@ -16,7 +16,7 @@ A stage call takes ``n = devices x k`` microbatches; microbatch ``g = device * k
 batch rows ``[g B, (g + 1) B)``. Its path comes from
 
   'scheduled'  the path scheduler's plan for n microbatches on the configured topology
-               (:func:`acco_jax.pipeline.plans.make`), the same plan every iteration;
+               (:func:`acco_jax.skippipe.plans.make`), the same plan every iteration;
   'random'     uniformly random paths of the skip ratio (:func:`paths.random_paths`), drawn anew
                each iteration from ``(seed, batch index)``, so a resumed run draws the same paths.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from acco_jax import errors, layers, model
-from acco_jax.pipeline import paths, plans
+from acco_jax.skippipe import paths, plans
 
 MODES = ("scheduled", "random")
 
