@@ -76,7 +76,7 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
   """The iteration-time table; ``grad_bytes`` > 0 adds each stage's gradient all-reduce (bytes per
   gradient value) to every makespan and the scheduler's objective, and, with
   ``assign_allreduce``, to the stage assignment's cost."""
-  from acco_jax.skippipe import assign, bounds, paths, schedule, simulate, topology
+  from acco_jax.skippipe import assign, baselines, bounds, paths, schedule, simulate, topology
 
   rows = []
   for name in topologies:
@@ -92,12 +92,12 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
         )
         for i in range(20)
       ]
-      gpipe = schedule.full_pipeline(topo, costs, part, num_mb, "gpipe").makespan
-      f1b1 = schedule.full_pipeline(topo, costs, part, num_mb, "1f1b").makespan
+      gpipe = baselines.full_pipeline(topo, costs, part, num_mb, "gpipe").makespan
+      f1b1 = baselines.full_pipeline(topo, costs, part, num_mb, "1f1b").makespan
       for skip in skips:
         for swap in swaps:
           rnd = statistics.median(
-            schedule.random_plan(topo, costs, part, num_mb, skip, swap, seed=i).makespan
+            baselines.random_plan(topo, costs, part, num_mb, skip, swap, seed=i).makespan
             for i in range(draws)
           )
           sched = schedule.schedule(topo, costs, part, num_mb, skip, swap, seed=0, iters=iters)
@@ -109,8 +109,8 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
               gpipe_s=round(gpipe, 3), f1b1_s=round(f1b1, 3), random_s=round(rnd, 3),
               scheduler_s=round(sched.makespan, 3), bound_s=round(bound, 3),
               sched_vs_bound=round(sched.makespan / bound, 2), sched_order=sched.policy,
-              vs_full=f"{schedule.gap(sched.makespan, best_full):+.0%}",
-              vs_random=f"{schedule.gap(sched.makespan, rnd):+.0%}",
+              vs_full=f"{baselines.gap(sched.makespan, best_full):+.0%}",
+              vs_random=f"{baselines.gap(sched.makespan, rnd):+.0%}",
               assign_cost_s=round(assign.cost(topo, costs, part), 3),
               random_assign_cost_s=round(statistics.median(rnd_part), 3),
             )
@@ -151,14 +151,14 @@ def timeline(path, stages=6, skip=0.25, num_mb=16, iters=400, topology_name="geo
   """Draws each node's timeline for GPipe, 1F1B and the scheduled plan (swaps on) of one setting,
   the gradient all-reduce priced (in the stage assignment too); returns the makespans."""
   from acco_jax.analysis import timeline as timeline_lib
-  from acco_jax.skippipe import assign, bounds, schedule, simulate, topology
+  from acco_jax.skippipe import assign, baselines, bounds, schedule, simulate, topology
 
   topo = topology.preset(topology_name, topology.default_nodes(stages), seed=0)
   costs = simulate.transformer_costs(stages, 24, 2048, 32000, 1024, 4, 1e14, grad_bytes=2)
   part = assign.assign(topo, costs, stages, seed=0)
   plans = [
-    ("GPipe, full pipeline", schedule.full_pipeline(topo, costs, part, num_mb, "gpipe")),
-    ("1F1B, full pipeline", schedule.full_pipeline(topo, costs, part, num_mb, "1f1b")),
+    ("GPipe, full pipeline", baselines.full_pipeline(topo, costs, part, num_mb, "gpipe")),
+    ("1F1B, full pipeline", baselines.full_pipeline(topo, costs, part, num_mb, "1f1b")),
     (f"scheduled, skip {skip} with swaps",
      schedule.schedule(topo, costs, part, num_mb, skip, True, seed=0, iters=iters)),
   ]  # fmt: skip

@@ -11,7 +11,16 @@ import numpy as np
 import pytest
 
 from acco_jax import errors
-from acco_jax.skippipe import assign, bounds, left_out, paths, schedule, simulate, topology
+from acco_jax.skippipe import (
+  assign,
+  baselines,
+  bounds,
+  left_out,
+  paths,
+  schedule,
+  simulate,
+  topology,
+)
 
 
 def _topo(latency, bandwidth, speed=None):
@@ -131,9 +140,9 @@ def partition():
 
 def test_replay_of_the_recorded_order_reproduces_the_makespan(partition):
   for policy, plan in [
-    ("fifo", schedule.random_plan(GEO, COSTS, partition, 8, 0.5, True, seed=1)),
-    ("gpipe", schedule.full_pipeline(GEO, COSTS, partition, 8, "gpipe")),
-    ("1f1b", schedule.full_pipeline(GEO, COSTS, partition, 8, "1f1b")),
+    ("fifo", baselines.random_plan(GEO, COSTS, partition, 8, 0.5, True, seed=1)),
+    ("gpipe", baselines.full_pipeline(GEO, COSTS, partition, 8, "gpipe")),
+    ("1f1b", baselines.full_pipeline(GEO, COSTS, partition, 8, "1f1b")),
   ]:
     res = simulate.replay(GEO, COSTS, plan.routes(), plan.order)
     assert res.makespan == pytest.approx(plan.makespan), policy
@@ -195,10 +204,10 @@ def test_scheduler_beats_random_and_the_full_pipeline(partition, skip, swap):
     visits[list(p)] += 1
   assert load.max() <= m and visits[1:].max() <= c
   rnd = [
-    schedule.random_plan(GEO, COSTS, partition, n, skip, swap, seed=i).makespan for i in range(5)
+    baselines.random_plan(GEO, COSTS, partition, n, skip, swap, seed=i).makespan for i in range(5)
   ]
   full = min(
-    schedule.full_pipeline(GEO, COSTS, partition, n, p).makespan for p in ("gpipe", "1f1b")
+    baselines.full_pipeline(GEO, COSTS, partition, n, p).makespan for p in ("gpipe", "1f1b")
   )
   assert plan.makespan < min(rnd)
   if skip == 0.0:
@@ -309,9 +318,9 @@ def random_cases():
       plans = {
         "in order": schedule.schedule(topo, costs, part, n, skip, False, seed=seed, iters=25),
         "swap": schedule.schedule(topo, costs, part, n, skip, True, seed=seed, iters=25),
-        "random": schedule.random_plan(topo, costs, part, n, skip, True, seed=seed),
-        "gpipe": schedule.full_pipeline(topo, costs, part, n, "gpipe"),
-        "1f1b": schedule.full_pipeline(topo, costs, part, n, "1f1b"),
+        "random": baselines.random_plan(topo, costs, part, n, skip, True, seed=seed),
+        "gpipe": baselines.full_pipeline(topo, costs, part, n, "gpipe"),
+        "1f1b": baselines.full_pipeline(topo, costs, part, n, "1f1b"),
       }
       out.append(dict(family=family, seed=seed, topo=topo, costs=costs, part=part, n=n, skip=skip,
                       plans=plans))  # fmt: skip
@@ -374,7 +383,7 @@ def test_skipping_pays_for_links_the_full_pipeline_never_crosses():
   topo = _topo(np.where(diagonal, 100.0, 0.01), np.full((4, 4), np.inf))
   costs = simulate.Costs(fwd_S=np.ones(4), head=0.0, act_bytes=0.0)
   part = ((0,), (1,), (2,), (3,))
-  full = schedule.full_pipeline(topo, costs, part, 2, "gpipe").makespan
+  full = baselines.full_pipeline(topo, costs, part, 2, "gpipe").makespan
   assert full < 20.0
   assert not left_out.triangle_holds(topo, 0.0)
   assert bounds.lower_bound(topo, costs, part, 2, 0.25) > 200.0

@@ -33,7 +33,6 @@ The result is a :class:`Plan`: plain data a pipeline runtime builds its tick tab
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -121,7 +120,7 @@ def limits(partition: Partition, num_mb: int, k: int, memory: int = 0, balance: 
   return c, m
 
 
-class _State:
+class Loads:
   """Loads of a candidate plan, for constraint checks during construction and search."""
 
   def __init__(self, partition, num_mb, c, m):
@@ -139,7 +138,7 @@ class _State:
 
 def _greedy(topo, costs, partition, num_mb, k, swap, c, m, rng):
   xfer = topo.transfer_MxM(costs.act_bytes)
-  st = _State(partition, num_mb, c, m)
+  st = Loads(partition, num_mb, c, m)
   work = dict.fromkeys(st.stage_of, 0.0)  # seconds of compute queued on each node
   s_count = len(partition)
   routes = []
@@ -178,7 +177,7 @@ def _greedy(topo, costs, partition, num_mb, k, swap, c, m, rng):
 
 def _fits(partition, num_mb, c, m, routes) -> bool:
   """Whether ``routes`` meet the memory bound ``m`` and the balance bound ``c``."""
-  st = _State(partition, num_mb, c, m)
+  st = Loads(partition, num_mb, c, m)
   for r in routes:
     st.add(r.origin, r.path, r.nodes)
   return max(st.load.values()) <= m and max(st.visits[1:] or [0]) <= c
@@ -348,7 +347,7 @@ def schedule(
       starts.append(p.routes())
       made.append(p.makespan)
   routes, best = list(starts[int(np.argmin(made))]), min(made)
-  st = _State(partition, num_mb, c, m)
+  st = Loads(partition, num_mb, c, m)
   for r in routes:
     st.add(r.origin, r.path, r.nodes)
   for _ in range(iters):
@@ -372,48 +371,3 @@ def schedule(
     st.add(old.origin, old.path, old.nodes)
   found = plan_of(topo, costs, routes, partition=partition)
   return min([found, *left] + ([in_order] if swap else []), key=lambda p: p.makespan)
-
-
-def random_plan(
-  topo: Topology,
-  costs: simulate.Costs,
-  partition: Partition,
-  num_mb: int,
-  skip: float,
-  swap: bool,
-  seed: int = 0,
-  memory: int = 0,
-  balance: int = 0,
-) -> Plan:
-  """Random valid routes: uniform paths (``paths.random_paths``) and nodes, redrawn until the
-  memory and balance constraints hold; collisions priced by the 'fifo' policy."""
-  s_count = len(partition)
-  k = paths_lib.path_length(s_count, skip)
-  c, m = limits(partition, num_mb, k, memory, balance)
-  rng = np.random.default_rng(seed)
-  for _ in range(10_000):
-    st = _State(partition, num_mb, c, m)
-    routes = []
-    for p in paths_lib.random_paths(num_mb, s_count, skip, swap, rng):
-      o = int(rng.choice([x for x in partition[0] if st.load[x] < m] or [-1]))
-      nodes = []
-      for s in p:
-        opts = [y for y in partition[s] if st.load[y] < m]
-        nodes.append(int(rng.choice(opts)) if opts else -1)
-      if o < 0 or -1 in nodes:
-        break
-      st.add(o, p, tuple(nodes))
-      routes.append(simulate.Route(o, p, tuple(nodes)))
-    if len(routes) == num_mb and max(st.visits[1:] or [0]) <= c:
-      return plan_of(topo, costs, routes, partition=partition)
-  raise RuntimeError("no random plan met the memory and balance constraints in 10000 draws")
-
-
-def full_pipeline(topo, costs, partition, num_mb: int, policy: str) -> Plan:
-  """The full pipeline on fixed lanes (``simulate.lanes``) under 'gpipe' or '1f1b'."""
-  return plan_of(topo, costs, simulate.lanes(topo, costs, partition, num_mb), policy, partition)
-
-
-def gap(a: float, b: float) -> float:
-  """Relative change from ``b`` to ``a``: -0.3 means ``a`` takes 30% less time."""
-  return (a - b) / b if b > 0 else math.nan
