@@ -223,11 +223,14 @@ CONFIGS += [  # SkipPipe paths (the pipeline group; the tiny model has 2 blocks)
   "overrides,error,match",
   [pytest.param(*c[1:4], id=c[0]) for c in CONFIGS],
 )
-def test_bad_config_is_refused_before_anything_runs(overrides, error, match):
+def test_bad_config_is_refused_before_anything_runs(overrides, error, match, tmp_path):
+  """Refused before any data is prepared: an empty data cache stays empty."""
   config = tiny(gpt2_zero1 if overrides.get("method") == "zero1" else gpt2_acco, **overrides)
+  config.data.cache_dir = str(tmp_path / "cache")
   with pytest.raises(error, match=match) as info:
     trainer.build(config)
   one_line(info.value)
+  assert not list((tmp_path / "cache").rglob("*")), "data was prepared before the refusal"
 
 
 def test_topology_file_that_does_not_parse(tmp_path):
@@ -599,9 +602,12 @@ PIPELINE_CONFIGS = [
 @pytest.mark.parametrize(
   "overrides,match", [pytest.param(*c[1:], id=c[0]) for c in PIPELINE_CONFIGS]
 )
-def test_bad_pipeline_config_is_refused(overrides, match):
+def test_bad_pipeline_config_is_refused(overrides, match, tmp_path):
   from configs import gpt2_pipeline
 
+  config = tiny(gpt2_pipeline, **overrides)
+  config.data.cache_dir = str(tmp_path / "cache")  # stays empty: refused before any data
   with pytest.raises(ValueError, match=match) as info:
-    trainer.build(tiny(gpt2_pipeline, **overrides))
+    trainer.build(config)
   one_line(info.value)
+  assert not list((tmp_path / "cache").rglob("*")), "data was prepared before the refusal"

@@ -141,10 +141,15 @@ def test_domain_with_no_text(tmp_path):
   ],
 )
 def test_bad_recipe_configs(overrides, match, tmp_path):
+  """Refused before any domain's data is prepared (an empty cache stays empty) or anything is
+  written."""
+  config = tiny(**overrides)
+  config.data.cache_dir = str(tmp_path / "cache")
   with pytest.raises(ValueError, match=match) as info:
-    recipe.run(tiny(**overrides), str(tmp_path / "W"))
+    recipe.run(config, str(tmp_path / "W"))
   assert "\n" not in str(info.value)
   assert not (tmp_path / "W").exists()  # nothing written
+  assert not list((tmp_path / "cache").rglob("*")), "data was prepared before the refusal"
 
 
 def test_bench_counts_domains_where_a_heterogeneous_ensemble_is_lowest(tmp_path):

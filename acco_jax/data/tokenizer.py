@@ -251,6 +251,27 @@ def _bpe(arg: str, cache_dir: str | None, train_text: Sequence[str] | None) -> H
   return HFTokenizer(path)
 
 
+GPT2_VOCAB = 50257  # GPT-2's ids, <|endoftext|> included
+
+
+def declared_vocab_size(name: str) -> int:
+  """The ids a tokenizer named ``name`` has, known before any data is read: ``byte`` 257, ``gpt2``
+  50257, ``bpe:<n>`` at most ``n`` (a corpus too small for ``n`` ids trains fewer), and a
+  ``bpe:<path.json>`` file its own; an unknown name is :func:`get_tokenizer`'s one-line error."""
+  if name == "byte":
+    return ByteTokenizer.vocab_size
+  if name == "gpt2":
+    return GPT2_VOCAB
+  if name.startswith("bpe:") and name[4:].isdigit():
+    vocab_size = int(name[4:])
+    if vocab_size < _MIN_BPE_VOCAB:
+      raise errors.UserValueError(
+        f"tokenizer 'bpe:{vocab_size}': vocab size must be >= {_MIN_BPE_VOCAB}"
+      )
+    return vocab_size
+  return get_tokenizer(name).vocab_size
+
+
 def default_cache_dir(cache_dir: str | None = None) -> str:
   """`cache_dir`, else ``$ACCO_JAX_CACHE``, else ``~/.cache/acco_jax``."""
   if cache_dir is not None:

@@ -35,6 +35,7 @@ import numpy as np
 
 from acco_jax import data, errors, model
 from acco_jax.data import sources as sources_lib
+from acco_jax.data.tokenizer import declared_vocab_size
 from acco_jax.ensemble import budgets, domains, infer, mixing
 from acco_jax.ensemble import jobs as jobs_lib
 from acco_jax.run import compile_cache
@@ -105,7 +106,8 @@ def _tokens(config, name: str, source: str) -> data.TokenData:
 
 
 def make_plan(config) -> Plan:
-  """Parses and checks the ``hdee`` group; prepares every domain's tokens (cache only)."""
+  """Parses and checks the ``hdee`` group (every one-line refusal before any data), then prepares
+  every domain's tokens (cache only)."""
   h = config.hdee
   if config.data.tokenizer.startswith("bpe:") and config.data.tokenizer[4:].isdigit():
     raise errors.UserValueError(
@@ -142,10 +144,8 @@ def make_plan(config) -> Plan:
       )
   weights = budgets.parse_weights(h.step_weights, groups)
   doms = budgets.parse_domains(h.domains, groups)
-  cache = _cache_dir(config)
-  source_of = {d.name: domains.source(d.name, d.source, cache, h.max_domain_chars) for d in doms}
-  tokens = {d.name: _tokens(config, d.name, source_of[d.name]) for d in doms}
-  vocab = next(iter(tokens.values())).tokenizer.vocab_size
+  # the budgets need the models' sizes only: the tokenizer's declared vocabulary, no data yet
+  vocab = declared_vocab_size(config.data.tokenizer)
   model_cfgs = {name: _model_cfg(config, o, vocab) for name, o in sizes.items()}
   n_dev = config.mesh.num_devices or jax.device_count()
   T = n_dev * config.batch.microbatches * config.batch.microbatch_size * config.data.seq_len
@@ -165,6 +165,11 @@ def make_plan(config) -> Plan:
   dense = None
   if h.dense:
     dense = budgets.dense_job(h.homogeneous_size, fpt[h.homogeneous_size], T, h.budget_flops)
+  cache = _cache_dir(config)  # every refusal above came before this: the domains' data
+  source_of = {d.name: domains.source(d.name, d.source, cache, h.max_domain_chars) for d in doms}
+  tokens = {d.name: _tokens(config, d.name, source_of[d.name]) for d in doms}
+  if {t.tokenizer.vocab_size for t in tokens.values()} != {vocab}:
+    raise RuntimeError(f"the domains' tokenizers do not have the declared {vocab} ids")
   return Plan(config, experts, doms, sizes, model_cfgs, tokens, source_of, T, seeds, modes, rules,
               dense)  # fmt: skip
 

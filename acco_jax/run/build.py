@@ -12,6 +12,7 @@ one-line :class:`acco_jax.errors.UserError`.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from typing import Any, NamedTuple
 
@@ -19,6 +20,7 @@ import jax
 import numpy as np
 
 from acco_jax import data, errors, model
+from acco_jax.data.tokenizer import declared_vocab_size
 from acco_jax.run import optim, parallel, profile, registry
 
 
@@ -53,8 +55,17 @@ def model_config(config, vocab_size: int) -> model.GPTConfig:
   )  # fmt: skip
 
 
+# set while :func:`build` checks a config: the families build against the declared vocabulary
+_CHECKING = contextvars.ContextVar("checking_config", default=False)
+
+
 def prepare_tokens(config) -> data.TokenData:
-  """The config's corpus, tokenized, split and cached (``data.prepare``)."""
+  """The config's corpus, tokenized, split and cached (``data.prepare``); while :func:`build`
+  checks the config, no data: empty streams of the tokenizer's declared vocabulary."""
+  if _CHECKING.get():
+    vocab = declared_vocab_size(config.data.tokenizer)
+    empty = np.zeros((0,), np.int32)
+    return data.TokenData(empty, empty, _Declared(config.data.tokenizer, vocab), "")
   cache = config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
   return data.prepare(
     config.data.source, config.data.tokenizer, cache_dir=cache,
@@ -118,7 +129,22 @@ def build(config) -> Run:
       "with train.py"
     )
   _check_config(config)
+  # every refusal the config alone decides comes before any data is prepared or anything is
+  # written: the family builds once against the tokenizer's declared vocabulary (no data; the
+  # steps are built, not compiled), then for real
+  checking = _CHECKING.set(True)
+  try:
+    family.build(config)
+  finally:
+    _CHECKING.reset(checking)
   return family.build(config)
+
+
+class _Declared(NamedTuple):
+  """A tokenizer known by its name and size only (:func:`prepare_tokens` while checking)."""
+
+  name: str
+  vocab_size: int
 
 
 _AT_LEAST = {
