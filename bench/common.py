@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -141,6 +142,89 @@ def write_json(path: Path, data: dict) -> Path:
 
 def log(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
+
+
+# -- the drivers' shared loops: workers per setting, a training run, the report -------------------
+
+
+def run_each(script: str, label: str, items: list, worker_args, num_devices, timeout: float):
+  """``run_worker`` once per item (``worker_args(item)``, ``num_devices(item)``): the runs that
+  finished, each with its ``wall_s``, and ``{'item', 'error'}`` for those that failed."""
+  runs, failures = [], []
+  for item in items:
+    log(f"{label}: {item} on {num_devices(item)} CPU devices ...")
+    start = time.perf_counter()
+    try:
+      run = run_worker(script, num_devices(item), worker_args(item), timeout)
+    except RuntimeError as e:
+      log(f"{label}: {item} failed: {e}")
+      failures.append({"item": item, "error": str(e)})
+      continue
+    run["wall_s"] = round(time.perf_counter() - start, 1)
+    runs.append(run)
+  return runs, failures
+
+
+def finish_runs(
+  out: Path,
+  result: dict,
+  runs: list,
+  failures: list,
+  report: str,
+  *,
+  name_of,
+  psi_of,
+  started: float,
+  load_start,
+) -> int:
+  """Prints the table ``report``, one line per run (``name_of(run)``, its parameters
+  ``psi_of(run)``, wall time and peak RSS) and per failure, and the load; writes ``result`` with
+  the runs, their rows and the table to ``out``. The exit status: 1 when a run failed."""
+  print(report)
+  for run in runs:
+    print(
+      f"{name_of(run)}: Ψ = {psi_of(run):,}; worker wall {run['wall_s']} s, "
+      f"peak RSS {run['max_rss_bytes'] / 2**30:.2f} GiB"
+    )
+  for f in failures:
+    print(f"{f['item']} FAILED: {f['error']}")
+  print(f"1-min load average: {load_start} at start, {loadavg()} at end")
+  write_json(out, {
+    **result, "wall_s": round(time.perf_counter() - started, 1),
+    "runs": [{k: v for k, v in run.items() if k != "rows"} for run in runs],
+    "failures": failures, "rows": [r for run in runs for r in run["rows"]], "table": report,
+  })  # fmt: skip
+  print(f"wrote {out}")
+  return 1 if failures else 0
+
+
+def train_run(config, workdir, result: dict, start: float) -> dict:
+  """``trainer.train_and_evaluate`` of ``config`` in ``workdir``: ``result`` with the status, the
+  final eval loss (NaN for a run that diverged: what it logged is kept), the wall time and the
+  config, written to ``workdir/result.json``; the checkpoints are removed."""
+  from acco_jax.run import trainer
+
+  try:
+    summary = trainer.train_and_evaluate(config, str(workdir))
+    result.update(status="ok", final_eval_loss=summary.get("eval_loss"))
+  except FloatingPointError as e:  # non-finite loss: the run diverged
+    result.update(status="diverged", error=str(e), final_eval_loss=float("nan"))
+  result["wall_s"] = time.perf_counter() - start
+  result["config"] = json.loads(config.to_json_best_effort())
+  shutil.rmtree(Path(workdir) / "checkpoints", ignore_errors=True)
+  write_json(Path(workdir) / "result.json", result)
+  return result
+
+
+def write_report(out: Path, stem: str, results: dict, text: str, failed: list[str]) -> int:
+  """``<stem>.json`` and ``<stem>.md`` (the table ``text``) in ``out``; the exit status (1 when a
+  run failed)."""
+  path = write_json(out / f"{stem}.json", results)
+  (out / f"{stem}.md").write_text(text + "\n")
+  log(f"wrote {path} and {stem}.md:\n{text}")
+  if failed:
+    log(f"{len(failed)} runs failed: {', '.join(failed)}")
+  return 1 if failed else 0
 
 
 def abstract_stage(cfg, tx, devices, k: int, rows: int):

@@ -177,7 +177,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
     "stop"  # stop: a non-finite loss ends the run; the last good checkpoint stays
   )
   # 'a:b': a jax.profiler trace of stages a to b into <workdir>/profile (Perfetto JSON; read it with
-  # ui.perfetto.dev or `python bench/profile_table.py TRACE`); '' = none
+  # ui.perfetto.dev or `python bench/gpu/profile_table.py TRACE`); '' = none
   c.train.profile_stages = ""
 
   c.ckpt = ml_collections.ConfigDict()

@@ -1,4 +1,4 @@
-"""Smoke tests of bench/memory.py, bench/overhead.py, bench/memory_muon.py and bench/muon.py: tiny
+"""Smoke tests of bench/dp/memory.py, bench/dp/overhead.py, bench/dp/memory_muon.py and bench/dp/muon.py: tiny
 models, a few steps, JSON checked.
 
 The benchmarks run as subprocesses (they start their own JAX processes with their own device
@@ -26,7 +26,13 @@ def results(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("bench")
   procs = {}
   for name in ("memory", "overhead"):
-    cmd = [sys.executable, str(REPO / "bench" / f"{name}.py"), "--smoke", "--out", str(tmp / name)]
+    cmd = [
+      sys.executable,
+      str(REPO / "bench" / "dp" / f"{name}.py"),
+      "--smoke",
+      "--out",
+      str(tmp / name),
+    ]
     procs[name] = subprocess.Popen(
       cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -106,9 +112,15 @@ def test_overhead_smoke(results):
 
 @pytest.mark.slow
 def test_memory_muon_smoke(tmp_path):
-  """bench/memory_muon.py --smoke: the owner layout shards Muon's state, at the price of its padding."""
+  """bench/dp/memory_muon.py --smoke: the owner layout shards Muon's state, at the price of its padding."""
   out = tmp_path / "memory_muon.json"
-  cmd = [sys.executable, str(REPO / "bench" / "memory_muon.py"), "--smoke", "--out", str(out)]
+  cmd = [
+    sys.executable,
+    str(REPO / "bench" / "dp" / "memory_muon.py"),
+    "--smoke",
+    "--out",
+    str(out),
+  ]
   proc = subprocess.run(
     cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S
   )
@@ -149,8 +161,8 @@ def test_memory_muon_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_muon_smoke(tmp_path):
-  """bench/muon.py --smoke: Muon under zero1 and acco, finite losses, the same tokens_seen."""
-  cmd = [sys.executable, str(REPO / "bench" / "muon.py"), "--smoke", "--out", str(tmp_path)]
+  """bench/dp/muon.py --smoke: Muon under zero1 and acco, finite losses, the same tokens_seen."""
+  cmd = [sys.executable, str(REPO / "bench" / "dp" / "muon.py"), "--smoke", "--out", str(tmp_path)]
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
   assert proc.returncode == 0, proc.stderr[-3000:]
   data = json.loads((tmp_path / "muon_smoke.json").read_text())
@@ -176,10 +188,9 @@ def test_muon_smoke(tmp_path):
 
 
 def _fake_run(out, method, opt, lr, muon_lr, seed, loss, updates=4, tokens_per_stage=None):
-  """A run directory as bench/muon.py's worker leaves it: result.json and metrics.jsonl (ACCO: two
+  """A run directory as bench/dp/muon.py's worker leaves it: result.json and metrics.jsonl (ACCO: two
   stages of half a batch per update)."""
-  sys.path.insert(0, str(REPO / "bench"))
-  import muon
+  from bench.dp import muon
 
   d = muon.run_dir(out, "cpu", updates, method, opt, lr, muon_lr, seed)
   d.mkdir(parents=True)
@@ -196,9 +207,8 @@ def _fake_run(out, method, opt, lr, muon_lr, seed, loss, updates=4, tokens_per_s
 
 
 def test_muon_collect_synthetic(tmp_path):
-  """bench/muon.py's tuning choice, grouping per update, paired differences and token check."""
-  sys.path.insert(0, str(REPO / "bench"))
-  import muon
+  """bench/dp/muon.py's tuning choice, grouping per update, paired differences and token check."""
+  from bench.dp import muon
 
   sweep = [("zero1", "muon", 2e-3, m, 0) for m in (0.02, 0.04, 0.08)]
   for r, loss in zip(sweep, (5.0, 4.8, float("nan")), strict=True):

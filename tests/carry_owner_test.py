@@ -97,3 +97,31 @@ def test_a_state_of_another_optimizer_is_refused(runs):
     carry_owner.to_model(
       s_owner.opt_state, layout, owner.tx.inner, optax.sgd(0.1, momentum=0.9), like
     )
+
+
+def test_a_checkpoint_of_another_count_is_read_and_exported(runs, tmp_path):
+  """What ckpt.init_from does with an owner-layout checkpoint of 8 devices from a run on 4: the
+  target's paths are other slots, so ``restore_host`` reads the saved structure that
+  ``saved_like`` gives, and the export is the 8-device step's, bit for bit."""
+  from acco_jax.run.checkpoint import Checkpointer
+
+  params, owner, s_owner, _, _ = runs
+  with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+    ckpt.save(3, jax.tree.map(jax.numpy.asarray, s_owner), extra={"stage": 3})
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  four = acco_jax.make_train_step(
+    loss_with_stack, acco_jax.zero1(muon(), layout="owner"), mesh, num_microbatches=K,
+    params=params,
+  )  # fmt: skip
+  with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
+    host, extra = ckpt.restore_host(None, lambda e: four.abstract_state(params), four.saved_like)
+  assert extra == {"stage": 3} and jax.tree.leaves(host.params)[0].shape[0] == N
+  got, want = four.export_state(host), owner.export_state(s_owner)
+  for what in ("params", "opt"):
+    for x, y in zip(
+      jax.tree.leaves(getattr(got, what)), jax.tree.leaves(getattr(want, what)), strict=True
+    ):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=what)
+  # without saved_like the 4-device target's paths are refused as another state
+  with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt, pytest.raises(ValueError):
+    ckpt.restore_host(None, lambda e: four.abstract_state(params))

@@ -1,15 +1,13 @@
-"""docs/compositions.md is what the code does: ``bench/compat.py`` builds every combination again
+"""docs/compositions.md is what the code does: ``bench/run/compat.py`` builds every combination again
 (a few minutes: marked slow, run by .ci/run) and the page must come out the same, every refusal one
 line. The table's shape is checked by default."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-import compat  # noqa: E402
+from bench.run import compat  # noqa: E402
 
 
 def test_the_page_has_a_cell_per_combination():
@@ -33,4 +31,4 @@ def test_the_page_is_current_and_every_refusal_is_one_line():
   refusals = [t for rows in results.values() for by in rows.values() for t, _ in by.values()
               if t != "runs"]  # fmt: skip
   assert refusals and all("\n" not in t for t in refusals), [t for t in refusals if "\n" in t]
-  assert compat.render(results) == compat.OUT.read_text(), "run python bench/compat.py"
+  assert compat.render(results) == compat.OUT.read_text(), "run python bench/run/compat.py"

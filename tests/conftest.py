@@ -38,3 +38,19 @@ def no_network(monkeypatch):
   monkeypatch.setattr(socket, "getaddrinfo", refuse)
   monkeypatch.setattr(socket, "create_connection", refuse)
   monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+# Slow tests that start processes of their own and wait on them with wall-clock timeouts (watchdogs,
+# kills, multi-process runs, benchmark scripts): .ci/run runs these one at a time
+# (`-m "slow and serial" -n 0`), the other slow tests on the two workers (`-m "slow and not serial"`).
+SERIAL_MODULES = (
+  "bench_smoke_test", "c4_test", "convergence_smoke_test", "crash_resume_test",
+  "gpu_throughput_test", "health_test", "multiprocess_test", "pipeline_multiprocess_test",
+  "preemption_test",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    if item.get_closest_marker("slow") and item.module.__name__.split(".")[-1] in SERIAL_MODULES:
+      item.add_marker(pytest.mark.serial)

@@ -1,4 +1,4 @@
-"""Smoke tests of the convergence benchmarks (bench/convergence.py, bench/quadratic.py).
+"""Smoke tests of the convergence benchmarks (bench/dp/convergence.py, bench/dp/quadratic.py).
 
 The full benchmarks take about an hour; CI runs ``convergence.py --smoke`` (tiny model, 2 devices,
 zero1 and acco, 2 updates, each run its own process) and checks the structure and finiteness of its
@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
+from bench.dp import convergence, quadratic
 
-import convergence  # noqa: E402
-import quadratic  # noqa: E402
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 def _finite(xs):
@@ -27,7 +25,7 @@ def _finite(xs):
 @pytest.mark.slow
 def test_convergence_smoke(tmp_path):
   proc = subprocess.run(
-    [sys.executable, str(BENCH / "convergence.py"), "--smoke", "--out", str(tmp_path)],
+    [sys.executable, str(BENCH / "dp" / "convergence.py"), "--smoke", "--out", str(tmp_path)],
     capture_output=True,
     text=True,
     timeout=600,
@@ -58,7 +56,7 @@ def test_convergence_smoke(tmp_path):
   assert gap == pytest.approx(expected)
   # Resumable: a second invocation finds both runs done and trains nothing.
   again = subprocess.run(
-    [sys.executable, str(BENCH / "convergence.py"), "--smoke", "--out", str(tmp_path)],
+    [sys.executable, str(BENCH / "dp" / "convergence.py"), "--smoke", "--out", str(tmp_path)],
     capture_output=True,
     text=True,
     timeout=120,

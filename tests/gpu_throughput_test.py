@@ -1,4 +1,4 @@
-"""Smoke test of bench/gpu_throughput.py: tiny shapes on CPU, one row of each kind, JSON checked.
+"""Smoke test of bench/gpu/gpu_throughput.py: tiny shapes on CPU, one row of each kind, JSON checked.
 
 The PyTorch peer has its own test (tests/torch_peer_test.py, marker ``torch_peer``).
 """
@@ -18,14 +18,14 @@ pytestmark = pytest.mark.slow
 
 def test_smoke_measures_each_kind_of_row(tmp_path):
   out = tmp_path / "gpu_throughput.json"
-  cmd = [sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--smoke", "--profile",
+  cmd = [sys.executable, str(REPO / "bench" / "gpu" / "gpu_throughput.py"), "--smoke", "--profile",
          "--out", str(out), "--only", ",".join(JAX_ROWS)]  # fmt: skip
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   data = json.loads(out.read_text())
   assert data["benchmark"] == "gpu_throughput" and data["backend"] == "cpu"
   assert {"jax", "flax", "optax"} <= set(data["versions"]) and data["device"]
-  assert data["command"].startswith("python bench/gpu_throughput.py --smoke --profile")
+  assert data["command"].startswith("python bench/gpu/gpu_throughput.py --smoke --profile")
   rows = {r["name"]: r for r in data["rows"]}
   assert list(rows) == list(JAX_ROWS)
   for name, r in rows.items():
@@ -69,8 +69,7 @@ def test_smoke_measures_each_kind_of_row(tmp_path):
 
 
 def test_targets_are_the_ratios_of_the_rows():
-  sys.path.insert(0, str(REPO / "bench"))
-  import gpu_throughput
+  from bench.gpu import gpu_throughput
 
   rate = lambda x: {"tokens_per_s": x}
   rows = {"trainer:zero1": {"tokens_per_s": 480.0, "mfu": 0.41}, "step:zero1": rate(490.0),

@@ -155,7 +155,9 @@ def test_bad_recipe_configs(overrides, match, tmp_path):
 def test_bench_counts_domains_where_a_heterogeneous_ensemble_is_lowest(tmp_path):
   import importlib.util
 
-  spec = importlib.util.spec_from_file_location("bench_hdee", REPO / "bench" / "hdee.py")
+  spec = importlib.util.spec_from_file_location(
+    "bench_hdee", REPO / "bench" / "ensemble" / "hdee.py"
+  )
   bench = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench)
   rules = ("simple_avg", "uniform_prior")

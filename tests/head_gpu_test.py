@@ -117,15 +117,12 @@ def test_loop_writes_no_float32_logits(compiled_text):
 
 
 def test_benchmark_counts_the_gemms_of_each_method():
-  """``bench/gpu_throughput.py``'s ``hlo:<method>`` rows (the "no f32 x f32 GEMM" target) on the
+  """``bench/gpu/gpu_throughput.py``'s ``hlo:<method>`` rows (the "no f32 x f32 GEMM" target) on the
   smoke shapes: ACCO's delayed stage, with its two microbatch loops and the update between them,
   holds no float32 x float32 GEMM either, and the count sets XLA attention's scores apart."""
-  import sys
-  from pathlib import Path
   from types import SimpleNamespace
 
-  sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-  import gpu_throughput
+  from bench.gpu import gpu_throughput
 
   shapes = gpu_throughput._shapes(SimpleNamespace(smoke=True))
   rows = {m: gpu_throughput.run_hlo(m, shapes, None) for m in ("zero1", "acco")}

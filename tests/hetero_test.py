@@ -182,7 +182,7 @@ def trainer_rows(workdir):
   return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-# -- bench/heterogeneous.py: its model part and its smoothing (the process part is the health test)
+# -- bench/dp/heterogeneous.py: its model part and its smoothing (the process part is the health test)
 
 
 def test_heterogeneous_bench_model_and_smoothing():

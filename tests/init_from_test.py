@@ -524,6 +524,7 @@ def test_train_py_acco_to_pipeline_and_back(tmp_path):
   assert json.loads(back.stdout.strip().splitlines()[-1])["updates"] == 6
 
 
+@pytest.mark.slow  # two trainer runs with Muon; the moves themselves: carry_owner_test (default)
 def test_owner_layout_run_starts_an_owner_run_on_4_devices(tmp_path, capsys, monkeypatch):
   """opt.name=muon: a zero1 run's owner-layout checkpoint on 8 devices (Muon's momentum per owned
   matrix) continues as acco on 4, whose owners are others: θ and the inner state arrive bit for

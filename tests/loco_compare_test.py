@@ -1,15 +1,10 @@
-"""bench/loco_compare.py's configs: every method's run, in the full setting and in ``--smoke``, is a
+"""bench/loco/loco_compare.py's configs: every method's run, in the full setting and in ``--smoke``, is a
 config the trainer accepts (the smoke's H once made Streaming DiLoCo's tau = 1 invalid)."""
-
-import sys
-from pathlib import Path
 
 import pytest
 
 from acco_jax.loco import build
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import loco_compare  # noqa: E402
+from bench.loco import loco_compare  # noqa: E402
 
 LABELS = [*loco_compare.METHODS, "demo@2e-3", "sparseloco@loco.sync_every=15,loco.bits=32"]
 

@@ -1,17 +1,14 @@
-"""bench/loco_overlap.py: every run of its grid is a config the trainer accepts, in the full setting
+"""bench/loco/loco_overlap.py: every run of its grid is a config the trainer accepts, in the full setting
 and in ``--smoke`` (Streaming DiLoCo's phase mode needs ``loco.overlap_steps=0``), and its table
 pairs each mode with ``none`` seed by seed."""
-
-import sys
-from pathlib import Path
 
 import pytest
 
 from acco_jax.loco import build
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import loco_compare  # noqa: E402
-import loco_overlap  # noqa: E402
+from bench.loco import (
+  loco_compare,  # noqa: E402
+  loco_overlap,  # noqa: E402
+)
 
 
 @pytest.mark.parametrize("smoke", [False, True], ids=["full", "smoke"])
@@ -49,12 +46,12 @@ def test_the_table_pairs_each_mode_with_none_by_seed():
 
 
 def test_the_modelled_threshold_is_where_a_sync_outlasts_its_phase():
-  """bench/perfmodel.py --loco: eager DiLoCo stops hiding its sync at the bandwidth where the
+  """bench/dp/perfmodel.py --loco: eager DiLoCo stops hiding its sync at the bandwidth where the
   sync's time (hops x latency + bytes / bandwidth) equals H inner steps; blocking DiLoCo never
   hides it; Streaming DiLoCo's fragment hides behind H/P steps."""
   import json
 
-  import perfmodel
+  from bench.dp import perfmodel
 
   programs = json.loads((loco_compare.common.RESULTS / "loco_compare.json").read_text())["programs"]
   label = "diloco H=15 eager / delayed"

@@ -257,9 +257,9 @@ def test_checkpoint_with_another_split_is_refused(params):
 
 
 def test_train_py_runs_acco_over_the_lanes_of_a_pipeline(tmp_path, capsys):
-  """One launch: configs/gpt2_pipeline.py:tiny with pipeline.data_method=acco and opt.name=muon on
-  2 lanes x 4 stages (the lanes own whole matrices: pipeline_muon_test.py; bit-exact resume after
-  SIGKILLs, uneven stages: crash_resume_test.py, slow)."""
+  """One launch: configs/gpt2_pipeline.py:tiny with pipeline.data_method=acco on 2 lanes x 4 stages
+  (with opt.name=muon: pipeline_muon_test.py, slow; bit-exact resume after SIGKILLs, uneven
+  stages: crash_resume_test.py, slow)."""
   import json
   import pathlib
 
@@ -267,7 +267,7 @@ def test_train_py_runs_acco_over_the_lanes_of_a_pipeline(tmp_path, capsys):
   from configs import gpt2_pipeline
 
   config = gpt2_pipeline.get_config("tiny")
-  config.pipeline.data_method, config.opt.name = "acco", "muon"
+  config.pipeline.data_method = "acco"
   config.data.cache_dir = str(pathlib.Path(__file__).parent / ".." / ".pytest_cache" / "acco_data")
   config.ckpt.async_save = False
   config.train.num_updates, config.train.log_every = 2, 1

@@ -271,7 +271,7 @@ def test_bench_bubble_table_smoke(tmp_path):
   out = tmp_path / "pipeline.json"
   cmd = [
     sys.executable,
-    str(repo / "bench" / "pipeline.py"),
+    str(repo / "bench" / "pipeline" / "pipeline.py"),
     "--parts",
     "bubbles",
     "--out",
@@ -314,7 +314,7 @@ def _bench_pipeline():
   import importlib.util
   import pathlib
 
-  path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "pipeline.py"
+  path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "pipeline" / "pipeline.py"
   spec = importlib.util.spec_from_file_location("bench_pipeline", path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)

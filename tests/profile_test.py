@@ -1,18 +1,14 @@
-"""Reading a profile: ``acco_jax.analysis.trace`` and ``bench/profile_table.py`` on a trace written
+"""Reading a profile: ``acco_jax.analysis.trace`` and ``bench/gpu/profile_table.py`` on a trace written
 here, whose every figure is worked out by hand below; the trainer's ``train.profile_stages`` trace
 is read in ``tests/trainer_loop_test.py`` (the ACCO run traces stages 4 to 5)."""
 
 import gzip
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from acco_jax.analysis import trace
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import profile_table  # noqa: E402
+from bench.gpu import profile_table  # noqa: E402
 
 GPU, HOST = 1, 701
 

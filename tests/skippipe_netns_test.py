@@ -1,20 +1,17 @@
-"""bench/skippipe_netns.py without root: the tc commands for its topology file, the runtime's tick
+"""bench/net/skippipe_netns.py without root: the tc commands for its topology file, the runtime's tick
 order replayed by the simulator, and the predictions it prints next to the measurements."""
 
 import pathlib
-import sys
 
 import pytest
 
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
-
-import skippipe_netns as sn  # noqa: E402
 
 from acco_jax.pipeline import ticks  # noqa: E402
 from acco_jax.skippipe import paths as paths_lib  # noqa: E402
 from acco_jax.skippipe import simulate  # noqa: E402
 from acco_jax.skippipe import topology as topology_lib  # noqa: E402
+from bench.net import skippipe_netns as sn  # noqa: E402
 
 # Stage costs of the order of the ones measured on this machine (seconds, bytes).
 MEASURED = {"op_s": {"F0": 0.012, "F": 0.01, "H": 0.003, "B": 0.04, "B0": 0.05}, "stages": 4,

@@ -1,13 +1,10 @@
-"""The PyTorch peer of bench/gpu_throughput.py is the same model: its loss at acco_jax's weights.
+"""The PyTorch peer of bench/gpu/gpu_throughput.py is the same model: its loss at acco_jax's weights.
 
 Marked ``torch_peer`` and skipped without ``torch`` (``.ci/run`` installs a CPU build in its second
 step). The peer is loaded with the parameters of :func:`acco_jax.model.init_params` and must give
 the same float32 loss (1e-4 relative; the two frameworks sum in different orders) and the same
 parameter count; one bf16 training update then runs through :func:`torch_gpt.run`.
 """
-
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,8 +13,7 @@ import pytest
 from acco_jax import model
 
 torch = pytest.importorskip("torch", reason="the PyTorch peer needs torch: pip install torch")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import torch_gpt  # noqa: E402
+from bench.gpu import torch_gpt  # noqa: E402
 
 pytestmark = pytest.mark.torch_peer
 

@@ -20,20 +20,16 @@ completions and the checkpoint saves between them:
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import jax
 import pytest
 from jax._src import dispatch
 
 from acco_jax.run import checkpoint, metrics, trainer
+from bench.gpu import profile_table  # noqa: E402
 from configs import gpt2_acco, gpt2_ddp, gpt2_diloco, gpt2_pipeline, gpt2_zero1
 from tests.train_test import SMALL, rows, tiny
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import profile_table  # noqa: E402
 
 EVENTS = (dispatch.JAXPR_TRACE_EVENT, dispatch.JAXPR_TO_MLIR_MODULE_EVENT,
           dispatch.BACKEND_COMPILE_EVENT)  # fmt: skip
@@ -134,7 +130,7 @@ def test_reported_speed_is_the_runs_own(traced_run):
 
 def test_profile_of_the_chosen_stages(traced_run):
   """``train.profile_stages=4:5`` (the ACCO run): a Perfetto trace in the workdir whose stage
-  annotations are stages 4 and 5, read by ``bench/profile_table.py`` (on a CPU, no GPU kernels)."""
+  annotations are stages 4 and 5, read by ``bench/gpu/profile_table.py`` (on a CPU, no GPU kernels)."""
   name, *_, workdir = traced_run
   found = sorted(workdir.glob("profile/**/perfetto_trace.json.gz"))
   if name != "acco":

@@ -22,7 +22,7 @@ one joins loop A's result with ``g_rows`` (the update cannot move before loop A,
 reduce-scatter's done can sit after it) and one joins loop A's result with ``params'`` (loop B cannot
 move before the update, so the all-gather can run during it). The per-device loops themselves are in
 :mod:`acco_jax.dp.microbatch`. Whether XLA:GPU's scheduler then keeps each collective in flight across
-its loop is checked on the compiled module (``bench/overlap_gpu.py``, ``docs/benchmarks.md``).
+its loop is checked on the compiled module (``bench/gpu/overlap_gpu.py``, ``docs/benchmarks.md``).
 
 For a synchronous method (ZeRO-1, DDP) the same pieces run in the other order: loop, reduce, update,
 gather. The optimizer step runs on the logical shards tree (see :mod:`acco_jax.dp.flat`) under GSPMD, so

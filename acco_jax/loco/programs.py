@@ -22,7 +22,7 @@ stay per worker (``[M]``, sharded over ``replica``).
 
 A window's reduction and its ``τ`` inner steps are one program, with an ``optimization_barrier``
 that makes the loop wait for the payload (not for the reduction): on a GPU the all-reduce can stay
-in flight across the loop (``bench/overlap_gpu.py --loco``). The apply runs at the start of the
+in flight across the loop (``bench/gpu/overlap_gpu.py --loco``). The apply runs at the start of the
 next call, so a checkpoint taken between the two holds a fragment in flight.
 
 The syncs that do not all-reduce, NoLoCo's pair exchange and SparseLoCo's and DeMo's sparse gather:

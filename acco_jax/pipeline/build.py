@@ -87,7 +87,7 @@ def updates_done(config, stage: int) -> int:
 def scheduled_plan(config, model_cfg: model.GPTConfig, num_devices: int):
   """The plan ``method=pipeline`` trains on ``num_devices`` devices
   (:class:`acco_jax.skippipe.plans.Planned`), or None unless ``pipeline.schedule=skippipe`` with
-  ``pipeline.paths=scheduled``. ``bench/skippipe.py --part plan`` prints the same."""
+  ``pipeline.paths=scheduled``. ``bench/pipeline/skippipe.py --part plan`` prints the same."""
   p = config.pipeline
   if p.schedule != "skippipe" or p.paths != "scheduled":
     return None

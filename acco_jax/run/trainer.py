@@ -289,7 +289,7 @@ def train_and_evaluate(
       traced = profiler.finished(stage, m["loss"])
       if traced and lead:
         print(f"profile of stages {config.train.profile_stages}: {traced} (ui.perfetto.dev, or "
-              f"python bench/profile_table.py {traced})", flush=True)  # fmt: skip
+              f"python bench/gpu/profile_table.py {traced})", flush=True)  # fmt: skip
       done = updates_done(config, stage)
       prev = updates_done(config, stage - stages_run)
       at_update = done != prev

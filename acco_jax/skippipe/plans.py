@@ -2,7 +2,7 @@
 
 One function makes it for both runtimes: data-parallel workers that run each microbatch's layer
 order (:mod:`acco_jax.skippipe.orders`) and the pipeline over a ``('data', 'stage')`` mesh
-(:mod:`acco_jax.pipeline.build`), and ``bench/skippipe.py --part plan`` prints the same plan. The
+(:mod:`acco_jax.pipeline.build`), and ``bench/pipeline/skippipe.py --part plan`` prints the same plan. The
 steps:
 
   1. the topology: ``pipeline.topology``, a preset drawn with ``num_nodes`` nodes (seeded by

@@ -1,0 +1,460 @@
+"""SkipPipe at CPU scale: simulated iteration time, convergence, and layer omission.
+
+Four tables (``--part``):
+
+* ``sim``: the iteration time the discrete-event simulator (:mod:`acco_jax.skippipe.simulate`) gives
+  for the topology presets single-cluster, multi-cluster and geo, S = 6 and 8 stages, skip ratios
+  0 / 0.25 / 0.33 / 0.5, swaps off and on: the full pipeline on fixed lanes (GPipe fill-drain and
+  1F1B) against random valid paths (median of 5 draws) and the path scheduler. The cost model is a
+  ~1B-parameter decoder (24 layers, d_model 2048, vocabulary 32000), microbatches of 4 x 1024
+  tokens, nodes of 100 TFLOP/s effective (scaled by each node's speed), bf16 activations; 16
+  microbatches per iteration; nodes 2 per stage and 4 on stage 0 (``topology.default_nodes``).
+  Seconds of host time, no device.
+* ``sim-allreduce``: the same at skip 0 and 0.5 with swaps, each stage's bf16 gradient all-reduce
+  among its nodes added after the pipeline (and to the scheduler's objective), under two stage
+  assignments: priced by a microbatch's round trip only, and by the round trip plus the slowest
+  stage's all-reduce.
+  Both tables give the lower bound on any plan's makespan (``bounds.lower_bound``) beside the
+  scheduler's.
+* ``timeline``: each node's busy intervals (forward, backward, head, the stage all-reduce; idle in
+  grey) for GPipe, 1F1B and the scheduled plan on geo, S = 6, skip 0.25 with swaps, the gradient
+  all-reduce priced (needs matplotlib).
+* ``convergence``: a small GPT (8 blocks) trained with SkipPipe paths on 8 simulated devices
+  (zero1, every worker holds the whole model), scheduled on the geo preset with S = 8, for each
+  skip ratio with and without swaps, against normal training; equal iterations, final eval loss of
+  the full model, over seeds. One process runs every run, with one compiled step per path length;
+  normal training is the identity order through the skip-0 step (equal to ``model.loss_fn`` to
+  float tolerance, tests/skippipe_train_test.py).
+* ``pipeline-convergence`` (``bench/pipeline/skippipe_pipeline.py``): ``method=pipeline`` on 2 data lanes x
+  4 stages, the scheduled plan against random paths and the full pipeline at equal updates, and
+  per stage how often it is visited and what it learned (not part of ``all``).
+* ``plan``: the scheduled plan ``train.py --config C --config.method=pipeline`` trains on
+  ``--devices`` devices (the same function on the same config): its stage assignment, simulated
+  time and each microbatch's route over lanes; writes ``skippipe_plan.json``.
+* ``omission``: for the models of ``convergence`` (normal, and SkipPipe at skip 0.5), the eval loss
+  of the full model, of every other stage (stages 0, 2, 4, 6: half the blocks) and of random
+  half-paths (stage 0 and 3 random stages in order), relative to the full model.
+
+Usage::
+
+  python bench/pipeline/skippipe.py --part sim                        # seconds to a minute
+  python bench/pipeline/skippipe.py --part sim-allreduce              # about a minute
+  python bench/pipeline/skippipe.py --part timeline                   # docs/figures/skippipe_timeline.png
+  python bench/pipeline/skippipe.py --part convergence --seeds 0 1 2  # also writes the omission table;
+                                                             # rerun: goes on from written runs
+  python bench/pipeline/skippipe.py --part pipeline-convergence       # about 10 minutes
+  python bench/pipeline/skippipe.py --part plan --config configs/gpt2_skippipe.py:tiny --devices 8
+                                        # the plan train.py --config.method=pipeline trains
+  python bench/pipeline/skippipe.py --smoke --out /tmp/sp             # CI: a sliver of each part
+
+Writes ``bench/results/skippipe_sim.json``, ``skippipe_sim_allreduce.json`` and
+``skippipe_convergence.json`` (with ``skippipe_convergence_runs.json``, the runs so far), and
+``skippipe_pipeline_convergence.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
+import numpy as np
+
+from bench import common  # noqa: E402
+
+TOPOLOGIES = ("single-cluster", "multi-cluster", "geo")
+SKIPS = (0.0, 0.25, 0.33, 0.5)
+PARTS = ("sim", "sim-allreduce", "timeline", "convergence", "collect", "pipeline-convergence",
+         "plan", "all")  # fmt: skip
+
+
+def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draws=5, iters=400,
+              swaps=(False, True), grad_bytes=0, assign_allreduce=True):  # fmt: skip
+  """The iteration-time table; ``grad_bytes`` > 0 adds each stage's gradient all-reduce (bytes per
+  gradient value) to every makespan and the scheduler's objective, and, with
+  ``assign_allreduce``, to the stage assignment's cost."""
+  from acco_jax.skippipe import assign, baselines, bounds, paths, schedule, simulate, topology
+
+  rows = []
+  for name in topologies:
+    for s in stages:
+      topo = topology.preset(name, topology.default_nodes(s), seed=0)
+      costs = simulate.transformer_costs(s, 24, 2048, 32000, 1024, 4, 1e14, grad_bytes)
+      t0 = time.perf_counter()
+      priced = costs if assign_allreduce else dataclasses.replace(costs, grad_bytes_S=None)
+      part = assign.assign(topo, priced, s, seed=0)
+      rnd_part = [
+        assign.cost(
+          topo, costs, assign.random_partition(topo.num_nodes, s, np.random.default_rng(i))
+        )
+        for i in range(20)
+      ]
+      gpipe = baselines.full_pipeline(topo, costs, part, num_mb, "gpipe").makespan
+      f1b1 = baselines.full_pipeline(topo, costs, part, num_mb, "1f1b").makespan
+      for skip in skips:
+        for swap in swaps:
+          rnd = statistics.median(
+            baselines.random_plan(topo, costs, part, num_mb, skip, swap, seed=i).makespan
+            for i in range(draws)
+          )
+          sched = schedule.schedule(topo, costs, part, num_mb, skip, swap, seed=0, iters=iters)
+          best_full = min(gpipe, f1b1)
+          bound = bounds.lower_bound(topo, costs, part, num_mb, skip)
+          rows.append(
+            dict(
+              topology=name, stages=s, skip=skip, k=paths.path_length(s, skip), swap=swap,
+              gpipe_s=round(gpipe, 3), f1b1_s=round(f1b1, 3), random_s=round(rnd, 3),
+              scheduler_s=round(sched.makespan, 3), bound_s=round(bound, 3),
+              sched_vs_bound=round(sched.makespan / bound, 2), sched_order=sched.policy,
+              vs_full=f"{baselines.gap(sched.makespan, best_full):+.0%}",
+              vs_random=f"{baselines.gap(sched.makespan, rnd):+.0%}",
+              assign_cost_s=round(assign.cost(topo, costs, part), 3),
+              random_assign_cost_s=round(statistics.median(rnd_part), 3),
+            )
+          )  # fmt: skip
+          if grad_bytes:
+            pipe = simulate.simulate(topo, costs, sched.routes(), partition=part).pipeline_s
+            rows[-1].update(
+              assignment="round trip + all-reduce" if assign_allreduce else "round trip",
+              scheduler_pipeline_s=round(pipe, 3),
+              allreduce_share=f"{(sched.makespan - pipe) / sched.makespan:.0%}",
+              stage_allreduce_s=[
+                round(simulate.ring_allreduce_s(topo, nodes, costs.grad_bytes_S[i]), 3)
+                for i, nodes in enumerate(part)
+              ],
+            )  # fmt: skip
+      common.log(f"  {name} S={s}: {time.perf_counter() - t0:.1f} s")
+  return rows
+
+
+SIM_ALLREDUCE_COLUMNS = [
+  ("topology", "topology"), ("stages", "S"), ("assignment", "assignment priced by"),
+  ("skip", "skip"), ("gpipe_s", "GPipe s"),
+  ("f1b1_s", "1F1B s"), ("random_s", "random s"), ("scheduler_s", "scheduler s"),
+  ("scheduler_pipeline_s", "of which pipeline s"), ("allreduce_share", "all-reduce tail"),
+  ("vs_full", "vs best full"), ("vs_random", "vs random"), ("bound_s", "bound s"),
+  ("sched_vs_bound", "sched/bound"),
+]  # fmt: skip
+
+SIM_COLUMNS = [
+  ("topology", "topology"), ("stages", "S"), ("skip", "skip"), ("k", "stages visited"),
+  ("swap", "swap"), ("gpipe_s", "GPipe s"), ("f1b1_s", "1F1B s"), ("random_s", "random s"),
+  ("scheduler_s", "scheduler s"), ("vs_full", "vs best full"), ("vs_random", "vs random"),
+  ("bound_s", "bound s"), ("sched_vs_bound", "sched/bound"),
+]  # fmt: skip
+
+
+def timeline(path, stages=6, skip=0.25, num_mb=16, iters=400, topology_name="geo") -> dict:
+  """Draws each node's timeline for GPipe, 1F1B and the scheduled plan (swaps on) of one setting,
+  the gradient all-reduce priced (in the stage assignment too); returns the makespans."""
+  from acco_jax.analysis import timeline as timeline_lib
+  from acco_jax.skippipe import assign, baselines, bounds, schedule, simulate, topology
+
+  topo = topology.preset(topology_name, topology.default_nodes(stages), seed=0)
+  costs = simulate.transformer_costs(stages, 24, 2048, 32000, 1024, 4, 1e14, grad_bytes=2)
+  part = assign.assign(topo, costs, stages, seed=0)
+  plans = [
+    ("GPipe, full pipeline", baselines.full_pipeline(topo, costs, part, num_mb, "gpipe")),
+    ("1F1B, full pipeline", baselines.full_pipeline(topo, costs, part, num_mb, "1f1b")),
+    (f"scheduled, skip {skip} with swaps",
+     schedule.schedule(topo, costs, part, num_mb, skip, True, seed=0, iters=iters)),
+  ]  # fmt: skip
+  panels = []
+  for name, plan in plans:
+    res = simulate.replay(topo, costs, plan.routes(), plan.order, part)
+    ivs = timeline_lib.node_intervals(topo, costs, plan.routes(), res, part)
+    panels.append((f"{name} (order: {plan.policy})", ivs, plan.makespan))
+  bound = bounds.lower_bound(topo, costs, part, num_mb, skip)
+  title = (f"{topology_name}, S = {stages}, {num_mb} microbatches, bf16 gradient all-reduce per "
+           f"stage; lower bound at skip {skip}: {bound:.2f} s")  # fmt: skip
+  timeline_lib.plot_timelines(panels, part, str(path), title)
+  return {name: round(plan.makespan, 3) for name, plan in plans} | {"bound": round(bound, 3)}
+
+
+# -- convergence and omission: one worker process per seed, 8 simulated devices --------------------
+
+CONV = dict(D=64, N=8, H=4, seq_len=64, microbatch_size=1, microbatches=4, num_updates=60, lr=3e-3)
+STAGES = 8
+
+
+def _config(seed: int, skip: float | None, swap: bool, conv: dict):
+  from configs import gpt2_skippipe
+
+  c = gpt2_skippipe.get_config("tiny")
+  c.model.D, c.model.N, c.model.H = conv["D"], conv["N"], conv["H"]
+  c.data.tokenizer, c.data.seq_len = "byte", conv["seq_len"]
+  c.batch.microbatch_size, c.batch.microbatches = conv["microbatch_size"], conv["microbatches"]
+  c.train.num_updates, c.train.seed = conv["num_updates"], seed
+  c.train.eval_batches = 8
+  c.opt.lr, c.opt.warmup_updates = conv["lr"], min(5, conv["num_updates"] - 1)
+  c.pipeline.stages = 0 if skip is None else STAGES
+  c.pipeline.skip, c.pipeline.swap = skip or 0.0, swap
+  c.pipeline.seed = seed
+  return c
+
+
+class _Identity:
+  """Every microbatch runs every block in order: normal training through the same program."""
+
+  def __init__(self, rows: int, blocks: int):
+    self.rows, self.blocks = rows, blocks
+
+  def order_rows(self, step: int) -> np.ndarray:
+    return np.tile(np.arange(self.blocks, dtype=np.int32), (self.rows, 1))
+
+
+def _train(run, config, orders):
+  """Trains with the trainer's pieces (the ordered stream, the step) and returns params, losses."""
+  import jax
+
+  from acco_jax import model
+  from acco_jax.run import parallel, trainer
+  from acco_jax.skippipe import orders as orders_lib
+
+  train, mesh = run.train, run.mesh
+  rows = mesh.size * train.num_microbatches * config.batch.microbatch_size
+  stream = trainer.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
+  stream = orders_lib.OrderedStream(stream, orders)
+  state = train.init(model.init_params(run.model_cfg, config.train.seed))
+  losses = []
+  for _ in range(run.total_stages):
+    state, m = train.step(state, parallel.global_batch(next(stream), mesh))
+    losses.append(float(jax.device_get(m["loss"])))
+  return jax.device_get(train.params(state)), losses
+
+
+def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None:
+  """Every run of the table in one process: one compiled step per path length, shared by the
+  seeds, the swap settings and (for skip 0) normal training."""
+  from acco_jax.run import trainer
+  from acco_jax.skippipe import orders as orders_lib
+  from acco_jax.skippipe import paths
+
+  per_stage = conv["N"] // STAGES
+  half_every_other = np.arange(conv["N"]).reshape(STAGES, per_stage)[::2].reshape(-1)
+  evals: dict = {}
+
+  def evaluate(run, config, params, order=None):
+    key = None if order is None else tuple(int(i) for i in order)
+    if key not in evals:
+      evals[key] = trainer.eval_function(run.model_cfg, order)
+    return trainer.evaluate(run, config, params, evals[key])["eval_loss"]
+
+  results, runs = _done_runs(out, conv), {}
+  done = {(r["seed"], r["skip"], r["swap"]) for r in results}
+  for seed in seeds:  # seed-major: a cut-off benchmark still has whole seeds
+    rng = np.random.default_rng(100 + seed)
+    half_random = [
+      paths.layer_order(p, conv["N"], STAGES)
+      for p in paths.random_paths(5, STAGES, 0.5, False, rng)
+    ]
+    for skip in SKIPS:
+      if skip not in runs:
+        runs[skip] = trainer.build(_config(seeds[0], skip, False, conv))
+      run = runs[skip]
+      num_mb = run.mesh.size * run.train.num_microbatches
+      for swap in ([None] if skip == 0.0 else []) + [False, True]:
+        if (seed, None if swap is None else skip, bool(swap)) in done:
+          continue  # written by an earlier, cut-off invocation with the same setting
+        config = _config(seed, None if swap is None else skip, bool(swap), conv)
+        t0 = time.perf_counter()
+        if swap is None:
+          orders = _Identity(num_mb * conv["microbatch_size"], conv["N"])
+        else:
+          orders = orders_lib.LayerOrders(
+            config.pipeline, run.model_cfg, num_mb, conv["microbatch_size"]
+          )
+        params, losses = _train(run, config, orders)
+        full = evaluate(run, config, params)
+        row = dict(seed=seed, skip=None if swap is None else skip, swap=bool(swap),
+                   eval_loss=full, train_loss_last=losses[-1],
+                   wall_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+        if swap is None or (skip == omission_skip and not swap):
+          row["half_every_other"] = evaluate(run, config, params, half_every_other)
+          row["half_random"] = [evaluate(run, config, params, o) for o in half_random]
+        common.log(f"  seed {seed} skip={row['skip']} swap={swap}: eval {full:.4f} "
+                   f"({row['wall_s']} s)")  # fmt: skip
+        results.append(row)
+        common.write_json(out, {"setting": conv, "rows": results})
+
+
+def _done_runs(out: str, conv: dict) -> list[dict]:
+  """The runs an earlier invocation wrote with this same setting; the benchmark goes on from them."""
+  from pathlib import Path
+
+  path = Path(out)
+  if not path.exists():
+    return []
+  data = json.loads(path.read_text())
+  if data.get("setting") != conv:
+    sys.exit(f"error: {path} holds runs of another setting ({data.get('setting')}); "
+             f"pass --out to another folder, or move it away to start over")  # fmt: skip
+  return data["rows"]
+
+
+def summarise(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+  conv, omit = [], []
+  keys = sorted({(r["skip"] is not None, r["skip"] or 0.0, r["swap"]) for r in rows})
+  base = [r["eval_loss"] for r in rows if r["skip"] is None]
+  normal = {r["seed"]: r["eval_loss"] for r in rows if r["skip"] is None}
+  for has, skip, swap in keys:
+    sel = [r for r in rows if (r["skip"] is not None) == has and (r["skip"] or 0.0) == skip
+           and r["swap"] == swap]  # fmt: skip
+    vals = [r["eval_loss"] for r in sel]
+    ratios = [r["eval_loss"] / normal[r["seed"]] - 1 for r in sorted(sel, key=lambda r: r["seed"])]
+    conv.append(
+      dict(
+        run="normal" if not has else f"skip {skip}", swap=swap if has else "",
+        eval_loss=f"{statistics.mean(vals):.4f} ± {statistics.pstdev(vals):.4f}",
+        vs_normal=f"{statistics.mean(vals) / statistics.mean(base) - 1:+.1%}",
+        per_seed=" ".join(f"{100 * x:+.1f}" for x in ratios) if has else "",
+        median=f"{statistics.median(ratios):+.1%}" if has else "",
+        seeds=len(vals),
+      )
+    )  # fmt: skip
+    if any("half_every_other" in r for r in sel):
+      full = [r["eval_loss"] for r in sel]
+      half = [r["half_every_other"] for r in sel]
+      rnd = [statistics.mean(r["half_random"]) for r in sel]
+      omit.append(
+        dict(
+          trained="normal" if not has else f"SkipPipe skip {skip}",
+          full=f"{statistics.mean(full):.4f}", half_every_other=f"{statistics.mean(half):.4f}",
+          half_rel=f"{statistics.mean(h / f for h, f in zip(half, full, strict=True)) - 1:+.1%}",
+          ppl_rel=f"{statistics.mean(np.exp(h - f) for h, f in zip(half, full, strict=True)) - 1:+.0%}",
+          half_random=f"{statistics.mean(rnd):.4f}",
+          random_ppl_rel=f"{statistics.mean(np.exp(h - f) for h, f in zip(rnd, full, strict=True)) - 1:+.0%}",
+        )
+      )  # fmt: skip
+  return conv, omit
+
+
+CONV_COLUMNS = [("run", "run"), ("swap", "swap"), ("eval_loss", "eval loss (full model)"),
+                ("vs_normal", "vs normal"), ("per_seed", "per seed, % (by seed)"),
+                ("median", "median"), ("seeds", "seeds")]  # fmt: skip
+OMIT_COLUMNS = [
+  ("trained", "trained"), ("full", "full"), ("half_every_other", "half (every other stage)"),
+  ("ppl_rel", "ppl vs full"), ("half_random", "random half-paths (mean of 5)"),
+  ("random_ppl_rel", "ppl vs full"),
+]  # fmt: skip
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument(
+    "--part",
+    choices=PARTS,
+    default="all",
+  )
+  ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  ap.add_argument("--updates", type=int, default=CONV["num_updates"])
+  ap.add_argument("--out", default=str(common.RESULTS))
+  ap.add_argument("--smoke", action="store_true", help="a sliver of each part (CI)")
+  ap.add_argument("--config", default="configs/gpt2_skippipe.py:tiny", help="--part plan: a config")
+  ap.add_argument("--devices", type=int, default=8, help="--part plan: the run's devices")
+  ap.add_argument("--worker", help=argparse.SUPPRESS)
+  ap.add_argument("--worker-args", help=argparse.SUPPRESS)
+  args = ap.parse_args()
+  if args.worker:
+    w = json.loads(args.worker_args)
+    worker(args.worker, w["seeds"], w["conv"], w["omission_skip"])
+    return
+  from pathlib import Path
+
+  out = Path(args.out)
+  if args.part in ("sim", "all"):
+    t0 = time.perf_counter()
+    if args.smoke:
+      rows = sim_table(stages=(4,), skips=(0.0, 0.5), topologies=("geo",), num_mb=8, iters=50)
+    else:
+      rows = sim_table()
+    wall = time.perf_counter() - t0
+    print("\n## Iteration time (simulated)\n")
+    print(common.format_table(rows, SIM_COLUMNS))
+    common.write_json(
+      out / "skippipe_sim.json",
+      {"benchmark": "skippipe_sim", "machine": common.machine(), "wall_s": wall, "rows": rows},
+    )
+  if args.part in ("sim-allreduce", "all"):
+    t0 = time.perf_counter()
+    kw = dict(skips=(0.0, 0.5), swaps=(True,), grad_bytes=2)
+    if args.smoke:
+      kw.update(stages=(4,), topologies=("geo",), num_mb=8, iters=50)
+    rows = [r for aware in (False, True) for r in sim_table(**kw, assign_allreduce=aware)]
+    rows.sort(key=lambda r: (TOPOLOGIES.index(r["topology"]), r["stages"], r["assignment"]))
+    wall = time.perf_counter() - t0
+    print("\n## Iteration time with each stage's gradient all-reduce (simulated)\n")
+    print(common.format_table(rows, SIM_ALLREDUCE_COLUMNS))
+    common.write_json(
+      out / "skippipe_sim_allreduce.json",
+      {"benchmark": "skippipe_sim_allreduce", "machine": common.machine(), "wall_s": wall,
+       "grad_bytes_per_value": 2, "rows": rows},
+    )  # fmt: skip
+  if args.part in ("timeline", "all"):
+    if args.smoke:
+      fig = out / "skippipe_timeline.png"
+      out.mkdir(parents=True, exist_ok=True)
+      spans = timeline(fig, stages=4, num_mb=4, iters=10)
+    else:
+      fig = Path(__file__).resolve().parents[2] / "docs" / "figures" / "skippipe_timeline.png"
+      spans = timeline(fig)
+    print(f"\nwrote {fig}: " + ", ".join(f"{k} {v} s" for k, v in spans.items()))
+  if (
+    args.part == "plan"
+  ):  # the plan train.py trains for --config (bench/pipeline/skippipe_pipeline.py)
+    from bench.pipeline import skippipe_pipeline
+
+    skippipe_pipeline.plan_report(args.config, args.devices, out / "skippipe_plan.json")
+    return
+  if args.part == "pipeline-convergence":  # bench/pipeline/skippipe_pipeline.py; not part of 'all'
+    from bench.pipeline import skippipe_pipeline
+
+    updates = args.updates if args.updates != CONV["num_updates"] else None
+    skippipe_pipeline.run(out, args.seeds, updates, args.smoke)
+    return
+  if args.part in ("convergence", "collect", "all"):
+    conv = dict(CONV, num_updates=args.updates)
+    seeds = args.seeds
+    if args.smoke:
+      conv.update(num_updates=2, D=32)
+      seeds = seeds[:1]
+  if args.part == "collect":  # the table of the seeds whose runs are all written so far
+    data = json.loads((out / "skippipe_convergence_runs.json").read_text())
+    rows, conv = data["rows"], data["setting"]
+    per_seed = {s: sum(r["seed"] == s for r in rows) for s in {r["seed"] for r in rows}}
+    whole = {s for s, n in per_seed.items() if n == 2 * len(SKIPS) + 1}
+    common.log(f"seeds with every run: {sorted(whole)}; left out (incomplete): "
+               f"{sorted(set(per_seed) - whole)}")  # fmt: skip
+    rows = [r for r in rows if r["seed"] in whole]
+  if args.part in ("convergence", "all"):
+    out.mkdir(parents=True, exist_ok=True)
+    wargs = json.dumps({"seeds": seeds, "conv": conv, "omission_skip": 0.5})
+    # grows run by run: a cut-off benchmark keeps its whole seeds (--part collect tabulates them)
+    runs_json = out / "skippipe_convergence_runs.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(runs_json),
+           "--worker-args", wargs]  # fmt: skip
+    subprocess.run(cmd, env=common.cpu_env(8), check=True)
+    rows = json.loads(runs_json.read_text())["rows"]
+    rows = [r for r in rows if r["seed"] in seeds]
+  if args.part in ("convergence", "collect", "all"):
+    conv_rows, omit_rows = summarise(rows)
+    print("\n## Convergence (eval loss of the full model)\n")
+    print(common.format_table(conv_rows, CONV_COLUMNS))
+    print("\n## Layer omission (half the model at evaluation)\n")
+    print(common.format_table(omit_rows, OMIT_COLUMNS))
+    out.mkdir(parents=True, exist_ok=True)
+    common.write_json(
+      out / "skippipe_convergence.json",
+      {"benchmark": "skippipe_convergence", "machine": common.machine(), "setting": conv,
+       "stages": STAGES, "runs": rows, "convergence": conv_rows, "omission": omit_rows},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+  sys.exit(main())
