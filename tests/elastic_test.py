@@ -125,7 +125,7 @@ def trained():
   return out
 
 
-@pytest.mark.parametrize("name", ["acco", "zero1", "ddp"])
+@pytest.mark.parametrize("name", ["acco", "zero1", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_restore_on_4_then_2_then_8_devices_is_exact(tmp_path, trained, name):
   state = trained[name]
   reference = logical(name, state)

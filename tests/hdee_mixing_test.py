@@ -131,6 +131,7 @@ def tiny_gpt():
   return model.init_params(cfg, 0), model.init_params(cfg, 1), cfg
 
 
+@pytest.mark.slow  # ~25 s: three models' log-probs against the loss
 def test_token_log_probs_match_the_models_loss(tiny_gpt):
   params, _, cfg = tiny_gpt
   rows = np.random.default_rng(3).integers(0, cfg.V, size=(5, cfg.L + 1)).astype(np.int32)

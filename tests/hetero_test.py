@@ -160,6 +160,7 @@ def reference_acco(config, run, num_stages):
   return theta
 
 
+@pytest.mark.slow  # ~36 s: a trainer run and its reference (the budgets' arithmetic: the unit tests above)
 def test_unequal_budgets_through_the_trainer_match_the_reference(tmp_path):
   config = sgd_config()
   summary = trainer.train_and_evaluate(config, str(tmp_path))

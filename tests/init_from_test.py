@@ -169,6 +169,7 @@ def unpacked(run, host):
   }
 
 
+@pytest.mark.slow  # ~38 s: three step builds and a pipeline stage (the data-parallel moves: test_state_carries_over_bit_for_bit)
 def test_pipeline_and_data_parallel_both_ways(tmp_path):
   """A pipeline-ACCO state (2 stages of 1 and 3 blocks x 4 lanes, after 4 flushes: an estimate
   in progress) through a checkpoint read by the pipeline's source step -> a zero1 run on 4 devices

@@ -351,9 +351,9 @@ def test_streaming_one_fragment_no_overlap_is_diloco():
 @pytest.mark.parametrize(
   "H,P,tau,alpha,quant",
   [
-    (4, 2, 1, 0.5, "fp4"),
-    pytest.param(6, 2, 2, 0.0, "none", marks=pytest.mark.slow),  # README time: the other two
-    (8, 4, 1, 0.25, "none"),  # cover windows, fragments and alpha by default
+    pytest.param(4, 2, 1, 0.5, "fp4", marks=pytest.mark.slow),  # README time: the last one
+    pytest.param(6, 2, 2, 0.0, "none", marks=pytest.mark.slow),  # covers windows, fragments and
+    (8, 4, 1, 0.25, "none"),  # alpha by default (FP4's codec: compress_test)
   ],
 )
 def test_streaming_matches_reference(H, P, tau, alpha, quant):

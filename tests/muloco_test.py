@@ -46,6 +46,7 @@ def owner_step(method, inner):
   )
 
 
+@pytest.mark.slow  # ~29 s: the reference over 2 syncs (the layout: test_owner_layout_moves_what_the_elementwise_layout_moves)
 def test_muloco_matches_reference():
   """Two syncs of H = 2: θ_g and every worker's θ_m equal the reference's, with the clip acting
   (a global norm per worker, not per owner) and the outer Nesterov step on the mean Δ."""

@@ -319,6 +319,7 @@ def owner_step(name, n, params):
   return train
 
 
+@pytest.mark.slow  # ~40 s: owners reassigned for 4 devices (the elementwise case: elastic_test)
 def test_owner_state_moves_to_another_device_count(tmp_path):
   """ACCO + Muon saved mid-round on 8 devices restores on 4 (owners reassigned, other slot counts):
   θ and the compute weights bit for bit, the 8 -> 4 -> 8 round trip gives back every leaf of the

@@ -174,6 +174,7 @@ def _close(got, ref, start):
                                err_msg=jax.tree_util.keystr(path))  # fmt: skip
 
 
+@pytest.mark.slow  # ~23 s: two pipeline programs (ACCO over the lanes: its reference, below)
 def test_zero1_over_the_lanes_equals_ddp(params):
   batches = _batches(3, M * LANES * B, seed=1)
   ddp, s_ddp, m_ddp = _run(params, "ddp", batches)
@@ -256,6 +257,7 @@ def test_checkpoint_with_another_split_is_refused(params):
     train.check_checkpoint({"blocks_per_stage": [2, 2]})
 
 
+@pytest.mark.slow  # ~28 s: a train.py launch (the pipeline's launch in the default run: pipeline_train_test)
 def test_train_py_runs_acco_over_the_lanes_of_a_pipeline(tmp_path, capsys):
   """One launch: configs/gpt2_pipeline.py:tiny with pipeline.data_method=acco on 2 lanes x 4 stages
   (with opt.name=muon: pipeline_muon_test.py, slow; bit-exact resume after SIGKILLs, uneven

@@ -162,9 +162,9 @@ def test_1f1b_bounds_memory_and_priority_orders_collisions():
 
 @pytest.mark.parametrize(
   "paths,policy,lanes,devices",
-  [  # GPipe variants in the slow step: 1F1B covers full and skipped/swapped paths by default
+  [  # in the default run the skipped and swapped paths over 2 lanes: the others in the slow step
     pytest.param(FULL, "gpipe", 1, 4, marks=pytest.mark.slow),
-    (FULL, "1f1b", 1, 4),
+    pytest.param(FULL, "1f1b", 1, 4, marks=pytest.mark.slow),
     pytest.param(MIXED, "gpipe", 1, 4, marks=pytest.mark.slow),
     (MIXED, "1f1b", 2, 8),
   ],

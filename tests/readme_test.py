@@ -6,6 +6,7 @@ import re
 import jax
 import numpy as np
 import optax
+import pytest
 
 from acco_jax import model
 
@@ -46,6 +47,7 @@ def test_readme_library_example_runs_as_written():
   assert np.isfinite(float(np.mean(metrics["loss"])))
 
 
+@pytest.mark.slow  # ~20 s: the second README example (the first runs in the default run)
 def test_readme_muon_example_runs_as_written():
   """The second block: Muon through the public API with its defaults (the owner layout chosen by
   ``layout='auto'``, optax's global clip first)."""

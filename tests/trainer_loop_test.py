@@ -9,7 +9,7 @@ completions and the checkpoint saves between them:
   at stage H), nothing is traced or compiled, except by the first checkpoint save (its fingerprint
   and orbax's copies, once per run). A jitted helper built per call (``jax.jit(lambda ...)``, as
   ``replicated`` was for the learning rate) retraces at every logged stage and fails this.
-* ``train.profile_stages=4:5`` (the ACCO run) leaves a trace of stages 4 and 5 in the workdir;
+* ``train.profile_stages=4:5`` (the ZeRO-1 run) leaves a trace of stages 4 and 5 in the workdir;
 * the summary's ``tokens_per_s`` is the run's, from the end of the first stage to the end of the
   last: within 2 % of what ``metrics.jsonl``'s ``wall_s`` and ``tokens_seen`` give over the same
   span (the summary used to repeat the last row's rate, measured between two host flushes); every
@@ -37,16 +37,16 @@ EVENTS = (dispatch.JAXPR_TRACE_EVENT, dispatch.JAXPR_TO_MLIR_MODULE_EVENT,
 # (config module, overrides, updates for 10 stages, the stage after which every program has run)
 FAMILIES = {
   "ddp": (gpt2_ddp, {}, 10, 1),
-  "zero1": (gpt2_zero1, {}, 10, 1),
-  "acco": (gpt2_acco, {"train.profile_stages": "4:5"}, 5, 1),  # an update is two stages
+  "zero1": (gpt2_zero1, {"train.profile_stages": "4:5"}, 10, 1),
+  "acco": (gpt2_acco, {}, 5, 1),  # an update is two stages
   "diloco": (gpt2_diloco, {"loco.workers": 4, "loco.sync_every": 2}, 10, 2),
   "pipeline": (gpt2_pipeline, {"model.N": 4}, 10, 1),
 }
 
 
-# ddp's stage is zero1's 'sync' program with an all-reduce, and the pipeline's loop runs in
-# .ci/run's slow step: the README command's time is bounded
-SLOW = ("ddp", "pipeline")
+# the README command's time is bounded: zero1's run in it (the data-parallel step's helpers, which
+# every method's run shares), the others in .ci/run's slow step
+SLOW = ("ddp", "acco", "diloco", "pipeline")
 
 
 @pytest.fixture(
@@ -129,11 +129,11 @@ def test_reported_speed_is_the_runs_own(traced_run):
 
 
 def test_profile_of_the_chosen_stages(traced_run):
-  """``train.profile_stages=4:5`` (the ACCO run): a Perfetto trace in the workdir whose stage
+  """``train.profile_stages=4:5`` (the ZeRO-1 run): a Perfetto trace in the workdir whose stage
   annotations are stages 4 and 5, read by ``bench/gpu/profile_table.py`` (on a CPU, no GPU kernels)."""
   name, *_, workdir = traced_run
   found = sorted(workdir.glob("profile/**/perfetto_trace.json.gz"))
-  if name != "acco":
+  if name != "zero1":
     assert not found
     return
   (path,) = found
