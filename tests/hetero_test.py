@@ -189,7 +189,7 @@ def trainer_rows(workdir):
 def test_heterogeneous_bench_model_and_smoothing():
   import argparse
 
-  from bench import heterogeneous as bench
+  from bench.dp import heterogeneous as bench
 
   rows = bench.model_part(argparse.Namespace(factor=4.0))
   assert {r["workers"] for r in rows} == {8, 16, 32, 64}

@@ -310,6 +310,7 @@ def demo_run(batches):
 # -- SparseLoCo ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~30 s: the reference's own compression of every worker's pseudo-gradient
 def test_sparseloco_matches_reference(sparseloco_run, batches):
   train, state, logged = sparseloco_run
   glob, ef, plans = ref_sparseloco(batches, 2, **SPARSE)

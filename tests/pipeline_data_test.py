@@ -106,6 +106,7 @@ def test_balanced_split_gives_stage_0_fewer_blocks():
       packing.parse_counts(bad, 4, 3)
 
 
+@pytest.mark.slow  # ~20 s (the default run's single-device check: pipeline_test, equal stages)
 @pytest.mark.parametrize("counts,paths", [((1, 2, 1), [(1, 2), (2,), (2, 1), ()])])
 def test_uneven_stages_equal_the_single_device_model(params, counts, paths):
   S = len(counts)

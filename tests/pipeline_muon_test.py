@@ -110,8 +110,7 @@ def _reference(params, batches, data_method):
 
 @pytest.mark.parametrize(
   "data_method,flushes",
-  [pytest.param(d, n, marks=pytest.mark.slow) for d, n in (("ddp", 2), ("zero1", 3))]
-  + [("acco", 5)],
+  [pytest.param(d, n, marks=pytest.mark.slow) for d, n in (("ddp", 2), ("zero1", 3), ("acco", 5))],
 )
 def test_muon_over_a_stages_lanes_equals_the_plain_layout(params, data_method, flushes):
   batches = _batches(flushes, M * LANES * B, seed=3)
@@ -129,6 +128,37 @@ def test_muon_over_a_stages_lanes_equals_the_plain_layout(params, data_method, f
   assert per_lane == (4 if data_method == "ddp" else 2)
   ref = _reference(params, batches, data_method)
   _close(train.params(state), ref, params)
+
+
+def test_muon_on_the_packed_buffers_is_plain_optax_on_the_tree(params):
+  """The optimizer the pipeline runs (Muon on the view of the packed buffers) against plain optax
+  on the model's tree, three steps of the same gradients, without the pipeline's program (the
+  slow tests above run it); and the state it keeps, sharded as the lanes own it."""
+  pk = pipe.packing_for(params, S, COUNTS, LANES, _matrices(params))
+  dims = lambda tree: jax.tree.map(lambda _: optim.MUON_DIMS, tree)
+  on_buffers = packing.on_view(_labelled(pk.view_mask(model.muon_mask(params)), dims), pk)
+  on_tree = _labelled(model.muon_mask(params))
+  rng = np.random.default_rng(4)
+  grads = [jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32) * 0.1, params)
+           for _ in range(3)]  # fmt: skip
+
+  def run(tx, start, to):
+    step = jax.jit(
+      lambda p, g, s: (lambda u, s2: (optax.apply_updates(p, u), s2))(*tx.update(g, s, p))
+    )
+    p, s = start, tx.init(start)
+    for g in grads:
+      p, s = step(p, to(g), s)
+    return p
+
+  got = pk.unpack(jax.device_get(run(on_buffers, pk.pack(params), pk.pack)))
+  want = run(on_tree, jax.tree.map(jnp.asarray, params), lambda g: g)
+  _close(got, want, params)
+  # the lanes own whole matrices: Muon's momentum stacks split their slots over ``data``
+  state = _step(params, "zero1").abstract_state(params)
+  stacks = [x for x in jax.tree.leaves(state.opt_state) if x.ndim == 4]
+  assert stacks and all(tuple(x.sharding.spec) == ("stage", "data") for x in stacks)
+  assert stacks[0].sharding.shard_shape(stacks[0].shape)[1] == 2
 
 
 def test_config_builds_muon_in_the_pipeline_and_keeps_the_refusals():
