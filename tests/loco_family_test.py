@@ -333,9 +333,9 @@ def max_gap(a, b):
   )
 
 
-# α = 0.5 runs by default (outer_lr against the reference, where the conventions part); α = 1.0
-# (outer_lr equals the default there) in the slow step: the default convention's reference test is
-# test_sparseloco_matches_reference
+# α = 0.5 runs by default (outer_lr against the reference, where the conventions part: SparseLoCo's
+# reference check in the default run); α = 1.0 (outer_lr equals the default there) and the default
+# convention's reference test, test_sparseloco_matches_reference, in the slow step
 @pytest.mark.parametrize("lr", [pytest.param(1.0, marks=pytest.mark.slow), 0.5])
 def test_sparseloco_ef_scale_conventions(batches, lr):
   """ef_scale="outer_lr" (e ← βe + αΔ, the reference code) against the reference: the same as the
