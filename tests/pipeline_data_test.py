@@ -258,11 +258,12 @@ def test_checkpoint_with_another_split_is_refused(params):
     train.check_checkpoint({"blocks_per_stage": [2, 2]})
 
 
-@pytest.mark.slow  # ~28 s: a train.py launch (the pipeline's launch in the default run: pipeline_train_test)
-def test_train_py_runs_acco_over_the_lanes_of_a_pipeline(tmp_path, capsys):
-  """One launch: configs/gpt2_pipeline.py:tiny with pipeline.data_method=acco on 2 lanes x 4 stages
-  (with opt.name=muon: pipeline_muon_test.py, slow; bit-exact resume after SIGKILLs, uneven
-  stages: crash_resume_test.py, slow)."""
+@pytest.mark.slow  # ~28 s each: a train.py launch (the default run's: pipeline_train_test)
+@pytest.mark.parametrize("opt", ["adamw", "muon"])
+def test_train_py_runs_acco_over_the_lanes_of_a_pipeline(tmp_path, capsys, opt):
+  """One launch: configs/gpt2_pipeline.py:tiny with pipeline.data_method=acco on 2 lanes x 4 stages,
+  with AdamW and with Muon (the lanes own whole matrices: pipeline_muon_test.py; bit-exact resume
+  after SIGKILLs, uneven stages: crash_resume_test.py, slow)."""
   import json
   import pathlib
 
@@ -270,7 +271,7 @@ def test_train_py_runs_acco_over_the_lanes_of_a_pipeline(tmp_path, capsys):
   from configs import gpt2_pipeline
 
   config = gpt2_pipeline.get_config("tiny")
-  config.pipeline.data_method = "acco"
+  config.pipeline.data_method, config.opt.name = "acco", opt
   config.data.cache_dir = str(pathlib.Path(__file__).parent / ".." / ".pytest_cache" / "acco_data")
   config.ckpt.async_save = False
   config.train.num_updates, config.train.log_every = 2, 1

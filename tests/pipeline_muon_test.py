@@ -168,23 +168,3 @@ def test_config_builds_muon_in_the_pipeline_and_keeps_the_refusals():
   config = tiny(gpt2_pipeline, **{"opt.name": "muon", "comm.quantize": "int8"})
   with pytest.raises(errors.UserValueError, match="comm.quantize is not supported"):
     build.build(config)
-
-
-@pytest.mark.slow  # a train.py launch of the pipeline with Muon (~30 s); without: pipeline_data_test
-def test_train_py_runs_muon_over_the_lanes_of_a_pipeline(tmp_path, capsys):
-  import json
-  import pathlib
-
-  from acco_jax.run import trainer
-
-  config = gpt2_pipeline.get_config("tiny")
-  config.pipeline.data_method, config.opt.name = "acco", "muon"
-  config.data.cache_dir = str(pathlib.Path(__file__).parent / ".." / ".pytest_cache" / "acco_data")
-  config.ckpt.async_save = False
-  config.train.num_updates, config.train.log_every = 2, 1
-  config.train.eval_every, config.train.eval_batches, config.train.sample_tokens = 0, 1, 0
-  summary = trainer.train_and_evaluate(config, str(tmp_path))
-  assert summary["stages"] == 5 and summary["updates"] == 2, summary
-  rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  losses = {r["stage"]: r["loss"] for r in rows if "loss" in r}
-  assert sorted(losses) == [1, 2, 3, 4, 5] and losses[5] < losses[1], losses
