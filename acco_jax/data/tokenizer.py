@@ -226,11 +226,7 @@ def _bpe(arg: str, cache_dir: str | None, train_text: Sequence[str] | None) -> H
     if not os.path.isfile(arg):
       raise errors.UserFileNotFoundError(f"tokenizer 'bpe:{arg}': no such tokenizer JSON file")
     return HFTokenizer(arg)
-  vocab_size = int(arg)
-  if vocab_size < _MIN_BPE_VOCAB:
-    raise errors.UserValueError(
-      f"tokenizer 'bpe:{vocab_size}': vocab size must be >= {_MIN_BPE_VOCAB}"
-    )
+  vocab_size = _bpe_size(arg)
   if train_text is None:
     raise ValueError(f"tokenizer 'bpe:{vocab_size}' is trained on text: pass train_text=documents")
   texts = list(train_text)
@@ -263,13 +259,18 @@ def declared_vocab_size(name: str) -> int:
   if name == "gpt2":
     return GPT2_VOCAB
   if name.startswith("bpe:") and name[4:].isdigit():
-    vocab_size = int(name[4:])
-    if vocab_size < _MIN_BPE_VOCAB:
-      raise errors.UserValueError(
-        f"tokenizer 'bpe:{vocab_size}': vocab size must be >= {_MIN_BPE_VOCAB}"
-      )
-    return vocab_size
+    return _bpe_size(name[4:])
   return get_tokenizer(name).vocab_size
+
+
+def _bpe_size(arg: str) -> int:
+  """``bpe:<n>``'s ``n``, or the one-line error for one too small to hold the bytes."""
+  vocab_size = int(arg)
+  if vocab_size < _MIN_BPE_VOCAB:
+    raise errors.UserValueError(
+      f"tokenizer 'bpe:{vocab_size}': vocab size must be >= {_MIN_BPE_VOCAB}"
+    )
+  return vocab_size
 
 
 def default_cache_dir(cache_dir: str | None = None) -> str:
