@@ -2,8 +2,8 @@
 mapped back to the model's structure (acco_jax.dp.carry_owner) and cut again for other owners.
 
 Against the plain layout: ZeRO-1 with the owner layout and DDP with whole leaves run the same
-optimizer on the same batches, so the owner run's exported state (θ, Muon's momentum, Adam's moments
-and counts in the model's structure) must be the DDP run's own state, to float32 tolerances (another
+optimizer on the same batches, so the owner run's exported state (θ, Muon's momentum, SGD's trace
+and the counts in the model's structure) must be the DDP run's own state, to float32 tolerances (another
 program; see owner_step_test for the noise). A momentum given to another matrix, or transposed,
 is off by its whole size. Carrying back into ACCO's owner layout on another device count moves bits
 only: exported again, it is bit for bit what went in.
@@ -17,9 +17,29 @@ import acco_jax
 from acco_jax.dp import carry_owner
 from acco_jax.run import portable
 from tests.methods_test import B, K, N, first_microbatch, make_batches
-from tests.owner_step_test import loss_with_stack, muon, params_with_stack
+from tests.owner_step_test import loss_with_stack, params_with_stack
 
 RTOL = 1e-3  # of each leaf's largest value (owner_step_test: Muon's noise is 5e-5 of itself)
+
+
+def muon():
+  """Muon on the matrices (the stacked leaf: 11 matrices of 4 x 6), SGD with momentum on the
+  vectors: no Adam-type step, whose normalisation would turn a last-bit difference between the two
+  layouts' gradient sums into a learning-rate-sized step on another CPU."""
+  import optax
+
+  stacked = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+  dims = lambda p: jax.tree.map(  # noqa: E731
+    lambda x: stacked if x.ndim == 3 else optax.contrib.MuonDimensionNumbers(), p
+  )
+  labels = lambda p: jax.tree.map(lambda x: "muon" if x.ndim >= 2 else "sgd", p)  # noqa: E731
+  return optax.partition(
+    {
+      "muon": optax.contrib.muon(3e-2, weight_decay=0.01, muon_weight_dimension_numbers=dims),
+      "sgd": optax.sgd(1e-2, momentum=0.9),
+    },
+    labels,
+  )
 
 
 def _run(tx, params, n, stages):
