@@ -8,22 +8,14 @@ in XLA). ``docs/reliability.md`` lists every case with its message.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
-import os
 import pathlib
-import re
-import shutil
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-from acco_jax import model, optional
-from acco_jax.run import checkpoint, parallel, trainer
+from acco_jax.run import parallel, trainer
 from configs import gpt2_acco, gpt2_skippipe, gpt2_zero1
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -333,110 +325,6 @@ def test_seq_len_longer_than_the_corpus_allows(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-# -- checkpoints: a workdir written with another config --------------------------------------------
-
-
-def snapshot(workdir: pathlib.Path) -> dict:
-  """Contents of the checkpoints and the metrics log, to show that a failed run changed nothing."""
-  files = [p for p in sorted(workdir.rglob("*")) if p.is_file() and p.parts[-2] != "tb"]
-  keep = [p for p in files if "checkpoints" in p.parts or p.name == "metrics.jsonl"]
-  return {str(p.relative_to(workdir)): hashlib.sha256(p.read_bytes()).hexdigest() for p in keep}
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-  """A workdir of the tiny ACCO config with checkpoints at stages 2 and 4 (of 4), made directly
-  from the initial state (no step is compiled), and a line of metrics."""
-  workdir = tmp_path_factory.mktemp("saved")
-  config = tiny()
-  run = trainer.build(config)
-  rows = run.mesh.size * config.batch.microbatch_size
-  prime = next(trainer.batch_stream(run, config, run.tokens.train, rows, seed=1))
-  state = run.train.init(
-    model.init_params(run.model_cfg, 0), parallel.global_batch(prime, run.mesh)
-  )
-  stream = trainer.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
-  with checkpoint.Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
-    for stage in (2, 4):
-      for _ in range(2):
-        next(stream)
-      extra = {"stage": stage, "data": stream.get_state(), "config": config.to_json_best_effort()}
-      ckpt.save(stage, state, extra=extra)
-  (workdir / "metrics.jsonl").write_text('{"step": 4, "stage": 4, "loss": 5.0}\n')
-  return workdir
-
-
-@pytest.fixture
-def workdir(tmp_path, saved):
-  shutil.copytree(saved, tmp_path / "run")
-  return tmp_path / "run"
-
-
-@pytest.mark.parametrize(
-  "module,overrides,match",
-  [(gpt2_acco, {"model.D": 128}, r"it holds another model or optimizer: \.w is \[118592\], but "
-                                 r"\[433792\] .*; resume with the config it was written with"),
-   (gpt2_acco, {"data.tokenizer": "bpe:512"}, r"it holds another model or optimizer"),
-   (gpt2_acco, {"model.N": 3}, r"was written for a different state: target leaf .*\['2'\]"),
-   (gpt2_zero1, {}, r"was written for a different state: target leaf \.opt_state"),
-   (gpt2_acco, {"batch.microbatches": 4}, r"the saved data position is for another stream, "
-                                          r"\{'global_batch_rows': \(8, 16\)\}.*batch\.\*")],
-  ids=["wider-model", "other-tokenizer", "deeper-model", "other-method", "other-batch"],
-)  # fmt: skip
-def test_resuming_with_another_config_changes_nothing(workdir, module, overrides, match):
-  before = snapshot(workdir)
-  with pytest.raises(ValueError, match=match) as info:
-    trainer.train_and_evaluate(tiny(module, **overrides), str(workdir))
-  one_line(info.value)
-  assert snapshot(workdir) == before
-
-
-def test_bad_config_on_an_existing_workdir_changes_nothing(workdir):
-  before = snapshot(workdir)
-  with pytest.raises(ValueError, match="opt.name='adamx' is unknown"):
-    trainer.train_and_evaluate(tiny(**{"opt.name": "adamx"}), str(workdir))
-  assert snapshot(workdir) == before and not (workdir / "tb").exists()
-
-
-def truncate_largest_array_file(step_dir: pathlib.Path):
-  files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
-  max(files, key=lambda p: p.stat().st_size).write_bytes(b"\x00" * 10)
-
-
-@pytest.mark.slow  # trains after the fallback (the fallback itself: checkpoint_test)
-def test_corrupt_latest_checkpoint_falls_back_and_trains_on(workdir, caplog):
-  truncate_largest_array_file(workdir / "checkpoints" / "4")
-  with caplog.at_level(logging.WARNING, logger="acco_jax.run.checkpoint"):
-    summary = trainer.train_and_evaluate(tiny(), str(workdir))
-  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-  assert any(w.startswith("checkpoint step 4 in ") and "trying an older one" in w for w in warnings)
-  print(f"MESSAGE WARNING: {warnings[0]}")
-  assert summary["stages"] == 4  # resumed at stage 2, ran stages 3 and 4
-  assert '"event": "restored", "stage": 2' in (workdir / "metrics.jsonl").read_text()
-  run = trainer.build(tiny())
-  with checkpoint.Checkpointer(workdir / "checkpoints") as ckpt:  # the final state replaced step 4
-    extra = ckpt.restore(4, run.train.abstract_state(run.params_shapes))[1]
-  assert extra["stage"] == 4
-
-
-def test_all_checkpoints_corrupt_is_an_error_that_deletes_nothing(workdir):
-  for stage in (2, 4):
-    truncate_largest_array_file(workdir / "checkpoints" / str(stage))
-  before = snapshot(workdir)
-  with pytest.raises(
-    RuntimeError, match=r"no readable checkpoint in .*: steps \[2, 4\] are all"
-  ) as info:
-    trainer.train_and_evaluate(tiny(), str(workdir))
-  one_line(info.value)
-  assert snapshot(workdir) == before  # the damaged files are kept, e.g. for a salvage attempt
-
-
-def test_workdir_that_is_a_file(tmp_path):
-  (tmp_path / "run").write_text("not a directory")
-  with pytest.raises(ValueError, match=r"workdir .* is a file"):
-    trainer.train_and_evaluate(tiny(), str(tmp_path / "run"))
-
-
 # -- distributed start-up (in-process: these fail before jax.distributed starts) -------------------
 
 
@@ -469,118 +357,6 @@ def test_unreachable_coordinator_is_an_error_not_an_abort():
     )
   assert time.monotonic() - start < 10
   one_line(info.value)
-
-
-# -- the command line and the environment (train.py in a subprocess) -------------------------------
-
-
-def train_py(*args, env=None, timeout=120):
-  """Runs train.py; returns its stderr, which must be one line ``error: ...`` with exit status 2."""
-  base = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  proc = subprocess.run(
-    [sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, cwd=REPO,
-    env={**base, **(env or {})}, timeout=timeout,
-  )  # fmt: skip
-  assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-  lines = proc.stderr.splitlines()
-  assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
-  print(f"MESSAGE STDERR: {lines[0]}")
-  return lines[0]
-
-
-TINY = "configs/gpt2_acco.py:tiny"
-CLI = [
-  ("missing-config", ["--workdir", "W"], {},
-   r"^error: flag --config=None: Flag --config must have a value other than None\.$"),
-  ("missing-workdir", ["--config", TINY], {}, r"^error: flag --workdir=None"),
-  ("missing-config-file", ["--config", "configs/nope.py", "--workdir", "W"], {},
-   r"^error: flag --config: \[Errno 2\] No such file or directory: 'configs/nope.py'$"),
-  ("unknown-preset", ["--config", "configs/gpt2_acco.py:huge", "--workdir", "W"], {},
-   r"^error: flag --config=configs/gpt2_acco.py:huge: Error whilst parsing config file: "
-   r"ValueError: unknown preset 'huge': choose one of cpu, tiny"),
-  ("unknown-override", ["--config", TINY, "--workdir", "W", "--config.nope=1"], {},
-   r"^error: flag --config.nope: the config has no field 'nope' \(fields"),
-  ("misspelt-override", ["--config", TINY, "--workdir", "W", "--config.train.num_update=5"], {},
-   r"^error: flag --config.train.num_update: the config has no field 'num_update'; Did you "
-   r"mean \"num_updates\""),
-  ("override-of-wrong-type", ["--config", TINY, "--workdir", "W", "--config.train.num_updates=x"],
-   {}, r"^error: flag --config.train.num_updates=x: invalid literal for int"),
-  ("stray-argument", ["--config", TINY, "--workdir", "W", "configs/gpt2_zero1.py"], {},
-   r"^error: unexpected arguments: configs/gpt2_zero1.py; pass options as --config"),
-  ("dist-on-without-coordinator",
-   ["--config", TINY, "--workdir", "W", "--config.dist.initialize=on"], {},
-   r"^error: jax.distributed.initialize: coordinator_address should be defined. Set "
-   r"dist.coordinator_address"),
-  ("coordinator-env-without-count", ["--config", TINY, "--workdir", "W"],
-   {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
-   r"^error: jax.distributed.initialize: Number of processes must be defined. Set"),
-  ("unknown-xla-flag", ["--config", TINY, "--workdir", "W"], {"XLA_FLAGS": "--xla_bogus_flag=1"},
-   r"^error: Unknown flag in XLA_FLAGS: --xla_bogus_flag=1: remove or correct it in the XLA_FLAGS"),
-  ("hdee-unknown-mode",
-   ["--config", "configs/hdee.py:tiny", "--workdir", "W", "--config.hdee.modes=steps,bogus"], {},
-   r"^error: hdee.modes: unknown mode 'bogus': choose from homogeneous, steps, sizes$"),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("args,env,match", [pytest.param(*c[1:], id=c[0]) for c in CLI])
-def test_command_line_and_environment(tmp_path, args, env, match):
-  line = train_py(*[str(tmp_path / "W") if a == "W" else a for a in args], env=env)
-  assert re.search(match, line), line
-  assert not (tmp_path / "W").exists()  # nothing was written
-
-
-# Config and data cases of the in-process tests above, now through train.py: each must reach the
-# terminal as exactly the exception's one line, exit status 2, with no workdir created.
-THROUGH_TRAIN_PY = [
-  "unknown-method", "acco-odd-microbatches", "unknown-optimizer", "warmup-past-the-end",
-  "unknown-model-size", "heads-not-dividing-width", "negative-seq-len", "unknown-attention",
-  "more-devices-than-visible", "zero-microbatch-size", "unknown-comm-dtype", "zero-log-every",
-  "integer-model-dtype",
-]  # fmt: skip
-
-
-def _override(key, value):
-  return f"--config.{key}={value}"
-
-
-@pytest.mark.parametrize("case", THROUGH_TRAIN_PY)
-def test_bad_config_through_train_py(tmp_path, case):
-  overrides, error, match = next(c[1:4] for c in CONFIGS if c[0] == case)
-  config = "configs/gpt2_zero1.py:tiny" if overrides.get("method") == "zero1" else TINY
-  args = [_override(k, v) for k, v in overrides.items() if k != "method" or v != "zero1"]
-  line = train_py(
-    "--config", config, "--workdir", str(tmp_path / "W"),
-    f"--config.data.cache_dir={CACHE}", "--config.train.num_updates=2", *args,
-  )  # fmt: skip
-  with pytest.raises(error, match=match) as info:  # the same message as in-process
-    trainer.build(tiny(gpt2_zero1 if config != TINY else gpt2_acco, **overrides))
-  assert line == f"error: {one_line(info.value)}"
-  assert not (tmp_path / "W").exists()
-
-
-def test_seq_len_longer_than_the_corpus_through_train_py(tmp_path):
-  """Fails after the model and step are built, when the stream is packed: still nothing written."""
-  line = train_py(
-    "--config", TINY, "--workdir", str(tmp_path / "W"), f"--config.data.cache_dir={CACHE}",
-    "--config.data.seq_len=10000000",
-  )  # fmt: skip
-  assert re.match(r"^error: a stream of \d+ tokens packs into 0 rows of seq_len\+1", line), line
-  assert not (tmp_path / "W").exists()
-
-
-def test_help_exits_zero():
-  proc = subprocess.run(
-    [sys.executable, str(REPO / "train.py"), "--help"], capture_output=True, text=True, cwd=REPO,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=60,
-  )  # fmt: skip
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  assert "--config" in proc.stdout and "--workdir" in proc.stdout and not proc.stderr
-
-
-@pytest.mark.skipif(optional.installed("jax_cuda12_plugin"), reason="CUDA is installed here")
-def test_cuda_platform_without_cuda(tmp_path):
-  line = train_py("--config", TINY, "--workdir", str(tmp_path), env={"JAX_PLATFORMS": "cuda"})
-  assert line.startswith("error: JAX has no usable backend for JAX_PLATFORMS='cuda': "), line
 
 
 # -- pipeline configs (method=pipeline, configs/gpt2_pipeline.py) ----------------------------------

@@ -11,9 +11,8 @@ filesystem), each trains its share, and the run that finds every job done evalua
 
 Why a run per job rather than the experts as device groups of one job: the experts share nothing
 while they train, so separate runs are the simplest form of that independence. A job needs only
-its parent's ``params.npz``, so chains of different experts can run in separate processes or on
-other hosts, each resumes on its own, and an expert of another size is just another run (device
-groups of one program would need every expert the same shape, or one program per shape).
+its parent's ``params.npz``: chains of experts run in separate processes or hosts, each resumes on
+its own, and an expert of another size is another run (one program would need one shape).
 
 Layout of ``<workdir>``: ``recipe.json`` (the config, checked on resume), ``mixture.txt`` (the
 trained domains' training documents, interleaved: the seeds' and the dense model's corpus),
