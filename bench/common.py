@@ -201,12 +201,19 @@ def finish_runs(
 def train_run(config, workdir, result: dict, start: float) -> dict:
   """``trainer.train_and_evaluate`` of ``config`` in ``workdir``: ``result`` with the status, the
   final eval loss (NaN for a run that diverged: what it logged is kept), the wall time and the
-  config, written to ``workdir/result.json``; the checkpoints are removed."""
+  config, written to ``workdir/result.json``; the checkpoints are removed.
+
+  A run a signal stopped (SIGTERM, SIGINT: the trainer checkpoints and returns early) is not a
+  result: it exits with a one-line error, writes no ``result.json`` and keeps its checkpoint."""
   from acco_jax.run import trainer
 
   try:
     summary = trainer.train_and_evaluate(config, str(workdir))
-    result.update(status="ok", final_eval_loss=summary.get("eval_loss"))
+    if "stopped" in summary:
+      raise SystemExit(
+        f"{workdir}: stopped by a signal at stage {summary['stopped']}: no result.json written"
+      )
+    result.update(status="ok", final_eval_loss=summary.get("eval_loss"), summary=summary)
   except FloatingPointError as e:  # non-finite loss: the run diverged
     result.update(status="diverged", error=str(e), final_eval_loss=float("nan"))
   result["wall_s"] = time.perf_counter() - start

@@ -9,7 +9,11 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 COMMAND = re.compile(r"python3? (?:-\S+ )*(bench/[\w/]+\.py)")
-LIBRARIES = {"bench/common.py", "bench/gpu/torch_gpt.py"}  # imported by the drivers, not run
+LIBRARIES = {
+  "bench/common.py",
+  "bench/gpu/torch_gpt.py",
+  "bench/loco/programs.py",
+}  # imported, not run
 
 
 def documented() -> dict[str, list[str]]:

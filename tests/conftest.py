@@ -46,7 +46,7 @@ def no_network(monkeypatch):
 SERIAL_MODULES = (
   "bench_smoke_test", "c4_test", "convergence_smoke_test", "crash_resume_test",
   "gpu_throughput_test", "health_test", "multiprocess_test", "pipeline_multiprocess_test",
-  "preemption_test",
+  "loco_overlap_bench_test", "preemption_test",
 )  # fmt: skip
 
 

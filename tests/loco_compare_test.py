@@ -12,8 +12,9 @@ LABELS = [*loco_compare.METHODS, "demo@2e-3", "sparseloco@loco.sync_every=15,loc
 @pytest.mark.parametrize("smoke", [False, True], ids=["full", "smoke"])
 @pytest.mark.parametrize("label", LABELS)
 def test_every_run_is_a_valid_config(label, smoke):
-  config = loco_compare.make_config(label, 0, smoke)
-  s = loco_compare.setting(smoke)
+  name = "smoke" if smoke else "d8"
+  config = loco_compare.make_config(label, 0, name)
+  s = loco_compare.setting(name)
   assert config.model.D == s["D"] and config.train.num_updates == s["num_updates"]
   base = label.partition("@")[0]
   if base in loco_compare.LOCO:

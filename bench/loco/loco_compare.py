@@ -13,23 +13,19 @@ per inner step (256 each). ``H = 50`` for DiLoCo, Streaming DiLoCo (2 fragments,
 Reported, per method (mean ± std over seeds):
 
 * the final eval loss, and the eval curves (``docs/figures/loco_compare.png``);
-* bytes sent per worker per token and per sync, **read from the compiled programs** (each program
-  compiled on the CPU-scale model, its collectives listed with :func:`acco_jax.analysis.hlo.hlo_collectives`,
-  those that cross workers converted to bytes a worker sends with ring algorithms: all-reduce
-  ``2 (M−1)/M`` of the buffer, all-gather ``(M−1)/M`` of its result, collective-permute its
-  operand), beside the packed bytes of the accounting. XLA:CPU computes bf16 collectives in f32 and
-  Streaming DiLoCo's FP4 is emulated in f32, so for those the HLO shows f32 and the accounting the
-  bytes as sent; SparseLoCo's and DeMo's all-gathers move the packed bytes themselves;
-* the optimizer and communication state per device (the programs' state shardings);
+* bytes sent per worker per token and per sync, **read from the compiled programs**, beside the
+  packed bytes of the accounting, and the optimizer and communication state per device
+  (``bench/loco/programs.py``: ring algorithms; XLA:CPU computes bf16 collectives and the emulated
+  FP4 in f32, so for those the HLO shows f32 and the accounting the bytes as sent);
 * the modelled time to reach a target eval loss with 8 x H100 per worker and 1, 10 or 100 Gbit/s
-  between workers (:func:`acco_jax.analysis.perfmodel.time_to_target`; the assumptions are in
-  :data:`PROJECTION`).
+  between workers (:func:`bench.loco.programs.project`; the assumptions in ``PROJECTION``).
 
 Usage::
 
   python bench/loco/loco_compare.py --jobs 2              # 8 methods x 3 seeds, then collect
   python bench/loco/loco_compare.py --collect             # rebuild the JSON, table and figure only
   python bench/loco/loco_compare.py --smoke --out /tmp/lc # CI-size: tiny model, 2 steps
+  python bench/loco/loco_compare.py --setting long --methods ddp   # LONG: 2,000 byte-level steps
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
 from bench import common  # noqa: E402
 from bench.dp import convergence  # noqa: E402
+from bench.loco.programs import PROJECTION, programs_worker, project  # noqa: E402, F401
 
 FIGURES = common.REPO / "docs" / "figures"
 
@@ -58,6 +55,12 @@ SMOKE = dict(
   devices=8, workers=8, D=32, N=2, H=2, tokenizer="byte", seq_len=32, microbatch_size=1,
   microbatches=2, num_updates=4, eval_every=2, eval_batches=2, lr=2e-3,
 )  # fmt: skip
+# the long runs (loco_overlap.py --setting long): 2,000 steps of a byte-level model, 66 syncs at H = 30
+LONG = dict(
+  devices=8, workers=8, D=64, N=2, H=4, tokenizer="byte", seq_len=64, microbatch_size=1,
+  microbatches=2, num_updates=2000, eval_every=50, eval_batches=4, lr=2e-3,
+)  # fmt: skip
+SETTINGS = {"d8": SETTING, "long": LONG, "smoke": SMOKE}
 SYNC_EVERY = 50
 DEMO_LR = 1e-3  # DeMo's sign step (constant, like the others' AdamW lr)
 # label -> (config module, overrides of the method's own config)
@@ -73,22 +76,14 @@ METHODS = {
 }
 LOCO = ("diloco", "streaming_diloco", "noloco", "sparseloco", "demo")
 SEEDS = (0, 1, 2)
-# common.cpu_env already lets simulated devices wait 15 minutes for each other in a collective;
-# on a loaded machine a wait of 20 s is normal, so warn only after 5 minutes.
+# simulated devices wait up to 15 minutes in a collective (common.cpu_env); warn after 5, not 20 s
 QUIET_COLLECTIVES = "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300"
 GBITS = (1.0, 10.0, 100.0)
-# The projection to 8 x H100 per worker (docs/benchmarks.md, "LoCo comparison").
-PROJECTION = {
-  "model": "GPT-2 124M", "params": 124_439_808,
-  "tokens_per_gpu_step": 6 * 8 * 1024,  # the gpt2 preset: 6 microbatches of 8 x 1024 per GPU
-  "gpu_tokens_per_s": 285e3,  # measured: train.py zero1 on one H100 (docs/benchmarks.md)
-  "gpus_per_worker": 8, "workers": 8,
-  "nvlink_GBps": 450.0, "link_efficiency": 0.8, "latency_intra_s": 5e-6, "latency_inter_s": 50e-6,
-}  # fmt: skip
 
 
-def setting(smoke: bool) -> dict:
-  return SMOKE if smoke else SETTING
+def setting(name: str = "d8") -> dict:
+  """The run setting ``name``: ``d8`` (the comparison's), ``long`` or ``smoke`` (CI-size)."""
+  return SETTINGS[name]
 
 
 def tokens_per_update(s: dict) -> int:
@@ -128,16 +123,16 @@ def parse_label(label: str) -> tuple[str, dict]:
   return base, overrides
 
 
-def make_config(label: str, seed: int, smoke: bool = False):
-  """The trainer config: the method's config file, shrunk to the setting (convergence.py's d8)."""
+def make_config(label: str, seed: int, name: str = "d8"):
+  """The trainer config: the method's config file, shrunk to setting ``name`` (d8: convergence.py's)."""
   sys.path.insert(0, str(common.REPO))
   import importlib
 
   base, sweep = parse_label(label)
-  name, overrides = METHODS[base]
+  module, overrides = METHODS[base]
   overrides = {**overrides, **sweep}
-  s = setting(smoke)
-  c = importlib.import_module(f"configs.{name}").get_config("cpu")
+  s = setting(name)
+  c = importlib.import_module(f"configs.{module}").get_config("cpu")
   c.model.D, c.model.N, c.model.H = s["D"], s["N"], s["H"]
   c.data.tokenizer, c.data.seq_len = s["tokenizer"], s["seq_len"]
   c.batch.microbatch_size, c.batch.microbatches = s["microbatch_size"], s["microbatches"]
@@ -164,167 +159,47 @@ def make_config(label: str, seed: int, smoke: bool = False):
       except (KeyError, ValueError):
         raise SystemExit(f"loco_compare: {label!r}: {key} takes {kind.__name__} values") from None
     c[group][field] = value
-  if smoke and base in LOCO and base != "demo":
+  if name == "smoke" and base in LOCO and base != "demo":
     c.loco.sync_every = 2 * c.loco.fragments  # a fragment every 2 steps: tau = 1 fits in H/P
   return c
 
 
 def train_worker(args) -> None:
-  from acco_jax.run import trainer
-
-  config = make_config(args.method, args.seed, args.smoke)
-  start = time.perf_counter()
+  config = make_config(args.method, args.seed, args.setting)
   result = {"method": args.method, "seed": args.seed}
-  try:
-    summary = trainer.train_and_evaluate(config, args.workdir)
-    result.update(status="ok", final_eval_loss=summary.get("eval_loss"), summary=summary)
-  except FloatingPointError as e:
-    result.update(status="diverged", error=str(e), final_eval_loss=float("nan"))
-  result["wall_s"] = time.perf_counter() - start
-  result["config"] = json.loads(config.to_json_best_effort())
-  shutil.rmtree(Path(args.workdir) / "checkpoints", ignore_errors=True)
-  common.write_json(Path(args.workdir) / "result.json", result)
-
-
-# -- bytes and state from the compiled programs (child process) -----------------------------------
-
-
-def _sent(c, n: int) -> float:
-  """Bytes one device sends for collective ``c`` among ``n`` devices (ring algorithms)."""
-  if c.kind == "collective-permute":
-    return float(c.bytes)
-  one = (n - 1) / n * c.bytes
-  return 2 * one if c.kind == "all-reduce" else one
-
-
-def _program_sent(cross: list, n: int) -> float:
-  """Bytes one device sends in one run of a program whose collectives across workers are
-  ``cross``: NoLoCo's sync switches between one collective-permute per matching, of which one runs."""
-  permutes = [_sent(c, n) for c in cross if c.kind == "collective-permute"]
-  return sum(_sent(c, n) for c in cross if c.kind != "collective-permute") + max(
-    permutes, default=0
-  )
-
-
-def programs_worker(args) -> dict:
-  """Per method: bytes each program sends per worker (HLO and accounting), state per device."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  from acco_jax.analysis import hlo
-  from acco_jax.run import metrics, trainer
-
-  s = setting(args.smoke)
-  out = {}
-  for label in args.methods:
-    config = make_config(label, 0, args.smoke)
-    run = trainer.build(config)
-    train = run.train
-    shapes = run.params_shapes
-    state = train.abstract_state(shapes)
-    n_dev = run.mesh.size
-    rows = n_dev * train.num_microbatches * s["microbatch_size"]
-    batch_sharding = NamedSharding(train.mesh, P(run.batch_axis))
-    batch = {
-      k: jax.ShapeDtypeStruct((rows, s["seq_len"]), jnp.int32, sharding=batch_sharding)
-      for k in ("inputs", "targets")
-    }
-    progs = {}
-    if run.loco:
-      m = train.num_workers
-      per = train.num_devices  # devices per worker
-      progs["stage"] = (train._program("stage", None, state), (state, batch))
-      meth = train.method
-      for p in range(len(train.parts)):
-        if meth.overlap_steps:
-          stacked = [batch] * meth.overlap_steps
-          progs[f"window{p}"] = (train._program("window", p, state), (state, stacked))
-          progs[f"apply{p}"] = (train._program("apply", p, state), (state,))
-        else:
-          progs[f"sync{p}"] = (train._program("sync", p, state), (state,))
-      group_of = lambda i, per=per: i // per
-    else:
-      m, per = n_dev, 1
-      kind = "delayed" if train.plan.delayed else "sync"
-      progs[kind] = (train._jit(kind, state), (state, batch))
-      group_of = lambda i: i  # every device is a worker
-    found = {}
-    for name, (fn, fn_args) in progs.items():
-      cs = hlo.hlo_collectives(fn.lower(*fn_args).compile().as_text())
-      cross = [c for c in cs if hlo.crosses(c, group_of)]
-      found[name] = {
-        "collectives": [f"{c.kind} {c.shape} {c.bytes}B" for c in cross],
-        "sent_per_worker": per * _program_sent(cross, m),
-      }
-    state_bytes = {
-      part: common.shard_bytes(getattr(state, part) if hasattr(state, part) else ())
-      for part in ("inner", "outer", "inflight", "comp", "params", "opt_state", "buf", "w")
-    }
-    if run.loco:
-      inner = state.inner
-      split = {
-        "params": common.shard_bytes((inner.params, inner.w)),
-        "optimizer": common.shard_bytes(inner.opt_state) + common.shard_bytes(state.outer),
-        "communication": common.shard_bytes((state.inflight, state.comp)),
-      }
-      per_sync = {p: train.wire_bytes(p) for p in range(len(train.parts))}
-      acct = {
-        "sync_wire": per_sync, "payload": train.payload_bytes(0), "density": train.density(),
-        "syncs_per_step": len(train.parts) / train.method.sync_every,
-        "sync_every": train.method.sync_every, "overlap_steps": train.method.overlap_steps,
-      }  # fmt: skip
-    else:
-      split = {
-        "params": common.shard_bytes((state.params, state.w)),
-        "optimizer": common.shard_bytes(state.opt_state),
-        "communication": common.shard_bytes((state.buf, state.buf_count)),
-      }
-      stage = metrics.comm_bytes_per_stage(train.plan, train.layout.padded_size, n_dev)
-      stages = 2 if train.plan.two_stage else 1
-      acct = {"sync_wire": {0: stage * stages}, "payload": None, "density": 1.0,
-              "syncs_per_step": 1.0, "sync_every": 1, "overlap_steps": 0}  # fmt: skip
-    del state_bytes
-    out[label] = {
-      "programs": found,
-      "accounting": acct,
-      "state_per_device": split,
-      "params": train.layout.num_params,
-      "workers": m,
-      "devices_per_worker": per,
-      "tokens_per_step": tokens_per_update(s),
-    }
-    common.log(f"{label}: {json.dumps({k: v['sent_per_worker'] for k, v in found.items()})}")
-  return out
+  common.train_run(config, args.workdir, result, time.perf_counter())
 
 
 # -- the driver ---------------------------------------------------------------------------------------
 
 
-def run_dir(out: Path, label: str, seed: int) -> Path:
-  return out / "runs" / "loco_compare" / label / f"seed{seed}"
+def run_dir(out: Path, label: str, seed: int, name: str = "d8") -> Path:
+  """``<out>/runs/loco_compare/<label>/seed<k>`` (the long setting's runs: ``runs/loco_long``)."""
+  family = "loco_long" if name == "long" else "loco_compare"
+  return out / "runs" / family / label / f"seed{seed}"
 
 
-def launch(out: Path, label: str, seed: int, smoke: bool) -> subprocess.Popen:
-  d = run_dir(out, label, seed)
+def launch(out: Path, label: str, seed: int, name: str) -> subprocess.Popen:
+  d = run_dir(out, label, seed, name)
   if d.exists():
     shutil.rmtree(d)
   d.mkdir(parents=True)
   cmd = [sys.executable, __file__, "--train-worker", "--workdir", str(d), "--method", label,
-         "--seed", str(seed)] + (["--smoke"] if smoke else [])  # fmt: skip
+         "--seed", str(seed), "--setting", name]  # fmt: skip
   log = open(d / "run.log", "w")
-  env = common.cpu_env(setting(smoke)["devices"])
+  env = common.cpu_env(setting(name)["devices"])
   env["XLA_FLAGS"] += " " + QUIET_COLLECTIVES
   proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=common.REPO)
   proc.log = log
   return proc
 
 
-def run_all(out: Path, plan: list, jobs: int, timeout_s: float, smoke: bool) -> list[str]:
-  """Runs the missing ``(label, seed)`` runs of ``plan`` with convergence.py's scheduler."""
-  start = lambda o, label, seed: launch(o, label, seed, smoke)
-  return convergence.run_all(out, plan, jobs, timeout_s, launch=start, run_dir=run_dir)
+def run_all(out: Path, plan: list, jobs: int, timeout_s: float, name: str) -> list[str]:
+  """Runs the missing ``(label, seed)`` runs of ``plan`` in setting ``name`` with convergence.py's
+  scheduler."""
+  start = lambda o, label, seed: launch(o, label, seed, name)
+  where = lambda o, label, seed: run_dir(o, label, seed, name)
+  return convergence.run_all(out, plan, jobs, timeout_s, launch=start, run_dir=where)
 
 
 # -- collecting -----------------------------------------------------------------------------------
@@ -343,91 +218,23 @@ def steps_to(curve: dict, target: float) -> float:
   return math.inf
 
 
-# ring hops of a sync (latency terms): all-reduce 2 (M-1), all-gather M-1, one pair exchange
-HOPS = {
-  "diloco": "ar",
-  "streaming_diloco": "ar",
-  "noloco": "pair",
-  "sparseloco": "ag",
-  "demo": "ag",
-}
-
-
-def project(
-  label: str, prog: dict, steps: float, gbit: float, outer_overlap: str = "none",
-  inner_method: str = "zero1",
-) -> dict:  # fmt: skip
-  """Modelled seconds to ``steps`` inner steps at ``gbit`` Gbit/s between workers.
-
-  Data-parallel methods: :func:`acco_jax.analysis.perfmodel.step_time` on 8 nodes of 8 GPUs. LoCo methods:
-  an inner step is ``inner_method`` (ZeRO-1, or ACCO: its collectives hidden behind its two halves)
-  on one node of 8 GPUs (``inner_exposed_s``: what it waits for its own collectives); each sync of
-  fragment ``p`` (every ``H`` steps)
-  takes ``hops x latency + wire_p / bandwidth`` (``wire_p``: the accounting's bytes a worker sends,
-  scaled from the CPU model to GPT-2's parameter count) and is hidden behind ``τ`` inner steps, or,
-  with ``outer_overlap`` delayed or eager, behind the ``H/P`` inner steps of the phase it runs
-  across (``P`` fragments; the whole ``H`` for DiLoCo and SparseLoCo).
-  """
-  from acco_jax.analysis import perfmodel as pm
-
-  label = label.partition("@")[0]  # a sweep's run costs what its method costs at its H
-  a = PROJECTION
-  scale = a["params"] / prog["params"]  # bytes scale with the parameter count
-  compute = a["tokens_per_gpu_step"] / a["gpu_tokens_per_s"]
-  intra = pm.Link(a["nvlink_GBps"] * pm.GBYTE * a["link_efficiency"], a["latency_intra_s"])
-  inter = pm.Link(gbit * pm.GBIT * a["link_efficiency"], a["latency_inter_s"])
-  acct = prog["accounting"]
-  if label in LOCO:
-    m = a["workers"]
-    k = 2 if inner_method == "acco" else 1
-    inner = pm.step_time(
-      inner_method, _work(a, compute, k), pm.Cluster(1, a["gpus_per_worker"], intra)
-    )
-    hops = {"ar": 2 * (m - 1), "ag": m - 1, "pair": 1}[HOPS[label]]
-    hidden = acct["overlap_steps"]
-    if outer_overlap != "none":
-      hidden = acct["sync_every"] // len(acct["sync_wire"])
-    exposed = 0.0
-    for wire in acct["sync_wire"].values():
-      t = hops * inter.latency + wire * scale / inter.bandwidth
-      exposed += max(0.0, t - hidden * inner.time) / acct["sync_every"]
-    step_s, compute_s, inner_exposed = inner.time + exposed, inner.compute, inner.exposed
-  else:
-    cluster = pm.Cluster(a["workers"], a["gpus_per_worker"], intra, inter)
-    st = pm.step_time(label, _work(a, compute, 2 if label == "acco" else 1), cluster)
-    step_s, compute_s, exposed, inner_exposed = st.time, st.compute, st.exposed, 0.0
-  return {
-    "step_s": step_s,
-    "exposed_s": exposed,
-    "inner_exposed_s": inner_exposed,
-    "time_s": steps * step_s,
-    "compute_share": compute_s / step_s,
-  }
-
-
-def _work(a: dict, compute: float, k: int):
-  from acco_jax.analysis import perfmodel as pm
-
-  return pm.Workload(params=a["params"], microbatch_time=compute / k, microbatches=k)
-
-
 def collect(
   out: Path,
   seeds: list[int],
   methods: list[str],
   programs: dict | None,
-  smoke: bool,
+  name: str,
   target: float | None = None,
   recorded: dict | None = None,
 ):
   """The results of the runs of ``methods`` x ``seeds``: read from their directories, or, where a
   directory is gone, taken from ``recorded`` (the ``runs`` of an earlier JSON of this script)."""
-  s = setting(smoke)
+  s = setting(name)
   s_conv = dict(s)  # convergence.read_run's setting keys
   runs: dict = {}
   for label in methods:
     for seed in seeds:
-      d = run_dir(out, label, seed)
+      d = run_dir(out, label, seed, name)
       if (d / "result.json").exists():
         runs.setdefault(label, {})[seed] = convergence.read_run(d, s_conv)
       elif str(seed) in (recorded or {}).get(label, {}):
@@ -545,7 +352,8 @@ def main(argv=None) -> int:
   p.add_argument("--jobs", type=int, default=1)
   p.add_argument("--timeout", type=float, default=3600)
   p.add_argument("--collect", action="store_true")
-  p.add_argument("--smoke", action="store_true")
+  p.add_argument("--smoke", action="store_true", help="CI-size: tiny model, 2 steps, seed 0")
+  p.add_argument("--setting", default="d8", choices=list(SETTINGS), help="the runs' setting")
   p.add_argument("--json", default="loco_compare.json")
   p.add_argument(
     "--target",
@@ -565,20 +373,22 @@ def main(argv=None) -> int:
     Path(args.programs_worker).write_text(json.dumps(programs_worker(args)))
     return 0
   if args.smoke:
-    args.seeds, args.jobs = [0], max(args.jobs, 1)
+    args.seeds, args.jobs, args.setting = [0], max(args.jobs, 1), "smoke"
   for label in args.methods:
-    make_config(label, 0, args.smoke)  # a typo stops here, before any run starts
+    make_config(label, 0, args.setting)  # a typo stops here, before any run starts
   plan = [(m, k) for k in args.seeds for m in args.methods]  # seed-major
   t0 = time.time()
-  failed = [] if args.collect else run_all(args.out, plan, args.jobs, args.timeout, args.smoke)
+  failed = [] if args.collect else run_all(args.out, plan, args.jobs, args.timeout, args.setting)
   wall = None if args.collect else time.time() - t0
-  extra = ["--methods", *args.methods] + (["--smoke"] if args.smoke else [])
-  programs = common.run_worker(__file__, setting(args.smoke)["devices"], extra, timeout=3600)
+  extra = ["--methods", *args.methods, "--setting", args.setting]
+  programs = common.run_worker(__file__, setting(args.setting)["devices"], extra, timeout=3600)
   name = "loco_compare_smoke" if args.smoke else Path(args.json).stem
   path = args.out / f"{name}.json"
   # the runs an earlier JSON recorded are kept where their directories are gone
   recorded = json.loads(path.read_text())["runs"] if path.exists() else None
-  results = collect(args.out, args.seeds, args.methods, programs, args.smoke, args.target, recorded)
+  results = collect(
+    args.out, args.seeds, args.methods, programs, args.setting, args.target, recorded
+  )
   results.update(machine=common.machine(), wall_s=wall)
   fig = figure(results, FIGURES / f"{name}.png" if not args.smoke else args.out / f"{name}.png")
   if fig is not None:
