@@ -20,6 +20,8 @@ def test_the_page_has_a_cell_per_combination():
       assert len(cells) == len(compat.OPTIMIZERS), line
       assert all(c.startswith(("runs", "no (")) for c in cells), line
   assert "runs · `loco_acco_test`" in text  # ACCO inside the workers is in the table
+  for _, name in compat.COVERAGE:  # a cell names a test file that exists
+    assert (REPO / "tests" / f"{name}.py").is_file(), name
 
 
 @pytest.mark.slow

@@ -72,7 +72,7 @@ COVERAGE = (
   (dict(method="sparseloco"), "loco_family_test"),
   (dict(method="demo"), "loco_family_test"),
   (dict(method="diloco"), "loco_test"),
-  (dict(method="streaming_diloco"), "loco_test"),
+  (dict(method="streaming_diloco"), "streaming_diloco_test"),
   *((dict(method=m), "methods_test") for m in DP),
 )
 
