@@ -250,8 +250,8 @@ def long_table(results: dict) -> str:
       )
   total = results["updates"]
   marks = [total // 8, total // 4, total // 2, total]
-  head = " | ".join(f"step {u}" for u in marks)
-  lines += ["", f"| gap to its blocking run (mean over seeds; syncs) | {head} |",
+  head = " | ".join(f"by step {u}" for u in marks)
+  lines += ["", f"| gap to its blocking run (mean over seeds; at the last common evaluation) | {head} |",
             "|---|" + "---|" * len(marks)]  # fmt: skip
   for case, by_mode in results["summary"].items():
     for mode, row in by_mode.items():
@@ -261,7 +261,8 @@ def long_table(results: dict) -> str:
       cells = []
       for u in marks:  # the last evaluation at or before u
         k = max((i for i, v in enumerate(gap["update"]) if v <= u), default=None)
-        cells.append("" if k is None else f"{gap['pct'][k]:+.1f}% ({gap['syncs'][k]})")
+        at = f"step {gap['update'][k]}, {gap['syncs'][k]} syncs" if k is not None else ""
+        cells.append(f"{gap['pct'][k]:+.1f}% ({at})" if k is not None else "")
       lines.append(f"| {case} {mode} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -307,7 +308,9 @@ def figures(results: dict, where: Path) -> list[Path]:
       n = min(len(e["loss"]) for e in evals)
       x = evals[0]["update"][:n]
       ys = [[e["loss"][i] for e in evals] for i in range(n)]
-      line = ax.plot(x, [statistics.fmean(y) for y in ys], label=f"{case} {mode}")[0]
+      final = results["summary"][case][mode]["final_eval_loss"]["mean"]
+      text = f"{case} {mode} (final {final:.2f})"
+      line = ax.plot(x, [statistics.fmean(y) for y in ys], label=text)[0]
       ax.fill_between(
         x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.2
       )
@@ -317,7 +320,7 @@ def figures(results: dict, where: Path) -> list[Path]:
       continue
     if floor is not None:
       ax.axhline(floor, color="grey", lw=0.8, ls="--", label="unigram baseline")
-      ax.set_ylim(min(lows) - 0.05, floor + 0.4)
+      ax.set_ylim(min(lows) - 0.05, floor + 2.5)  # a diverging run leaves the top: see its final
     ax.set(xlabel="inner step", ylabel="eval loss", title=f"{group}: mean and seed band")
     ax.legend(fontsize=8)
     fig.tight_layout()
