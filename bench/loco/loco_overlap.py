@@ -333,6 +333,7 @@ def figures(results: dict, where: Path) -> list[Path]:
       if row.get("gap") and row["gap"]["update"]:
         ax.plot(row["gap"]["syncs"], row["gap"]["pct"], marker=".", label=f"{case} {mode}")
   ax.axhline(0, color="grey", lw=0.8)
+  ax.set_yscale("symlog", linthresh=10)  # linear to 10%, then logarithmic: diverged runs fit
   ax.set(xlabel="syncs done", ylabel="eval loss above blocking (%)",
          title="gap to the blocking run, mean over seeds")  # fmt: skip
   ax.legend(fontsize=8)
