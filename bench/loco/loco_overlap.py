@@ -383,9 +383,8 @@ def main(argv=None) -> int:
   results.update(machine=common.machine(), wall_s=None if args.collect else time.time() - t0)
   stem = Path(args.json or ("loco_long.json" if grid == "long" else "loco_overlap.json")).stem
   stem = f"{stem}_smoke" if args.smoke else stem
-  text = table(results)
+  text = long_table(results) if grid == "long" else table(results)
   if grid == "long":
-    text = long_table(results)
     for path in figures(results, args.out if args.smoke else loco_compare.FIGURES):
       common.log(f"wrote {path}")
   return common.write_report(args.out, stem, results, text, failed)
