@@ -11,8 +11,16 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 COMMAND = re.compile(r"python3? (?:-\S+ )*(bench/[\w/]+\.py)")
 LIBRARIES = {
   "bench/common.py",
+  "bench/dp/acco_quantized_cost.py",
+  "bench/dp/convergence_settings.py",
+  "bench/dp/perfmodel_figures.py",
+  "bench/dp/perfmodel_loco.py",
+  "bench/gpu/overlap_report.py",
+  "bench/gpu/throughput_rows.py",
   "bench/gpu/torch_gpt.py",
   "bench/loco/programs.py",
+  "bench/net/skippipe_prediction.py",
+  "bench/pipeline/skippipe_sim.py",
 }  # imported, not run
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.dp import convergence, quadratic
+from bench.dp import convergence, convergence_settings, quadratic
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -34,8 +34,8 @@ def test_convergence_smoke(tmp_path):
   res = json.loads((tmp_path / "convergence_smoke.json").read_text())
   assert {"machine", "settings", "assumptions", "wall_s"} <= set(res)
   smoke = res["settings"]["smoke"]
-  cfg = convergence.SETTINGS["smoke"]
-  assert smoke["config"]["tokens_per_update"] == convergence.tokens_per_update(cfg)
+  cfg = convergence_settings.SETTINGS["smoke"]
+  assert smoke["config"]["tokens_per_update"] == convergence_settings.tokens_per_update(cfg)
   assert set(smoke["runs"]) == {"zero1", "acco"}
   for method, seeds in smoke["runs"].items():
     run = seeds["0"]
@@ -45,7 +45,9 @@ def test_convergence_smoke(tmp_path):
     assert run["train"]["update"] == list(range(1, cfg["num_updates"] + 1)), method
     assert run["eval"]["update"] == list(range(1, cfg["num_updates"] + 1)), method
     assert _finite(run["train"]["loss"]) and _finite(run["eval"]["loss"])
-    assert run["eval"]["tokens"][-1] == cfg["num_updates"] * convergence.tokens_per_update(cfg)
+    assert run["eval"]["tokens"][-1] == cfg["num_updates"] * convergence_settings.tokens_per_update(
+      cfg
+    )
     assert run["eval"]["loss"][-1] == pytest.approx(run["final_eval_loss"])
   summary = smoke["summary"]["methods"]
   assert summary["zero1"]["final_eval_loss"]["n"] == 1
@@ -82,9 +84,9 @@ def _fake_run(root, setting, method, seed, evals, losses):
 
 def test_collect_gaps_and_acco_stage_pairing(tmp_path, monkeypatch):
   setting = dict(
-    convergence.SETTINGS["smoke"], num_updates=4, eval_every=1, methods=("zero1", "acco")
+    convergence_settings.SETTINGS["smoke"], num_updates=4, eval_every=1, methods=("zero1", "acco")
   )
-  monkeypatch.setitem(convergence.SETTINGS, "fake", setting)
+  monkeypatch.setitem(convergence_settings.SETTINGS, "fake", setting)
   for seed, (z, a) in enumerate([(2.0, 2.2), (4.0, 4.0)]):
     _fake_run(tmp_path, "fake", "zero1", seed, {u: z + 4 - u for u in (1, 2, 3, 4)}, [5, 4, 3, 2])
     acco_losses = [6, 4, 5, 3, 4, 2, 3, 1]  # two stages per update: means 5, 4, 3, 2
@@ -104,10 +106,10 @@ def test_collect_gaps_and_acco_stage_pairing(tmp_path, monkeypatch):
 
 
 def test_dpu_warmup_scaling():
-  assert convergence.warmup_updates("dpu", 160) == 0
-  assert convergence.warmup_updates("dpu-w40", 160) == 3
-  assert convergence.warmup_updates("dpu-w500", 160) == 40
-  assert convergence.warmup_updates("dpu-w40", 10) == 1  # never rounds a warm-up away
+  assert convergence_settings.warmup_updates("dpu", 160) == 0
+  assert convergence_settings.warmup_updates("dpu-w40", 160) == 3
+  assert convergence_settings.warmup_updates("dpu-w500", 160) == 40
+  assert convergence_settings.warmup_updates("dpu-w40", 10) == 1  # never rounds a warm-up away
 
 
 def test_quadratic_theory_and_small_sweep(tmp_path):

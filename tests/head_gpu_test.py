@@ -122,10 +122,10 @@ def test_benchmark_counts_the_gemms_of_each_method():
   holds no float32 x float32 GEMM either, and the count sets XLA attention's scores apart."""
   from types import SimpleNamespace
 
-  from bench.gpu import gpu_throughput
+  from bench.gpu import gpu_throughput, throughput_rows
 
-  shapes = gpu_throughput._shapes(SimpleNamespace(smoke=True))
-  rows = {m: gpu_throughput.run_hlo(m, shapes, None) for m in ("zero1", "acco")}
+  shapes = throughput_rows._shapes(SimpleNamespace(smoke=True))
+  rows = {m: throughput_rows.run_hlo(m, shapes, None) for m in ("zero1", "acco")}
   for m, r in rows.items():
     assert r["compiled_for"].startswith("NVIDIA H100") and r["attention"] == "xla", m
     assert r["f32_gemms_outside_attention_scores"] == 0, (m, r["gemms"])

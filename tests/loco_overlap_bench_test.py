@@ -75,24 +75,25 @@ def test_the_modelled_threshold_is_where_a_sync_outlasts_its_phase():
   hides it; Streaming DiLoCo's fragment hides behind H/P steps."""
   import json
 
-  from bench.dp import perfmodel
+  from acco_jax.analysis import perfmodel as pm
+  from bench.dp import perfmodel_loco
 
   programs = json.loads((loco_compare.common.RESULTS / "loco_compare.json").read_text())["programs"]
   label = "diloco H=15 eager / delayed"
-  prog = perfmodel.loco_program(programs, "diloco", 15, 0)
-  inner = perfmodel.loco_point(label, prog, 1e4)["inner_s"]
+  prog = perfmodel_loco.loco_program(programs, "diloco", 15, 0)
+  inner = perfmodel_loco.loco_point(label, prog, 1e4)["inner_s"]
   a = loco_compare.PROJECTION
   sync_bytes = prog["accounting"]["sync_wire"]["0"] * a["params"] / prog["params"]
   hops = 2 * (a["workers"] - 1) * a["latency_inter_s"]
-  expected = sync_bytes / (15 * inner - hops) / (perfmodel.pm.GBIT * a["link_efficiency"])
-  assert perfmodel.loco_below(label, prog, 0.0) == pytest.approx(expected, rel=1e-6)
-  assert perfmodel.loco_point(label, prog, 1.01 * expected)["exposed_s"] == 0
-  assert perfmodel.loco_point(label, prog, 0.99 * expected)["exposed_s"] > 0
-  assert perfmodel.loco_below("diloco H=15 none", prog, 0.0) == float("inf")
-  streaming = perfmodel.loco_program(programs, "streaming_diloco", 50, 0)
-  slow = perfmodel.loco_point("streaming_diloco H=50 P=2 eager / delayed", streaming, 0.1)
+  expected = sync_bytes / (15 * inner - hops) / (pm.GBIT * a["link_efficiency"])
+  assert perfmodel_loco.loco_below(label, prog, 0.0) == pytest.approx(expected, rel=1e-6)
+  assert perfmodel_loco.loco_point(label, prog, 1.01 * expected)["exposed_s"] == 0
+  assert perfmodel_loco.loco_point(label, prog, 0.99 * expected)["exposed_s"] > 0
+  assert perfmodel_loco.loco_below("diloco H=15 none", prog, 0.0) == float("inf")
+  streaming = perfmodel_loco.loco_program(programs, "streaming_diloco", 50, 0)
+  slow = perfmodel_loco.loco_point("streaming_diloco H=50 P=2 eager / delayed", streaming, 0.1)
   wires = streaming["accounting"]["sync_wire"].values()
-  per_link = 0.1 * perfmodel.pm.GBIT * a["link_efficiency"]
+  per_link = 0.1 * pm.GBIT * a["link_efficiency"]
   hidden = sum(
     max(0, hops + w * a["params"] / prog["params"] / per_link - 25 * inner) for w in wires
   )

@@ -12,6 +12,7 @@ from acco_jax.skippipe import paths as paths_lib  # noqa: E402
 from acco_jax.skippipe import simulate  # noqa: E402
 from acco_jax.skippipe import topology as topology_lib  # noqa: E402
 from bench.net import skippipe_netns as sn  # noqa: E402
+from bench.net import skippipe_prediction as sp  # noqa: E402
 
 # Stage costs of the order of the ones measured on this machine (seconds, bytes).
 MEASURED = {"op_s": {"F0": 0.012, "F": 0.01, "H": 0.003, "B": 0.04, "B0": 0.05}, "stages": 4,
@@ -48,7 +49,7 @@ def test_latency_that_cannot_be_emulated_is_refused(tmp_path):
 def test_runtime_order_replays_the_tick_table():
   paths = paths_lib.random_paths(4, 4, 0.25, True, __import__("numpy").random.default_rng(0))
   schedule = ticks.build(paths, 4, "1f1b")
-  order = sn.runtime_order(schedule)
+  order = sp.runtime_order(schedule)
   # every step of every microbatch once, on the stage its chain puts it on
   assert sorted(x for o in order for x in o) == sorted(
     (m, j) for m, p in enumerate(paths) for j in range(len(ticks.chain(p)))
@@ -57,7 +58,7 @@ def test_runtime_order_replays_the_tick_table():
     assert all(ticks.chain(paths[m])[j][1] == s for m, j in steps)
   topo = topology_lib.load(str(sn.TOPOLOGY))
   routes = [simulate.Route(0, tuple(p), tuple(p)) for p in paths]
-  costs = sn.costs_of(MEASURED)
+  costs = sp.costs_of(MEASURED)
   assert simulate.replay(topo, costs, routes, order).makespan > 0
 
 
@@ -66,11 +67,11 @@ def test_predictions_price_the_slow_link():
   fast = sn.unshaped(topo)
   for name in ("gpipe", "1f1b", "skippipe"):
     slow, quick = (
-      sn.predict(topo, MEASURED, sn.SCHEDULES[name]),
-      sn.predict(fast, MEASURED, sn.SCHEDULES[name]),
+      sp.predict(topo, MEASURED, sn.SCHEDULES[name]),
+      sp.predict(fast, MEASURED, sn.SCHEDULES[name]),
     )
     # two activations cross the 50 Mbit/s link each way per full path: 262 kB -> 42 ms each
     assert slow["replay_s"] > quick["replay_s"] + 0.1, name
     assert slow["sync_s"] > 10 * quick["sync_s"]
-  gpipe = sn.predict(topo, MEASURED, sn.SCHEDULES["gpipe"])
+  gpipe = sp.predict(topo, MEASURED, sn.SCHEDULES["gpipe"])
   assert gpipe["sim_s"] == pytest.approx(gpipe["replay_s"])  # gpipe's tick order is its policy's

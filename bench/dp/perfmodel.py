@@ -15,7 +15,8 @@ ACCO is the reference code's adaptive ACCO (workers keep accumulating while a co
 so per microbatch it costs only compute). Two calibrations of the compute time: ``A`` from FLOPs at
 a stated MFU (30%), ``B`` from the paper's own ACCO wall-clock (assuming ACCO was compute-bound).
 All hardware figures are nominal datasheet numbers times a stated link efficiency; see
-``ASSUMPTIONS``.
+``ASSUMPTIONS``. The figures are drawn by ``bench/dp/perfmodel_figures.py``; ``--loco`` is
+``bench/dp/perfmodel_loco.py``.
 
 Usage::
 
@@ -33,16 +34,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
-import json
-import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
 from bench import common  # noqa: E402
-from bench.loco import loco_compare  # noqa: E402
+from bench.dp import perfmodel_figures, perfmodel_loco  # noqa: E402
 
 sys.path.insert(0, str(common.REPO))
 from acco_jax.analysis import perfmodel as pm  # noqa: E402
@@ -172,46 +170,6 @@ def sweep(gbits, workers=(2, 8, 32, 128)) -> dict:
   return {"gbit": list(gbits), "panels": panels}
 
 
-def plot(sw: dict, path: Path) -> bool:
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-  except ImportError:
-    common.log("matplotlib is not installed: no figure (pip install matplotlib)")
-    return False
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-  for ax, (title, curves) in zip(axes, sw["panels"].items(), strict=True):
-    for color, (n, c) in zip(colors, curves.items(), strict=False):
-      ax.plot(sw["gbit"], c["acco"], color=color, label=f"ACCO fixed k, N={n}")
-      ax.plot(sw["gbit"], c["acco_adaptive"], color=color, ls="--", lw=1,
-              label=f"ACCO adaptive, N={n}")  # fmt: skip
-    ax.plot(sw["gbit"], curves[8]["acco_single_loop"], color="black", ls=":", lw=1.5,
-            label="ACCO one loop/stage, N=8")  # fmt: skip
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.axvline(100, color="gray", ls="-.", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_ylim(0.45, 6)
-    ax.set_yticks([0.5, 1, 1.5, 2, 3, 4, 6], ["0.5", "1", "1.5", "2", "3", "4", "6"])
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_title(f"GPT-Neo {title}, A100 @ 30% MFU")
-    ax.set_xlabel("inter-node bandwidth (Gbit/s, nominal; 80% usable)")
-    ax.grid(True, which="both", alpha=0.3)
-  axes[0].set_ylabel("speed-up over ZeRO-1 (one reduction per update)")
-  axes[1].legend(fontsize=7, ncol=2, loc="lower right")
-  fig.suptitle(
-    "Modelled ACCO speed-up over ZeRO-1 vs bandwidth (one worker per node; dash-dot: 100 Gb/s)"
-  )
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
-  return True
-
-
 # -- quantized communication ------------------------------------------------------------------------
 
 QUANT_VARIANTS = {  # label -> (method, quantize, node size: None = the cluster's per node)
@@ -296,156 +254,9 @@ def quantized(args) -> int:
   print(common.format_table(thresholds, [("cal", "cal."), ("mfu", "MFU"), ("label", "variant"),
         ("gbit", "compute-bound above, Gbit/s"), ("x", "x lower than bf16 ACCO")]))  # fmt: skip
   out["table"], out["thresholds"] = rows, thresholds
-  drew = plot_quantized(out, Path(args.figure))
+  drew = perfmodel_figures.plot_quantized(out, Path(args.figure))
   path = common.write_json(Path(args.out), out)
   print(f"\nwrote {path}" + (f" and {args.figure}" if drew else ""))
-  return 0
-
-
-def plot_quantized(out: dict, path: Path) -> bool:
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    common.log("matplotlib is not installed: no figure (pip install matplotlib)")
-    return False
-  styles = {"zero1": ("gray", "--"), "acco": ("k", "-"), "zero1-int8": ("tab:blue", "--"),
-            "acco-int8": ("tab:blue", "-"), "acco-int4": ("tab:red", "-"),
-            "acco-int8-flat": ("tab:blue", ":")}  # fmt: skip
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-  for ax, cal in zip(axes, ("A", "B"), strict=True):
-    d = out[cal]
-    for label, curve in d["curves"].items():
-      color, ls = styles[label]
-      ax.plot(out["gbit"], curve, color=color, ls=ls, label=label)
-    ax.axhline(d["compute_s"], color="gray", lw=0.6)
-    for label in ("acco", "acco-int8", "acco-int4"):
-      ax.axvline(d["compute_bound_below_gbit"][label], color=styles[label][0], lw=0.6, ls="-.")
-    ax.set(xscale="log", yscale="log", xlabel="inter-node bandwidth (Gbit/s, nominal; 80% usable)",
-           title=f"calibration {cal} ({100 * d['info']['mfu']:.0f}% MFU)")  # fmt: skip
-    ax.grid(True, which="both", alpha=0.3)
-  axes[0].set_ylabel("time per update (s)")
-  axes[1].legend(fontsize=8)
-  fig.suptitle("GPT-Neo 125M on 4 x 8 A100: time per update; dash-dot: ACCO compute-bound above")
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
-  return True
-
-
-# -- outer overlaps of the LoCo family ----------------------------------------------------------
-
-LOCO_GBITS = (0.1, 1.0, 10.0, 100.0, 400.0)
-# label -> (loco_compare method, H, loco.outer_overlap, tau[, loco.inner]). delayed times like eager:
-# both hide a sync's reduction behind the inner steps of the next phase (H, or H/P for P fragments).
-# ACCO inside the workers hides their own reduce-scatter and all-gather too: with eager outer
-# updates, nothing on the critical path.
-LOCO_VARIANTS = {
-  "diloco H=15 none": ("diloco", 15, "none", 0),
-  "diloco H=15 eager / delayed": ("diloco", 15, "eager", 0),
-  "diloco H=15 none, acco inside": ("diloco", 15, "none", 0, "acco"),
-  "diloco H=15 eager, acco inside: nothing on the critical path": (
-    "diloco",
-    15,
-    "eager",
-    0,
-    "acco",
-  ),
-  "diloco H=50 none": ("diloco", 50, "none", 0),
-  "diloco H=50 eager / delayed": ("diloco", 50, "eager", 0),
-  "diloco H=50 eager, acco inside: nothing on the critical path": (
-    "diloco",
-    50,
-    "eager",
-    0,
-    "acco",
-  ),
-  "streaming_diloco H=50 P=2 none, tau=1": ("streaming_diloco", 50, "none", 1),
-  "streaming_diloco H=50 P=2 none, tau=0": ("streaming_diloco", 50, "none", 0),
-  "streaming_diloco H=50 P=2 eager / delayed": ("streaming_diloco", 50, "eager", 0),
-  "sparseloco H=15 none": ("sparseloco", 15, "none", 0),
-  "sparseloco H=15 eager / delayed": ("sparseloco", 15, "eager", 0),
-  "sparseloco H=50 none": ("sparseloco", 50, "none", 0),
-  "sparseloco H=50 eager / delayed": ("sparseloco", 50, "eager", 0),
-}
-LOCO_SLACK = 0.1  # "within 10% of compute": the exposed sync time at most this share of a step
-
-
-def loco_program(programs: dict, method: str, h: int, tau: int) -> dict:
-  """The recorded accounting of ``method`` (bench/results/loco_compare.json: bytes per sync of the
-  CPU model, scaled to GPT-2 by ``loco_compare.project``) at ``H = h`` and ``τ = tau``."""
-  prog = copy.deepcopy(programs[method])
-  prog["accounting"].update(sync_every=h, overlap_steps=tau)
-  return prog
-
-
-def loco_point(label: str, prog: dict, gbit: float) -> dict:
-  """Time per inner step at ``gbit`` Gbit/s between workers: total, the inner step's (compute and
-  what it waits for its own collectives), the sync's exposed part."""
-  method, _, overlap, _, *inner = LOCO_VARIANTS[label]
-  p = loco_compare.project(method, prog, 1.0, gbit, overlap, *inner)
-  return {
-    "step_s": p["step_s"],
-    "exposed_s": p["exposed_s"],
-    "inner_s": p["step_s"] - p["exposed_s"],
-    "inner_exposed_s": p["inner_exposed_s"],
-  }
-
-
-def loco_below(label: str, prog: dict, slack: float) -> float:
-  """The bandwidth (nominal Gbit/s) below which the exposed sync time exceeds ``slack`` x the inner
-  step (``slack = 0``: below which a sync is no longer hidden); ``inf`` if it is never within."""
-  exceeds = lambda g: (lambda q: q["exposed_s"] > slack * q["inner_s"])(loco_point(label, prog, g))
-  lo, hi = 1e-4, 1e6
-  if exceeds(hi):
-    return math.inf
-  for _ in range(200):
-    mid = (lo * hi) ** 0.5
-    lo, hi = (mid, hi) if exceeds(mid) else (lo, mid)
-  return hi
-
-
-def loco(args) -> int:
-  recorded = json.loads((common.RESULTS / "loco_compare.json").read_text())
-  a = loco_compare.PROJECTION
-  rows, data = [], {}
-  for label, (method, h, overlap, tau, *inner) in LOCO_VARIANTS.items():
-    prog = loco_program(recorded["programs"], method, h, tau)
-    hidden, slack = loco_below(label, prog, 0.0), loco_below(label, prog, LOCO_SLACK)
-    points = {str(g): loco_point(label, prog, g) for g in LOCO_GBITS}
-    parts = len(prog["accounting"]["sync_wire"])
-    window = tau if overlap == "none" else h // parts
-    own = points[str(LOCO_GBITS[0])]["inner_exposed_s"]
-    data[label] = {"method": method, "H": h, "outer_overlap": overlap, "tau": tau,
-                   "inner": (inner or ["zero1"])[0], "hidden_behind_steps": window,
-                   "hidden_above_gbit": hidden, "within_slack_above_gbit": slack,
-                   "inner_waits_s": own, "points": points}  # fmt: skip
-    gb = lambda g: "never" if not math.isfinite(g) else f"{g:.2f}"
-    row = {"label": label, "window": str(window), "hidden": gb(hidden), "slack": gb(slack),
-           "own": f"{1e3 * own:.1f}"}  # fmt: skip
-    for g, q in points.items():
-      row[g] = f"{q['step_s'] / q['inner_s']:.2f}"
-    rows.append(row)
-  first = lambda inner: next(d for d in data.values() if d["inner"] == inner)
-  step_ms = lambda inner: 1e3 * first(inner)["points"][str(LOCO_GBITS[0])]["inner_s"]
-  head = (f"{a['model']} on {a['workers']} workers of {a['gpus_per_worker']} H100 (inner step over "
-          f"NVLink: ZeRO-1 {step_ms('zero1'):.1f} ms, ACCO {step_ms('acco'):.1f} ms); a sync: hops x "
-          f"{1e6 * a['latency_inter_s']:.0f} us + its bytes at {100 * a['link_efficiency']:.0f}% of "
-          "the link between workers")  # fmt: skip
-  columns = [("label", "variant"), ("window", "sync hidden behind (inner steps)"),
-             ("hidden", "compute-bound above (Gbit/s)"),
-             ("slack", f"within {100 * LOCO_SLACK:.0f}% above (Gbit/s)"),
-             ("own", "inner step waits for its own collectives (ms)"),
-             *((str(g), f"x inner step at {g:g} Gbit/s") for g in LOCO_GBITS)]  # fmt: skip
-  text = common.format_table(rows, columns)
-  print(head + "\n\n" + text)
-  out = {"machine": common.machine(), "projection": a, "gbit": LOCO_GBITS,
-         "slack": LOCO_SLACK, "variants": data, "table": text}  # fmt: skip
-  path = common.write_json(Path(args.out), out)
-  Path(args.out).with_suffix(".md").write_text(text + "\n")
-  print(f"\nwrote {path}")
   return 0
 
 
@@ -463,7 +274,7 @@ def main(argv=None) -> int:
   if args.quantized:
     return quantized(args)
   if args.loco:
-    return loco(args)
+    return perfmodel_loco.loco(args)
 
   results = []
   for cal in ("A", "B"):
@@ -513,7 +324,7 @@ def main(argv=None) -> int:
 
   gbits = [round(10 ** (e / 32), 3) for e in range(0, 97)]  # 1 .. 1000 Gbit/s
   sw = sweep(gbits)
-  drew = plot(sw, Path(args.figure))
+  drew = perfmodel_figures.plot(sw, Path(args.figure))
   data = {"machine": common.machine(), "assumptions": ASSUMPTIONS, "rows": ROWS,
           "predictions": results, "agreement": score, "sweep": sw,
           "figure": args.figure if drew else None}  # fmt: skip

@@ -39,13 +39,13 @@ import argparse
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
 from bench import common  # noqa: E402
+from bench.gpu import overlap_report  # noqa: E402
 
 TIMEOUT_S = 1200
 
@@ -90,52 +90,6 @@ def build_stage(model_name: str, devices, k: int, rows: int, seq: int, method: s
   return common.abstract_stage(model.get_config(model_name, L=seq), tx, devices, k, rows)
 
 
-def chain_facts(text: str) -> dict:
-  """In a compiled module's entry: does the all-gather depend on the reduce-scatter, or the loop?"""
-  from acco_jax.analysis import hlo
-
-  comps, entry = hlo.parse_hlo(text)
-  instrs = comps[entry]
-  names = {i.name for i in instrs}
-  ops = {i.name: [r for r in re.findall(r"%([\w.\-]+)", i.rest) if r in names] for i in instrs}
-
-  def reaches(src: str, dst: str) -> bool:
-    todo, seen = [dst], set()
-    while todo:
-      x = todo.pop()
-      if x == src:
-        return True
-      if x not in seen:
-        seen.add(x)
-        todo.extend(ops.get(x, []))
-    return False
-
-  def first(pred):
-    return next((i.name for i in instrs if pred(i)), None)
-
-  # the gradients' reduction: reduce-scatter, or with quantization the all-to-all
-  kind = (
-    "all-to-all" if any(i.opcode.startswith("all-to-all") for i in instrs) else "reduce-scatter"
-  )
-  rs = first(lambda i: i.opcode == kind)  # synchronous (CPU) form
-  ag = first(lambda i: i.opcode == "all-gather")
-  pairs = {}  # async (GPU) form: the largest pair of each kind; reduce-scatter done -> all-gather start
-  for p in hlo.async_overlap_report(text):
-    if p.bytes >= pairs.get(p.kind, p).bytes:
-      pairs[p.kind] = p
-  if kind in pairs:
-    rs = instrs[pairs[kind].done].name
-  if "all-gather" in pairs:
-    ag = instrs[pairs["all-gather"].start].name
-  loop = first(lambda i: i.opcode == "while")
-  return {
-    "all_gather_depends_on_reduce_scatter": bool(rs and ag and reaches(rs, ag)),
-    "loop_depends_on_collectives": bool(loop and any(reaches(c, loop) for c in (rs, ag) if c)),
-    "collectives_depend_on_loop": bool(loop and any(reaches(loop, c) for c in (rs, ag) if c)),
-    "entry_whiles": sum(i.opcode == "while" for i in instrs),
-  }
-
-
 def cpu_checks(args) -> dict:
   """What a CPU can check: dataflow precondition (GPT-2), the RS -> AG chain (small model)."""
   import jax
@@ -146,7 +100,7 @@ def cpu_checks(args) -> dict:
   fn, fargs, train = build_stage(args.model, devices, args.k, args.rows, args.seq)
   report = dataflow.dataflow_report(jax.make_jaxpr(fn)(*fargs))
   small_fn, small_args, _ = build_stage("tiny", devices, args.k, args.rows, 64)
-  facts = chain_facts(small_fn.lower(*small_args).compile().as_text())
+  facts = overlap_report.chain_facts(small_fn.lower(*small_args).compile().as_text())
   return {
     "params": train.layout.num_params,
     "dataflow": {
@@ -181,44 +135,7 @@ def gpu_schedule(args) -> dict:
   if args.dump:
     Path(args.dump).write_text(text)
   return {"params": train.layout.num_params, "device_kind": devices[0].device_kind,
-          "device_count": len(devices), **schedule_report(text)}  # fmt: skip
-
-
-def schedule_report(text: str) -> dict:
-  """The async pairs of the flat reduce-scatter (or, quantized, all-to-all) and all-gather, the
-  verdict and an excerpt. With nodes the quantized reduction is a reduce-scatter inside each node
-  (its own fast links, before loop A by design) then the all-to-all across nodes: the verdict is
-  about the all-to-all and the all-gather, the collectives that cross the network."""
-  from acco_jax.analysis import hlo
-
-  comps, entry = hlo.parse_hlo(text)
-  instrs = comps[entry]
-  pairs = hlo.async_overlap_report(text)
-  whiles = [i for i, x in enumerate(instrs) if x.opcode == "while"]
-  big = {}
-  for p in pairs:
-    kinds = ("reduce-scatter", "all-to-all", "all-gather")
-    if p.kind in kinds and p.bytes >= big.get(p.kind, p).bytes:
-      big[p.kind] = p
-  reduce = "all-to-all" if "all-to-all" in big else "reduce-scatter"
-  bracketing = [k for k in (reduce, "all-gather") if k in big]
-  bracketing = [k for k in bracketing if big[k].brackets_loop and not big[k].is_sync]
-  verdict = "full" if len(bracketing) == 2 else "partial" if bracketing else "none"
-  marks = {p.start for p in big.values()} | {p.done for p in big.values()} | set(whiles)
-  excerpt = []
-  for i, x in enumerate(instrs):
-    if i in marks or any(abs(i - m) <= 1 for m in marks):
-      excerpt.append(f"{i:5d}  %{x.name} = {x.shape[:60]} {x.opcode}({x.rest[:160]}")
-  return {
-    "entry_instructions": len(instrs),
-    "whiles": whiles,
-    "pairs": [p._asdict() for p in pairs],
-    "flat_pairs": {k: p._asdict() for k, p in big.items()},
-    "bracketing": bracketing,
-    "verdict": verdict,
-    "excerpt": excerpt,
-    "chain": chain_facts(text),
-  }
+          "device_count": len(devices), **overlap_report.schedule_report(text)}  # fmt: skip
 
 
 # Flag sets compiled by --ablation: (name, flags, method). "main" is what train.py uses.

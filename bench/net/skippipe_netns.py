@@ -54,19 +54,15 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from acco_jax.pipeline import build as pipe_build
-from acco_jax.pipeline import ticks
-from acco_jax.skippipe import simulate
 from acco_jax.skippipe import topology as topology_lib
 from bench import common  # noqa: E402
-from bench.net import netns  # noqa: E402
+from bench.net import netns, skippipe_prediction  # noqa: E402
 
 TOPOLOGY = common.REPO / "bench" / "topologies" / "two_regions_4.json"
 RUNS = common.RESULTS / "runs" / "skippipe_netns"
@@ -89,13 +85,6 @@ SCHEDULES = {
   # the path scheduler's plan for this topology (pipeline.topology: the same JSON file)
   "scheduled": {"pipeline.schedule": "skippipe", "pipeline.paths": "scheduled",
                 "pipeline.topology": str(TOPOLOGY)},
-}  # fmt: skip
-
-# The model and batch: 4 one-block stages of width 256, 4 microbatches of 4 x 128 tokens.
-MODEL = {
-  "model.D": 256, "model.N": 4, "model.H": 4, "data.seq_len": 128, "batch.microbatch_size": 4,
-  "batch.microbatches": 4, "pipeline.stages": 4, "pipeline.skip": 0.25, "pipeline.swap": True,
-  "pipeline.seed": 0,
 }  # fmt: skip
 
 
@@ -216,141 +205,6 @@ def check_pair(topo, src: int, dst: int, num_bytes: int = 1 << 20) -> dict:
           "goodput_mbit": num_bytes * 8 / 1e6 / max(got["send_s"] - got["rtt_s"], 1e-9)}  # fmt: skip
 
 
-# -- per-stage costs ------------------------------------------------------------------------------
-
-
-def measure_costs(overrides: dict, reps: int) -> dict:
-  """Seconds of each operation of one stage, as ``pipeline/step.py`` runs it (see the docstring)."""
-  import jax
-  import jax.numpy as jnp
-
-  from acco_jax import layers, model
-  from acco_jax.run import build as build_lib
-  from configs import gpt2_pipeline
-
-  config = config_for(overrides)
-  del gpt2_pipeline
-  cfg = build_lib.model_config(config, 257)  # the byte tokenizer's vocabulary
-  S = int(config.pipeline.stages)
-  params = model.init_params(cfg, 0)
-  blocks = jax.tree.map(lambda x: x[: cfg.N // S], layers.stack_blocks(params["blocks"]))
-  shared = {k: v for k, v in params.items() if k != "blocks"}
-  B, L = int(config.batch.microbatch_size), int(config.data.seq_len)
-  tokens = jnp.zeros((B, L), jnp.int32)
-  batch = {"inputs": tokens, "targets": tokens}
-  x = jnp.zeros((B, L, cfg.D), jnp.dtype(cfg.dtype))
-  order = jnp.arange(cfg.N // S)
-  run = lambda bl, x: layers.run_blocks(bl, cfg, x, order)
-  first = lambda bl, sh: run(bl, layers.embed(sh, cfg, batch["inputs"]))
-
-  def head(sh, x):
-    loss, pull, _ = jax.vjp(lambda s, y: layers.head_loss(s, cfg, y, batch), sh, x, has_aux=True)
-    return pull(jnp.ones_like(loss))
-
-  def back(bl, x):
-    out, pull = jax.vjp(run, bl, x)
-    return pull(jnp.ones_like(out))
-
-  def back0(bl, sh):
-    out, pull = jax.vjp(first, bl, sh)
-    return pull(jnp.ones_like(out))
-
-  ops = {"F0": (first, (blocks, shared)), "F": (run, (blocks, x)), "H": (head, (shared, x)),
-         "B": (back, (blocks, x)), "B0": (back0, (blocks, shared))}  # fmt: skip
-  out = {}
-  for name, (fn, args) in ops.items():
-    f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(*args))
-      times.append(time.perf_counter() - t0)
-    out[name] = statistics.median(times)
-  shared_values = sum(int(v.size) for v in jax.tree.leaves(shared))
-  return {"op_s": out, "stages": S, "act_bytes": 2.0 * B * L * cfg.D,
-          "shared_grad_bytes": 4.0 * shared_values}  # fmt: skip
-
-
-def costs_of(measured: dict) -> simulate.Costs:
-  """The simulator's costs from :func:`measure_costs`' operation times."""
-  import numpy as np
-
-  op = measured["op_s"]
-  backward = op["B"] / op["F"]
-  fwd = np.array([op["F0"]] + [op["F"]] * (measured["stages"] - 1))
-  return simulate.Costs(fwd, op["H"] / (1 + backward), measured["act_bytes"], backward)
-
-
-# -- predictions ----------------------------------------------------------------------------------
-
-
-def config_for(overrides: dict):
-  """``configs/gpt2_pipeline.py:tiny`` with :data:`MODEL` and ``overrides`` applied."""
-  from configs import gpt2_pipeline
-
-  config = gpt2_pipeline.get_config("tiny")
-  for key, value in {**MODEL, **overrides}.items():
-    group, name = key.split(".")
-    config[group][name] = value
-  return config
-
-
-def runtime_order(schedule: ticks.Schedule) -> list[list[tuple[int, int]]]:
-  """Per stage, the ``(microbatch, step)`` pairs its tick table runs, in tick order (the steps
-  numbered as in :mod:`acco_jax.skippipe.simulate`, which match ``ticks.chain``'s operations)."""
-  done = [0] * schedule.num_microbatches
-  order = [[] for _ in range(schedule.num_stages)]
-  for t in range(schedule.num_ticks):
-    for s in range(schedule.num_stages):
-      if schedule.kind[t, s] != ticks.IDLE:
-        m = int(schedule.mb[t, s])
-        order[s].append((m, done[m]))
-    for s in range(schedule.num_stages):  # a microbatch runs at most one op per tick
-      if schedule.kind[t, s] != ticks.IDLE:
-        done[int(schedule.mb[t, s])] += 1
-  return order
-
-
-def predict(topo, measured: dict, overrides: dict) -> dict:
-  """The simulator's iteration time for one schedule entry (see the module docstring)."""
-  config = config_for(overrides)
-  p = config.pipeline
-  S, M = int(p.stages), int(config.batch.microbatches)
-  costs = costs_of(measured)
-  sync = simulate.ring_allreduce_s(topo, list(range(S)), measured["shared_grad_bytes"])
-  if p.schedule == "skippipe" and p.paths == "scheduled":
-    r = predict_plan(topo, costs, config)
-    return {**r, "sim_s": r["sim_s"] + sync, "replay_s": r["replay_s"] + sync, "sync_s": sync}
-  paths, policy = pipe_build.schedule_paths(
-    p.schedule, S, M, float(p.skip), bool(p.swap), int(p.seed)
-  )
-  schedule = ticks.build(paths, S, policy)
-  routes = [simulate.Route(0, tuple(path), tuple(path)) for path in paths]  # node s holds stage s
-  sim = simulate.simulate(topo, costs, routes, policy).makespan
-  replay = simulate.replay(topo, costs, routes, runtime_order(schedule)).makespan
-  return {"policy": policy, "ticks": schedule.num_ticks, "sim_s": sim + sync,
-          "replay_s": replay + sync, "sync_s": sync}  # fmt: skip
-
-
-def predict_plan(topo, costs: simulate.Costs, config) -> dict:
-  """The scheduler's plan as the run makes it (``pipeline/build.scheduled_plan``), priced with the
-  measured costs. The runtime puts node ``i`` on device ``i`` (namespace ``i``, shaped as topology
-  node ``i``), so the plan's routes and per-node order run on the links it was made for."""
-  from acco_jax.pipeline import build as pipe_build
-  from acco_jax.run import build as build_lib
-
-  S = int(config.pipeline.stages)
-  cfg = build_lib.model_config(config, 257)
-  planned = pipe_build.scheduled_plan(config, cfg, S)
-  plan = planned.plan
-  sim = simulate.simulate(topo, costs, plan.routes(), "fifo").makespan
-  replay = simulate.replay(topo, costs, plan.routes(), plan.order).makespan
-  return {"policy": "plan", "partition": [list(x) for x in planned.partition],
-          "paths": [list(r.path) for r in plan.routes()], "sim_s": sim,
-          "replay_s": replay}  # fmt: skip
-
-
 # -- runs -----------------------------------------------------------------------------------------
 
 
@@ -361,11 +215,11 @@ def worker_env() -> dict:
 
 def train_command(name: str, node: int, nodes: int, workdir: Path, args) -> list[str]:
   settings = {
-    **MODEL, **SCHEDULES[name], "data.cache_dir": str(args.cache), "mesh.cpu_devices": 1,
-    "dist.coordinator_address": f"{address(0)}:{netns.PORT}", "dist.num_processes": nodes,
-    "dist.process_id": node, "train.num_updates": args.updates, "train.log_every": 1,
-    "train.eval_every": 0, "train.eval_batches": 1, "train.sample_tokens": 0, "ckpt.every": 0,
-    "ckpt.async_save": False, "opt.warmup_updates": 2,
+    **skippipe_prediction.MODEL, **SCHEDULES[name], "data.cache_dir": str(args.cache),
+    "mesh.cpu_devices": 1, "dist.coordinator_address": f"{address(0)}:{netns.PORT}",
+    "dist.num_processes": nodes, "dist.process_id": node, "train.num_updates": args.updates,
+    "train.log_every": 1, "train.eval_every": 0, "train.eval_batches": 1, "train.sample_tokens": 0,
+    "ckpt.every": 0, "ckpt.async_save": False, "opt.warmup_updates": 2,
   }  # fmt: skip
   return ["ip", "netns", "exec", f"{netns.PREFIX}h{node}", sys.executable,
           str(common.REPO / "train.py"), f"--config={common.REPO}/configs/gpt2_pipeline.py:tiny",
@@ -438,10 +292,10 @@ def main(argv=None) -> int:
     print(json.dumps(probe_client(args.probe_client[0], int(args.probe_client[1]))))
     return 0
   if args.costs_only:
-    print(json.dumps(measure_costs({}, args.cost_reps)))
+    print(json.dumps(skippipe_prediction.measure_costs({}, args.cost_reps)))
     return 0
   topo = topology_lib.load(str(args.topology))
-  nodes = int(MODEL["pipeline.stages"])
+  nodes = int(skippipe_prediction.MODEL["pipeline.stages"])
   if topo.num_nodes != nodes:
     raise SystemExit(f"{args.topology} has {topo.num_nodes} nodes; this benchmark needs {nodes}")
   cmd = [sys.executable, __file__, "--costs-only", "--cost-reps", str(args.cost_reps)]
@@ -451,7 +305,7 @@ def main(argv=None) -> int:
   netem = has_netem()
   topos = {"shaped": topo, "unshaped": unshaped(topo)}
   preds = {
-    (name, net): predict(topos[net], measured, SCHEDULES[name])
+    (name, net): skippipe_prediction.predict(topos[net], measured, SCHEDULES[name])
     for net in args.networks
     for name in args.schedules
   }
@@ -497,9 +351,9 @@ def main(argv=None) -> int:
   print(common.format_table(rows, [("name", "schedule"), ("net", "network"), ("meas", "measured s/update"),
         ("sim", "simulated s"), ("rs", "measured/sim"), ("rep", "replayed ticks s"),
         ("rr", "measured/replay"), ("sync", "of which sync s")]))  # fmt: skip
-  data = {"machine": common.machine(), "topology": str(args.topology), "model": MODEL,
-          "costs": measured, "link_checks": checks, "runs": results,
-          "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
+  data = {"machine": common.machine(), "topology": str(args.topology),
+          "model": skippipe_prediction.MODEL, "costs": measured, "link_checks": checks,
+          "runs": results, "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
   print(f"wrote {common.write_json(args.out, data)}")
   return 0
 

@@ -55,7 +55,6 @@ Writes ``bench/results/skippipe_sim.json``, ``skippipe_sim_allreduce.json`` and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import subprocess
@@ -67,114 +66,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: b
 import numpy as np
 
 from bench import common  # noqa: E402
+from bench.pipeline import skippipe_sim  # noqa: E402
 
-TOPOLOGIES = ("single-cluster", "multi-cluster", "geo")
-SKIPS = (0.0, 0.25, 0.33, 0.5)
 PARTS = ("sim", "sim-allreduce", "timeline", "convergence", "collect", "pipeline-convergence",
          "plan", "all")  # fmt: skip
-
-
-def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draws=5, iters=400,
-              swaps=(False, True), grad_bytes=0, assign_allreduce=True):  # fmt: skip
-  """The iteration-time table; ``grad_bytes`` > 0 adds each stage's gradient all-reduce (bytes per
-  gradient value) to every makespan and the scheduler's objective, and, with
-  ``assign_allreduce``, to the stage assignment's cost."""
-  from acco_jax.skippipe import assign, baselines, bounds, paths, schedule, simulate, topology
-
-  rows = []
-  for name in topologies:
-    for s in stages:
-      topo = topology.preset(name, topology.default_nodes(s), seed=0)
-      costs = simulate.transformer_costs(s, 24, 2048, 32000, 1024, 4, 1e14, grad_bytes)
-      t0 = time.perf_counter()
-      priced = costs if assign_allreduce else dataclasses.replace(costs, grad_bytes_S=None)
-      part = assign.assign(topo, priced, s, seed=0)
-      rnd_part = [
-        assign.cost(
-          topo, costs, assign.random_partition(topo.num_nodes, s, np.random.default_rng(i))
-        )
-        for i in range(20)
-      ]
-      gpipe = baselines.full_pipeline(topo, costs, part, num_mb, "gpipe").makespan
-      f1b1 = baselines.full_pipeline(topo, costs, part, num_mb, "1f1b").makespan
-      for skip in skips:
-        for swap in swaps:
-          rnd = statistics.median(
-            baselines.random_plan(topo, costs, part, num_mb, skip, swap, seed=i).makespan
-            for i in range(draws)
-          )
-          sched = schedule.schedule(topo, costs, part, num_mb, skip, swap, seed=0, iters=iters)
-          best_full = min(gpipe, f1b1)
-          bound = bounds.lower_bound(topo, costs, part, num_mb, skip)
-          rows.append(
-            dict(
-              topology=name, stages=s, skip=skip, k=paths.path_length(s, skip), swap=swap,
-              gpipe_s=round(gpipe, 3), f1b1_s=round(f1b1, 3), random_s=round(rnd, 3),
-              scheduler_s=round(sched.makespan, 3), bound_s=round(bound, 3),
-              sched_vs_bound=round(sched.makespan / bound, 2), sched_order=sched.policy,
-              vs_full=f"{baselines.gap(sched.makespan, best_full):+.0%}",
-              vs_random=f"{baselines.gap(sched.makespan, rnd):+.0%}",
-              assign_cost_s=round(assign.cost(topo, costs, part), 3),
-              random_assign_cost_s=round(statistics.median(rnd_part), 3),
-            )
-          )  # fmt: skip
-          if grad_bytes:
-            pipe = simulate.simulate(topo, costs, sched.routes(), partition=part).pipeline_s
-            rows[-1].update(
-              assignment="round trip + all-reduce" if assign_allreduce else "round trip",
-              scheduler_pipeline_s=round(pipe, 3),
-              allreduce_share=f"{(sched.makespan - pipe) / sched.makespan:.0%}",
-              stage_allreduce_s=[
-                round(simulate.ring_allreduce_s(topo, nodes, costs.grad_bytes_S[i]), 3)
-                for i, nodes in enumerate(part)
-              ],
-            )  # fmt: skip
-      common.log(f"  {name} S={s}: {time.perf_counter() - t0:.1f} s")
-  return rows
-
-
-SIM_ALLREDUCE_COLUMNS = [
-  ("topology", "topology"), ("stages", "S"), ("assignment", "assignment priced by"),
-  ("skip", "skip"), ("gpipe_s", "GPipe s"),
-  ("f1b1_s", "1F1B s"), ("random_s", "random s"), ("scheduler_s", "scheduler s"),
-  ("scheduler_pipeline_s", "of which pipeline s"), ("allreduce_share", "all-reduce tail"),
-  ("vs_full", "vs best full"), ("vs_random", "vs random"), ("bound_s", "bound s"),
-  ("sched_vs_bound", "sched/bound"),
-]  # fmt: skip
-
-SIM_COLUMNS = [
-  ("topology", "topology"), ("stages", "S"), ("skip", "skip"), ("k", "stages visited"),
-  ("swap", "swap"), ("gpipe_s", "GPipe s"), ("f1b1_s", "1F1B s"), ("random_s", "random s"),
-  ("scheduler_s", "scheduler s"), ("vs_full", "vs best full"), ("vs_random", "vs random"),
-  ("bound_s", "bound s"), ("sched_vs_bound", "sched/bound"),
-]  # fmt: skip
-
-
-def timeline(path, stages=6, skip=0.25, num_mb=16, iters=400, topology_name="geo") -> dict:
-  """Draws each node's timeline for GPipe, 1F1B and the scheduled plan (swaps on) of one setting,
-  the gradient all-reduce priced (in the stage assignment too); returns the makespans."""
-  from acco_jax.analysis import timeline as timeline_lib
-  from acco_jax.skippipe import assign, baselines, bounds, schedule, simulate, topology
-
-  topo = topology.preset(topology_name, topology.default_nodes(stages), seed=0)
-  costs = simulate.transformer_costs(stages, 24, 2048, 32000, 1024, 4, 1e14, grad_bytes=2)
-  part = assign.assign(topo, costs, stages, seed=0)
-  plans = [
-    ("GPipe, full pipeline", baselines.full_pipeline(topo, costs, part, num_mb, "gpipe")),
-    ("1F1B, full pipeline", baselines.full_pipeline(topo, costs, part, num_mb, "1f1b")),
-    (f"scheduled, skip {skip} with swaps",
-     schedule.schedule(topo, costs, part, num_mb, skip, True, seed=0, iters=iters)),
-  ]  # fmt: skip
-  panels = []
-  for name, plan in plans:
-    res = simulate.replay(topo, costs, plan.routes(), plan.order, part)
-    ivs = timeline_lib.node_intervals(topo, costs, plan.routes(), res, part)
-    panels.append((f"{name} (order: {plan.policy})", ivs, plan.makespan))
-  bound = bounds.lower_bound(topo, costs, part, num_mb, skip)
-  title = (f"{topology_name}, S = {stages}, {num_mb} microbatches, bf16 gradient all-reduce per "
-           f"stage; lower bound at skip {skip}: {bound:.2f} s")  # fmt: skip
-  timeline_lib.plot_timelines(panels, part, str(path), title)
-  return {name: round(plan.makespan, 3) for name, plan in plans} | {"bound": round(bound, 3)}
 
 
 # -- convergence and omission: one worker process per seed, 8 simulated devices --------------------
@@ -254,7 +149,7 @@ def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None
       paths.layer_order(p, conv["N"], STAGES)
       for p in paths.random_paths(5, STAGES, 0.5, False, rng)
     ]
-    for skip in SKIPS:
+    for skip in skippipe_sim.SKIPS:
       if skip not in runs:
         runs[skip] = trainer.build(_config(seeds[0], skip, False, conv))
       run = runs[skip]
@@ -371,12 +266,14 @@ def main() -> None:
   if args.part in ("sim", "all"):
     t0 = time.perf_counter()
     if args.smoke:
-      rows = sim_table(stages=(4,), skips=(0.0, 0.5), topologies=("geo",), num_mb=8, iters=50)
+      rows = skippipe_sim.sim_table(
+        stages=(4,), skips=(0.0, 0.5), topologies=("geo",), num_mb=8, iters=50
+      )
     else:
-      rows = sim_table()
+      rows = skippipe_sim.sim_table()
     wall = time.perf_counter() - t0
     print("\n## Iteration time (simulated)\n")
-    print(common.format_table(rows, SIM_COLUMNS))
+    print(common.format_table(rows, skippipe_sim.SIM_COLUMNS))
     common.write_json(
       out / "skippipe_sim.json",
       {"benchmark": "skippipe_sim", "machine": common.machine(), "wall_s": wall, "rows": rows},
@@ -386,11 +283,15 @@ def main() -> None:
     kw = dict(skips=(0.0, 0.5), swaps=(True,), grad_bytes=2)
     if args.smoke:
       kw.update(stages=(4,), topologies=("geo",), num_mb=8, iters=50)
-    rows = [r for aware in (False, True) for r in sim_table(**kw, assign_allreduce=aware)]
-    rows.sort(key=lambda r: (TOPOLOGIES.index(r["topology"]), r["stages"], r["assignment"]))
+    rows = [
+      r for aware in (False, True) for r in skippipe_sim.sim_table(**kw, assign_allreduce=aware)
+    ]
+    rows.sort(
+      key=lambda r: (skippipe_sim.TOPOLOGIES.index(r["topology"]), r["stages"], r["assignment"])
+    )
     wall = time.perf_counter() - t0
     print("\n## Iteration time with each stage's gradient all-reduce (simulated)\n")
-    print(common.format_table(rows, SIM_ALLREDUCE_COLUMNS))
+    print(common.format_table(rows, skippipe_sim.SIM_ALLREDUCE_COLUMNS))
     common.write_json(
       out / "skippipe_sim_allreduce.json",
       {"benchmark": "skippipe_sim_allreduce", "machine": common.machine(), "wall_s": wall,
@@ -400,10 +301,10 @@ def main() -> None:
     if args.smoke:
       fig = out / "skippipe_timeline.png"
       out.mkdir(parents=True, exist_ok=True)
-      spans = timeline(fig, stages=4, num_mb=4, iters=10)
+      spans = skippipe_sim.timeline(fig, stages=4, num_mb=4, iters=10)
     else:
       fig = Path(__file__).resolve().parents[2] / "docs" / "figures" / "skippipe_timeline.png"
-      spans = timeline(fig)
+      spans = skippipe_sim.timeline(fig)
     print(f"\nwrote {fig}: " + ", ".join(f"{k} {v} s" for k, v in spans.items()))
   if (
     args.part == "plan"
@@ -428,7 +329,7 @@ def main() -> None:
     data = json.loads((out / "skippipe_convergence_runs.json").read_text())
     rows, conv = data["rows"], data["setting"]
     per_seed = {s: sum(r["seed"] == s for r in rows) for s in {r["seed"] for r in rows}}
-    whole = {s for s, n in per_seed.items() if n == 2 * len(SKIPS) + 1}
+    whole = {s for s, n in per_seed.items() if n == 2 * len(skippipe_sim.SKIPS) + 1}
     common.log(f"seeds with every run: {sorted(whole)}; left out (incomplete): "
                f"{sorted(set(per_seed) - whole)}")  # fmt: skip
     rows = [r for r in rows if r["seed"] in whole]
