@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 240
+TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")

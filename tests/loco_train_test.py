@@ -113,29 +113,8 @@ def test_sparseloco_logs_bytes_and_density_and_checkpoints_its_error_feedback(tm
   assert whole["wire_bytes_per_worker"] == 3 * 3 * whole["payload_bytes_per_sync"]
 
 
-@pytest.mark.slow  # two runs through the trainer (the step-level tests: loco_overlap_test)
-def test_eager_diloco_resumes_bit_exactly_with_its_reduction_state(tmp_path):
-  """loco.outer_overlap=eager through the trainer: H = 2, 6 steps = two stages, a phase (steps
-  2-4) and a phase with the blocking last sync (4-6). A stop at stage 4 checkpoints each worker's
-  start point, the last average and its own share; the resumed run is the whole run, bit for bit."""
-  config = tiny(gpt2_diloco, **{"loco.workers": 4, "loco.outer_overlap": "eager",
-                                "train.log_every": 1})  # fmt: skip
-  whole = trainer.train_and_evaluate(config, str(tmp_path / "whole"))
-  first = trainer.train_and_evaluate(config, str(tmp_path / "split"), max_stages=4)
-  assert first["stopped"] == 4
-  stopped, _ = _final_state(tmp_path / "split", config)
-  assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(stopped.overlap.mean))
-  second = trainer.train_and_evaluate(config, str(tmp_path / "split"))
-  losses = lambda w: {r["stage"]: r["worker_loss"] for r in rows(w) if "loss" in r}
-  assert losses(tmp_path / "split") == losses(tmp_path / "whole")
-  assert [r["step"] for r in rows(tmp_path / "whole") if "outer_fragment" in r] == [4, 6]
-  assert second["eval_loss"] == whole["eval_loss"] and np.isfinite(whole["eval_loss"])
-  run = trainer.build(config)  # the phases at 2 and 4 and the last sync: three syncs' bytes
-  assert whole["wire_bytes_per_worker"] == pytest.approx(3 * run.train.wire_bytes(0))
-  a, _ = _final_state(tmp_path / "whole", config)
-  b, _ = _final_state(tmp_path / "split", config)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    np.testing.assert_array_equal(x, y)
+# Eager DiLoCo's resume through train.py, bit for bit with its reduction state in flight, the syncs
+# it logs and their bytes: tests/crash_resume_test.py (diloco_eager), killed at random points.
 
 
 def test_a_diverging_worker_stops_the_run(tmp_path):
