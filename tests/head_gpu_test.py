@@ -124,7 +124,7 @@ def test_benchmark_counts_the_gemms_of_each_method():
 
   from bench.gpu import gpu_throughput, throughput_rows
 
-  shapes = throughput_rows._shapes(SimpleNamespace(smoke=True))
+  shapes = throughput_rows.shapes(SimpleNamespace(smoke=True))
   rows = {m: throughput_rows.run_hlo(m, shapes, None) for m in ("zero1", "acco")}
   for m, r in rows.items():
     assert r["compiled_for"].startswith("NVIDIA H100") and r["attention"] == "xla", m

@@ -237,7 +237,7 @@ def _setup(args) -> dict:
     "backend": jax.default_backend(),
     "versions": versions,
     "machine": common.machine(),
-    "shapes": throughput_rows._shapes(args),
+    "shapes": throughput_rows.shapes(args),
     "steps": args.steps,
     "warmup": args.warmup,
   }

@@ -18,7 +18,7 @@ SMOKE_ROWS = ("trainer:zero1", "trainer:acco", "step:zero1", "step:acco", "fwdbw
               "fwdbwd:V1024", "fwdbwd:xla", "adamw", "torch:V1000", "hlo:zero1")  # fmt: skip
 
 
-def _shapes(args) -> dict:
+def shapes(args) -> dict:
   """The model and batch: GPT-2 124M at the gpt2 preset, or a tiny one with ``--smoke``."""
   if args.smoke:
     return dict(size="tiny", V=1000, L=32, D=64, H=4, N=2, B=2, k=2, multiple=128)
@@ -243,7 +243,7 @@ def run_row(name: str, args) -> dict:
   from acco_jax import model
   from acco_jax.run import metrics
 
-  s = _shapes(args)
+  s = shapes(args)
   kind, _, variant = name.removesuffix("+cb").partition(":")
   start = time.perf_counter()
   if kind == "trainer":
