@@ -10,10 +10,11 @@ together with a JSON-able ``extra`` dict (data-iterator position, RNG, config, m
   DIR/
     <step>/                       written as <step>.orbax-checkpoint-tmp, renamed when complete
       _CHECKPOINT_METADATA        orbax's step metadata
-      state/                      orbax StandardSave: one entry per array leaf (OCDBT + zarr),
-                                  named "<index>_<path>", e.g. "003_params_out_bias"
-      meta/metadata               JSON: {"version", "leaves": [{path, key, shape, dtype, fingerprint}],
-                                  "extra"}
+      state/                      orbax StandardSave (OCDBT + zarr): one entry per group of
+                                  packed leaves, "pack<n>_<dtype>", and per leaf stored alone,
+                                  "<index>_<path>", e.g. "003_params_out_bias" (ckpt_pack)
+      meta/metadata               JSON: {"version", "leaves": [{path, key, shape, dtype, fingerprint,
+                                  pack: [group, column, columns, rows, width] if packed}], "extra"}
 
 Each leaf's ``fingerprint`` (:mod:`acco_jax.run.fingerprint`) is a position-sensitive 32-bit hash of
 its bits, computed on device (a global reduction, so every process agrees) at save time and
@@ -52,10 +53,10 @@ from orbax.checkpoint.path import step as step_lib
 
 from acco_jax import errors
 from acco_jax.run import ckpt_leaves as leaves_lib
-from acco_jax.run import fingerprint, settling
+from acco_jax.run import ckpt_pack, fingerprint, settling
 
 PyTree = Any
-_VERSION = 1
+_VERSION = 2  # 2: leaves packed into groups (ckpt_pack); 1: every leaf alone, still read
 _log = logging.getLogger(__name__)
 
 
@@ -159,18 +160,18 @@ class Checkpointer:
         "resume from the latest step, delete those, or use a new directory"
       )
     keys = [f"{i:03d}_{re.sub(r'[^A-Za-z0-9]+', '_', p).strip('_')}" for i, p in enumerate(paths)]
-    meta = {
-      "version": _VERSION,
-      "leaves": [
-        {"path": p, "key": k, "shape": list(x.shape), "dtype": x.dtype.name, "fingerprint": f}
-        for p, k, x, f in zip(paths, keys, leaves, fingerprint.fingerprints(leaves), strict=True)
-      ],
-      "extra": extra,
-    }
-    args = ocp.args.Composite(
-      state=ocp.args.StandardSave(dict(zip(keys, leaves, strict=True))),
-      meta=ocp.args.JsonSave(meta),
-    )
+    entries = [
+      {"path": p, "key": k, "shape": list(x.shape), "dtype": x.dtype.name, "fingerprint": f}
+      for p, k, x, f in zip(paths, keys, leaves, fingerprint.fingerprints(leaves), strict=True)
+    ]
+    groups, alone = ckpt_pack.plan(leaves)
+    items = {keys[i]: leaves[i] for i in alone}
+    for g in groups:
+      items[g.key] = ckpt_pack.pack(g, leaves)
+      for i, column, columns in g.members:  # its columns of the group's (rows, width) array
+        entries[i]["pack"] = [g.key, column, columns, g.rows, g.width]
+    meta = {"version": _VERSION, "leaves": entries, "extra": extra}
+    args = ocp.args.Composite(state=ocp.args.StandardSave(items), meta=ocp.args.JsonSave(meta))
     with jax.transfer_guard("allow"):
       if not self._manager.save(step, args=args):
         raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
@@ -289,11 +290,13 @@ class Checkpointer:
 
   def _read_meta(self, step: int) -> tuple[dict, dict]:
     meta = self._orbax_restore(step, meta=ocp.args.JsonRestore()).meta
-    if meta["version"] != _VERSION or not isinstance(meta["extra"], dict):
+    if meta["version"] not in (1, _VERSION) or not isinstance(meta["extra"], dict):
       raise ValueError(f"unknown metadata version {meta['version']}")
     saved = {e["path"]: e for e in meta["leaves"]}
     for e in saved.values():  # malformed entries count as corruption, not as a mismatch
       e.update(shape=tuple(map(int, e["shape"])), dtype=jnp.dtype(e["dtype"]), key=str(e["key"]))
+      if "pack" in e:  # version 1 stored every leaf alone
+        e["pack"] = [str(e["pack"][0]), *map(int, e["pack"][1:5])]
     return saved, meta["extra"]
 
   def _restore_step(
@@ -324,14 +327,11 @@ class Checkpointer:
     entries = [saved[p] for p in paths]
     if convert:
       return self._restore_resharded(step, target, entries, reshard), extra
-    abstract = {
-      e["key"]: jax.ShapeDtypeStruct(e["shape"], e["dtype"], sharding=x.sharding)
-      for e, x in zip(entries, leaves, strict=True)
-    }
+    abstract = ckpt_pack.items_to_read(entries, leaves)
 
     def read_arrays():
       arrays = self._orbax_restore(step, state=ocp.args.StandardRestore(abstract)).state
-      restored = [arrays[e["key"]] for e in entries]
+      restored = ckpt_pack.assemble(arrays, entries, leaves)
       got = fingerprint.fingerprints(restored)
       bad = [e["path"] for e, f in zip(entries, got, strict=True) if f != e["fingerprint"]]
       if bad:
@@ -359,9 +359,9 @@ class Checkpointer:
 
   def _read_host(self, step: int, entries: list[dict]) -> list[np.ndarray]:
     """The arrays of ``entries`` as numpy with their saved shapes, checked against fingerprints."""
-    abstract = {e["key"]: np.broadcast_to(np.zeros((), e["dtype"]), e["shape"]) for e in entries}
+    abstract = ckpt_pack.items_to_read(entries)
     arrays = self._orbax_restore(step, state=ocp.args.StandardRestore(abstract)).state
-    restored = [np.asarray(arrays[e["key"]]) for e in entries]
+    restored = [np.asarray(a) for a in ckpt_pack.assemble(arrays, entries)]
     got = [fingerprint.hash_host(x) for x in restored]
     bad = [e["path"] for e, f in zip(entries, got, strict=True) if f != e["fingerprint"]]
     if bad:
@@ -388,9 +388,6 @@ class Checkpointer:
       raise ValueError(f"reshard returned arrays not shaped like the target (step {step})")
     _log.info("resharded checkpoint step %d in %s to the target's shapes", step, self.directory)
 
-    def place(a, x):
-      a = np.asarray(a).astype(x.dtype, copy=False)
-      return jax.make_array_from_callback(a.shape, x.sharding, lambda index: a[index])
-
+    place = lambda a, x: ckpt_pack.place(np.asarray(a).astype(x.dtype, copy=False), x.sharding)
     with jax.transfer_guard("allow"):
       return jax.tree.unflatten(treedef, [place(a, x) for a, x in zip(got, leaves, strict=True)])
