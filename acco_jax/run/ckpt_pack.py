@@ -14,8 +14,10 @@ would pass :data:`MAX_ROW_BYTES`, which bounds the device memory a save borrows)
 records its group's key and its columns; a leaf partitioned on another dimension (or not over a
 named mesh) is stored alone, as before packing.
 
-Unpacking is the inverse: on the devices when the target is sharded as the leaves were saved (one
-jitted slice-and-reshape, no data moves), else on the host from the whole group.
+Unpacking is the inverse. When the target is partitioned as the leaves were saved, the group is
+read onto the devices as saved and each device's leaf blocks are cut from its own row on the host
+and put back on that device (nothing to compile: :func:`unpack`); else the whole group is read into
+host memory, cut there and placed with the target's shardings.
 """
 
 from __future__ import annotations
