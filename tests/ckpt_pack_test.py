@@ -19,40 +19,44 @@ def mesh():
   return jax.make_mesh((4, 2), ("replica", "data"), axis_types=(AxisType.Auto,) * 2)
 
 
+def put(shape, spec, dtype=np.float32, seed=0):
+  values = np.random.default_rng(seed).normal(size=shape).astype(dtype)
+  return jax.device_put(values, NamedSharding(mesh(), spec))
+
+
 def state():
-  """Leaves of the layouts a train state has (ZeRO-1 rows, LoCo workers' rows, replicated counts)
-  and two a group cannot hold (partitioned on a later dimension; blocks that are not rows)."""
-  m, r = mesh(), np.random.default_rng(0)
-  put = lambda shape, spec, dtype=np.float32: jax.device_put(
-    r.normal(size=shape).astype(dtype), NamedSharding(m, spec)
-  )
+  """Leaves of the layouts a train state has (ZeRO-1 rows, LoCo workers' rows, replicated counts),
+  one alone in its group and two a group cannot hold (partitioned on a later dimension; blocks
+  that are not rows)."""
   return {
-    "workers": put((4, 2, 5), P("replica", "data")),  # one row per device
-    "zero1": put((16, 3), P(("replica", "data"))),  # two rows of the leaf per device
-    "lane": put((6, 2), P("data")),  # rows over 'data' only: another group
-    "half": put((8, 3), P(("replica", "data")), jnp.bfloat16),  # another dtype: another group
-    "count": jax.device_put(jnp.int32(7), NamedSharding(m, P())),
-    "scale": put((3,), P()),
-    "columns": put((3, 8), P(None, ("replica", "data"))),  # alone: partitioned on dimension 1
-    "blocks": put((8, 2, 2), P("replica", "data")),  # alone: a block spans 2 of dimension 0
+    "workers": put((4, 2, 5), P("replica", "data"), seed=1),  # one row per device
+    "zero1": put((16, 3), P(("replica", "data")), seed=2),  # two rows of the leaf per device
+    "lane": put((6, 2), P("data"), seed=3),  # rows over 'data' only: another group
+    "lane_b": put((4, 2), P("data"), seed=4),
+    "half": put((8, 3), P(("replica", "data")), jnp.bfloat16, seed=5),  # another dtype
+    "half_b": put((8, 2), P(("replica", "data")), jnp.bfloat16, seed=6),
+    "count": jax.device_put(jnp.int32(7), NamedSharding(mesh(), P())),
+    "step": jax.device_put(jnp.int32(3), NamedSharding(mesh(), P())),
+    "scale": put((3,), P(), seed=7),  # alone: the only replicated float32 leaf
+    "columns": put((3, 8), P(None, ("replica", "data")), seed=8),  # alone: split on dimension 1
+    "blocks": put((8, 2, 2), P("replica", "data"), seed=9),  # alone: a block spans 2 of dim 0
   }
 
 
 def test_plan_groups_leaves_by_dtype_and_row_axes():
-  leaves = jax.tree.leaves(state())  # sorted keys: blocks, columns, count, half, lane, scale, ...
+  leaves = jax.tree.leaves(state())  # in sorted key order
   names = sorted(state())
   groups, alone = ckpt_pack.plan(leaves)
-  assert sorted(names[i] for i in alone) == ["blocks", "columns"]
+  assert [names[i] for i in alone] == ["blocks", "columns", "scale"]
   found = {
     (g.dtype.name, g.rows, tuple(g.sharding.spec)): [names[i] for i, _, _ in g.members]
     for g in groups
   }
   assert found == {
     ("float32", 8, (("replica", "data"),)): ["workers", "zero1"],
-    ("float32", 2, ("data",)): ["lane"],
-    ("bfloat16", 8, (("replica", "data"),)): ["half"],
-    ("int32", 1, (None,)): ["count"],
-    ("float32", 1, (None,)): ["scale"],
+    ("float32", 2, ("data",)): ["lane", "lane_b"],
+    ("bfloat16", 8, (("replica", "data"),)): ["half", "half_b"],
+    ("int32", 1, (None,)): ["count", "step"],
   }
   for g in groups:  # columns side by side, each leaf's size / rows wide
     assert [c for _, c, _ in g.members] == list(np.cumsum([0] + [n for *_, n in g.members])[:-1])
@@ -85,7 +89,7 @@ def test_every_read_gives_the_leaves_back(tmp_path):
     ckpt.wait()
     meta = json.loads((tmp_path / "1" / "meta" / "metadata").read_text())
     stored = {e["pack"][0] if "pack" in e else e["key"] for e in meta["leaves"]}
-    assert len(stored) == 7  # five groups and the two leaves stored alone, not eight arrays
+    assert len(stored) == 7  # four groups and the three leaves stored alone, not eleven arrays
     restored, extra = ckpt.restore(None, abstract(s))  # as saved: unpacked device by device
     assert extra == {"k": 1}
     assert_bitwise_equal(restored, s, s)
@@ -101,10 +105,16 @@ def test_every_read_gives_the_leaves_back(tmp_path):
 
 
 def test_groups_split_at_the_row_cap_and_version_1_still_reads(tmp_path, monkeypatch):
-  s = state()
-  monkeypatch.setattr(ckpt_pack, "MAX_ROW_BYTES", 16)  # 4 float32 columns: one leaf per group
-  groups, _ = ckpt_pack.plan(jax.tree.leaves(s))
-  assert max(len(g.members) for g in groups) == 1 and len(groups) == 6
+  s = {**state(), **{f"rep{k}": put((3,), P(), seed=10 + k) for k in range(4)}}
+  s["wide"] = put((8,), P(), seed=20)  # 32 bytes: over the cap on its own
+  monkeypatch.setattr(ckpt_pack, "MAX_ROW_BYTES", 24)  # 6 float32 columns a row
+  names = sorted(s)
+  groups, alone = ckpt_pack.plan(jax.tree.leaves(s))
+  replicated = [[names[i] for i, _, _ in g.members] for g in groups if g.key.endswith("float32")]
+  assert replicated == [["rep0", "rep1"], ["rep2", "rep3"]]  # 3 + 3 columns, then a new group
+  # a group of one would only copy its leaf: those the cap leaves by themselves are stored alone
+  assert {"scale", "wide", "workers", "zero1", "lane", "lane_b"} <= {names[i] for i in alone}
+  assert all(g.width * g.dtype.itemsize <= 24 and len(g.members) > 1 for g in groups)
   with Checkpointer(tmp_path) as ckpt:
     ckpt.save(1, s, extra={})
     ckpt.wait()

@@ -12,7 +12,8 @@ the second dimension moves nothing between devices. The leaves of one dtype, mes
 form a group, stored as one ``(D, width)`` array sharded over ``A`` (a new group starts where a row
 would pass :data:`MAX_ROW_BYTES`, which bounds the device memory a save borrows). Each packed leaf
 records its group's key and its columns; a leaf partitioned on another dimension (or not over a
-named mesh) is stored alone, as before packing.
+named mesh) is stored alone, as before packing, and so is a leaf that would be its group's only
+member (a row of its own, or one larger than the cap: packing it would only copy it).
 
 Unpacking is the inverse. When the target is partitioned as the leaves were saved, the group is
 read onto the devices as saved and each device's leaf blocks are cut from its own row on the host
@@ -30,7 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-MAX_ROW_BYTES = 256 << 20  # per device: the transient copy a save makes of a group
+MAX_ROW_BYTES = (
+  256 << 20
+)  # per device: the most a save copies to pack a group (a larger leaf is alone)
 
 
 class Group(NamedTuple):
@@ -88,11 +91,15 @@ def plan(leaves: list) -> tuple[list[Group], list[int]]:
       width = 0
     members.append((i, width, columns))
   groups = []
-  for n, ((dtype, mesh, axes, rows), members) in enumerate([*full, *filling.items()]):
+  for (dtype, mesh, axes, rows), members in [*full, *filling.items()]:
+    if len(members) == 1:  # packing one leaf would only copy it (a large one whole)
+      alone.append(members[0][0])
+      continue
+    n = len(groups)
     sharding = NamedSharding(mesh, PartitionSpec(axes or None))
     width = sum(c for _, _, c in members)
     groups.append(Group(f"pack{n:03d}_{dtype.name}", rows, width, dtype, sharding, tuple(members)))
-  return groups, alone
+  return groups, sorted(alone)
 
 
 @functools.cache
