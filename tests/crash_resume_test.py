@@ -74,8 +74,15 @@ OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved a
   "train.num_updates": 12,
   "train.log_every": 1,
   "train.eval_every": 0,  # evaluated once, at the end
-  "train.eval_batches": 2,
+  "train.eval_batches": 1,
   "train.sample_tokens": 0,
+  # the loop's bookkeeping is under test, not what the model learns: narrow blocks on short rows
+  # (train_test.SMALL), one block where the method allows it (not the pipelines' stages, Streaming's
+  # two fragments, Muon's matrices owned over 8 devices); compiling is most of this file's time
+  "model.D": 16,
+  "model.H": 1,
+  "model.N": 1,
+  "data.seq_len": 8,
   "ckpt.every": 1,
   "ckpt.keep": 3,
   "ckpt.async_save": True,
@@ -92,7 +99,9 @@ OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved a
 # error feedback (the all-gathered sparse average in flight): 10 rows as eager DiLoCo.
 # ACCO over the 4 data lanes of 2 stages of 1 and 3 blocks: 25 flushes (one fills the buffer).
 METHOD_OVERRIDES = {
+  "pipeline": {"model.N": 4},
   "pipeline_acco": {
+    "model.N": 4,
     "pipeline.stages": 2,
     "pipeline.blocks_per_stage": "1,3",
     "pipeline.data_method": "acco",
@@ -104,8 +113,8 @@ METHOD_OVERRIDES = {
     "train.num_updates": 24,
   },
   # Muon on the blocks' matrices, AdamW on the rest: comm.layout=auto picks the owner layout
-  "acco_muon": {"opt.name": "muon"},
-  "zero1_muon": {"opt.name": "muon"},
+  "acco_muon": {"opt.name": "muon", "model.N": 2},
+  "zero1_muon": {"opt.name": "muon", "model.N": 2},
   # MuLoCo: Muon inside 4 workers of 2 devices (each worker's matrices owned whole by one of its
   # devices), DiLoCo's blocking sync every 3 inner steps
   "diloco_muon": {
@@ -124,6 +133,7 @@ METHOD_OVERRIDES = {
     "train.num_updates": 24,
   },
   "streaming_eager": {
+    "model.N": 2,
     "loco.outer_overlap": "eager",
     "loco.overlap_steps": 0,
     "loco.sync_every": 4,
