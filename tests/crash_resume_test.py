@@ -47,6 +47,7 @@ from configs import (
   gpt2_streaming_diloco,
   gpt2_zero1,
 )
+from tests.train_test import SMALL
 
 pytestmark = pytest.mark.slow
 
@@ -74,15 +75,12 @@ OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved a
   "train.num_updates": 12,
   "train.log_every": 1,
   "train.eval_every": 0,  # evaluated once, at the end
-  "train.eval_batches": 1,
   "train.sample_tokens": 0,
-  # the loop's bookkeeping is under test, not what the model learns: narrow blocks on short rows
-  # (train_test.SMALL), one block where the method allows it (not the pipelines' stages, Streaming's
-  # two fragments, Muon's matrices owned over 8 devices); compiling is most of this file's time
-  "model.D": 16,
-  "model.H": 1,
-  "model.N": 1,
-  "data.seq_len": 8,
+  # the loop's bookkeeping is under test, not what the model learns: narrow blocks on short rows,
+  # one evaluation batch, one block where the method allows it (not the pipelines' stages,
+  # Streaming's two fragments, Muon's matrices owned over 8 devices); compiling is most of this
+  # file's time
+  **SMALL,
   "ckpt.every": 1,
   "ckpt.keep": 3,
   "ckpt.async_save": True,

@@ -31,9 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-MAX_ROW_BYTES = (
-  256 << 20
-)  # per device: the most a save copies to pack a group (a larger leaf is alone)
+# per device: the most a save copies to pack a group (a larger leaf is alone)
+MAX_ROW_BYTES = 256 << 20
 
 
 class Group(NamedTuple):
