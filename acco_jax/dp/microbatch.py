@@ -20,6 +20,7 @@ iterations would make it compute all ``k``, which is what budgets are there to a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -55,6 +56,18 @@ def loop_b_end(count, h):
   return max(count, h) if isinstance(count, int) else jnp.maximum(count, h)
 
 
+@functools.lru_cache(maxsize=64)
+def grad_fn(loss_fn: Callable, has_aux: bool) -> Callable:
+  """``(params, microbatch) -> ((loss, aux), grads)`` of ``loss_fn``, one ``jax.jit`` per loss.
+
+  A stage's programs (the loops of every stage kind, a LoCo phase's inner steps, each fragment's
+  phase) all call it on the same shapes: jit's trace cache traces the model's forward and backward
+  once per process instead of once per loop, and XLA inlines the call when it compiles.
+  """
+  with_aux = loss_fn if has_aux else lambda p, b: (loss_fn(p, b), {})
+  return jax.jit(jax.value_and_grad(with_aux, has_aux=True))
+
+
 class MicrobatchLoop:
   """Forward and backward passes of ``k`` microbatches on one device, summed in float32.
 
@@ -78,8 +91,7 @@ class MicrobatchLoop:
     k: int,
     skip_nonfinite: bool = False,
   ):
-    with_aux = loss_fn if has_aux else lambda p, b: (loss_fn(p, b), {})
-    self.grad_fn = jax.value_and_grad(with_aux, has_aux=True)
+    self.grad_fn = grad_fn(loss_fn, has_aux)
     self.layout, self.comm_dtype, self.axis, self.k = layout, comm_dtype, axis_name, k
     self.skip_nonfinite = skip_nonfinite
 
