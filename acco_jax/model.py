@@ -256,6 +256,16 @@ def init_params(cfg: GPTConfig, seed_or_key) -> Params:
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
+def param_shapes(cfg: GPTConfig) -> Params:
+  """:func:`init_params`'s tree as ``jax.ShapeDtypeStruct``s (a copy), traced once per config."""
+  return jax.tree.map(lambda s: s, _param_shapes(cfg))
+
+
+@functools.lru_cache(maxsize=32)
+def _param_shapes(cfg: GPTConfig) -> Params:
+  return jax.eval_shape(lambda: init_params(cfg, 0))
+
+
 @functools.lru_cache(maxsize=32)
 def _graphdef_and_shapes(cfg: GPTConfig):
   """Graph definition and expected flat parameter shapes (built abstractly, nothing allocated)."""

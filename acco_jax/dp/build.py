@@ -34,7 +34,7 @@ def build_run(config) -> build_lib.Run:
   tokens = build_lib.prepare_tokens(config)
   model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
   k, per_update, total = stage_plan(config)
-  shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
+  shapes = model.param_shapes(model_cfg)
   tx, owned = method(config, mesh.size, shapes)
   loss = lambda p, b: model.loss_fn(p, model_cfg, b)
   budgets, k_max = _budgets(config, mesh.size, k)
@@ -121,7 +121,7 @@ def source_step(config, model_cfg: model.GPTConfig, num_devices: int):
   it reads that run's checkpoints (written on any device count) and exports them
   (:meth:`acco_jax.dp.step.TrainStep.export_state`; ``ckpt.init_from``)."""
   mesh = parallel.make_mesh(num_devices)
-  shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
+  shapes = model.param_shapes(model_cfg)
   no_loss = lambda p, b: 0.0  # the step is not run: its stage program is never traced
   tx, owned = method(config, mesh.size, shapes)
   step = make_train_step(no_loss, tx, mesh, num_microbatches=1, params=shapes, owned=owned,

@@ -30,7 +30,7 @@ def save_params(path: str, params) -> None:
 
 
 def load_params(path: str, cfg: model.GPTConfig):
-  shapes = jax.eval_shape(lambda: model.init_params(cfg, 0))
+  shapes = model.param_shapes(cfg)
   with np.load(path) as f:
     leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
   return jax.tree.unflatten(jax.tree.structure(shapes), leaves)

@@ -8,7 +8,6 @@ one-line :class:`acco_jax.errors.UserError` s.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import optax
 
@@ -35,7 +34,7 @@ def build_run(config) -> build_lib.Run:
   tokens = build_lib.prepare_tokens(config)
   model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
   k = int(config.batch.microbatches)
-  shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
+  shapes = model.param_shapes(model_cfg)
   dp_build.comm_args(config, mesh.size, shapes)  # refuses comm.quantize: LoCo syncs its own way
   layout, owned, view = _inner_layout(config, mesh.shape["data"], shapes)
   inner = build_lib.inner_optimizer(config, shapes, view=view)

@@ -4,7 +4,6 @@ and the step ``ckpt.init_from`` reads a pipeline run's checkpoints with."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -109,7 +108,7 @@ def _split_and_tx(config, model_cfg, stages: int, lanes: int):
   counts = packing_lib.stage_counts(
     model_cfg, stages, p.get("blocks_per_stage", "auto"), equal=p.schedule == "skippipe"
   )
-  shapes = jax.eval_shape(lambda: model.init_params(model_cfg, 0))
+  shapes = model.param_shapes(model_cfg)
   matrices = whole_matrices(config, shapes)
   buffers = pipe.packing_for(shapes, stages, counts, lanes, matrices)
   tx = build_lib.inner_optimizer(config, shapes, view=buffers.view_mask)
