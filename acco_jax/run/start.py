@@ -24,6 +24,10 @@ from acco_jax.run import checkpoint
 from acco_jax.run import init_from as init_from_lib
 from acco_jax.run.build import Run, check_comm, check_vocab, prime_batch
 
+# one program for the initialisation (run eagerly, each initializer op compiles on its own: dozens of
+# small programs, cache lookups when warm); the seed traced, one compile per model
+_init_params = jax.jit(model.init_params, static_argnums=0)
+
 
 class Begun(NamedTuple):
   """What the stage loop starts from."""
@@ -100,7 +104,7 @@ def restore_or_init(
       print(started.line, flush=True)
   else:
     start = 0
-    params = model.init_params(run.model_cfg, config.train.seed)
+    params = _init_params(run.model_cfg, config.train.seed)
     if init_params is not None:
       params = jax.tree.map(lambda p, q: jnp.asarray(q, p.dtype), params, init_params)
     state = train.init(params, prime_batch(run, config))  # a delayed method primes its buffer
