@@ -11,7 +11,7 @@ from acco_jax.loco import build as loco_build
 from acco_jax.run import report, trainer
 from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_demo, gpt2_diloco, gpt2_noloco, gpt2_sparseloco, gpt2_streaming_diloco
-from tests.train_test import rows
+from tests.train_test import SMALL, rows
 from tests.train_test import tiny as _tiny
 
 
@@ -73,9 +73,9 @@ def _final_state(workdir, config):
 def test_streaming_resume_from_a_checkpoint_with_a_fragment_in_flight(tmp_path):
   # H = 4, 2 fragments, tau = 1: fragment 0 is sent after step 1 and applied at step 2, so a
   # stop at stage 2 leaves it in flight in the checkpoint
-  config = tiny(
-    gpt2_streaming_diloco, **{"loco.workers": 2, "train.log_every": 1, "opt.warmup_updates": 0}
-  )
+  # the loop's bookkeeping: narrow blocks, two of them (one per fragment)
+  config = tiny(gpt2_streaming_diloco, **SMALL, **{
+    "model.N": 2, "loco.workers": 2, "train.log_every": 1, "opt.warmup_updates": 0})  # fmt: skip
   whole = trainer.train_and_evaluate(config, str(tmp_path / "whole"))
   first = trainer.train_and_evaluate(config, str(tmp_path / "split"), max_stages=2)
   assert first["stopped"] == 2
@@ -120,15 +120,15 @@ def test_sparseloco_logs_bytes_and_density_and_checkpoints_its_error_feedback(tm
 def test_a_diverging_worker_stops_the_run(tmp_path):
   """The per-worker non-finite flags (kept per worker on the devices, reduced on the host at a log
   line) stop the run like the data-parallel methods' flag does."""
-  config = tiny(gpt2_diloco, **{"loco.workers": 4, "opt.lr": 1e9})
+  config = tiny(gpt2_diloco, **SMALL, **{"loco.workers": 4, "opt.lr": 1e9})
   with pytest.raises(FloatingPointError, match="non-finite loss before stage"):
     trainer.train_and_evaluate(config, str(tmp_path))
 
 
 def test_restoring_onto_other_workers_is_a_clear_error(tmp_path):
-  config = tiny(gpt2_diloco, **{"loco.workers": 4})
+  config = tiny(gpt2_diloco, **SMALL, **{"loco.workers": 4})
   trainer.train_and_evaluate(config, str(tmp_path), max_stages=3)
-  config = tiny(gpt2_diloco, **{"loco.workers": 2})
+  config = tiny(gpt2_diloco, **SMALL, **{"loco.workers": 2})
   with pytest.raises(errors.UserValueError, match=r"written by 4 workers x 2 devices.*workers=4"):
     trainer.train_and_evaluate(config, str(tmp_path))
 
