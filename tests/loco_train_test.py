@@ -74,7 +74,7 @@ def test_streaming_resume_from_a_checkpoint_with_a_fragment_in_flight(tmp_path):
   # H = 4, 2 fragments, tau = 1: fragment 0 is sent after step 1 and applied at step 2, so a
   # stop at stage 2 leaves it in flight in the checkpoint
   # the loop's bookkeeping: narrow blocks, two of them (one per fragment)
-  config = tiny(gpt2_streaming_diloco, **SMALL, **{
+  config = tiny(gpt2_streaming_diloco, **{**SMALL,
     "model.N": 2, "loco.workers": 2, "train.log_every": 1, "opt.warmup_updates": 0})  # fmt: skip
   whole = trainer.train_and_evaluate(config, str(tmp_path / "whole"))
   first = trainer.train_and_evaluate(config, str(tmp_path / "split"), max_stages=2)
