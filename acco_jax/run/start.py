@@ -11,6 +11,7 @@ times as large, and the data continues from the same number of consumed rows
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -18,15 +19,22 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from acco_jax import data, model
 from acco_jax.run import checkpoint
 from acco_jax.run import init_from as init_from_lib
 from acco_jax.run.build import Run, check_comm, check_vocab, prime_batch
 
-# one program for the initialisation (run eagerly, each initializer op compiles on its own: dozens of
-# small programs, cache lookups when warm); the seed traced, one compile per model
-_init_params = jax.jit(model.init_params, static_argnums=0)
+
+@functools.lru_cache(maxsize=8)
+def _initializer(mesh):
+  """``init_params`` as one program (eagerly, each initializer op compiles on its own: dozens of
+  small programs), the seed traced, its output replicated over ``mesh``: the step's ``init`` then
+  slices it into its shardings inside its own program (an array on one device would be cut into
+  each device's piece by one small slicing program per leaf shape)."""
+  return jax.jit(model.init_params, static_argnums=0, out_shardings=NamedSharding(mesh, P()))
 
 
 class Begun(NamedTuple):
@@ -104,9 +112,10 @@ def restore_or_init(
       print(started.line, flush=True)
   else:
     start = 0
-    params = _init_params(run.model_cfg, config.train.seed)
+    params = _initializer(run.mesh)(run.model_cfg, config.train.seed)
     if init_params is not None:
-      params = jax.tree.map(lambda p, q: jnp.asarray(q, p.dtype), params, init_params)
+      params = jax.tree.map(lambda p, q: jax.device_put(jnp.asarray(q, p.dtype), p.sharding),
+                            params, init_params)  # fmt: skip
     state = train.init(params, prime_batch(run, config))  # a delayed method primes its buffer
   if not resumed:
     events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
