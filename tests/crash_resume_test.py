@@ -16,7 +16,8 @@ and the comparison count *logged rows*, not stages: the rows are the stages that
 same set in both runs (the plan is a function of the steps done, so a resumed run makes the same
 calls), and a kill inside a multi-stage call resumes from the checkpoint before it.
 
-A persistent compilation cache, filled by the reference run, keeps each restart to a few seconds.
+The session's persistent compilation cache, filled by the reference run where other tests have not
+already, keeps each restart to a few seconds.
 """
 
 from __future__ import annotations
@@ -177,10 +178,13 @@ def train_cmd(method: str, workdir: pathlib.Path) -> list[str]:
 
 
 def train_env(compile_cache: pathlib.Path) -> dict[str, str]:
+  """The runs' environment: 8 CPU devices, every program cached in the session's compilation cache
+  (tests/conftest.py; programs of the same shapes compiled by other tests are reused) or, outside
+  a session, in ``compile_cache``."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
   flags = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
   env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=8"])
-  env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", str(compile_cache))
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
   return env
