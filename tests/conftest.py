@@ -72,9 +72,32 @@ def no_network(monkeypatch):
 # each other: dist.timeout_s 300 s at start-up, jax.distributed's heartbeats 100 s, XLA:CPU's
 # collectives 900 s, a 240 s bound on a 15 s run).
 SERIAL_MODULES = ("c4_test", "health_test", "preemption_test")
+# Slow modules whose tests take a minute or more each on 2 cores, longest first: the slow run
+# starts them first (the workers steal the short tests from each other's queues at the end), so
+# that no long test starts last while the other workers have nothing left to run.
+LONG_FIRST = (
+  "crash_resume_test",
+  "loco_acco_test",
+  "init_from_test",
+  "pipeline_multiprocess_test",
+  "gpu_throughput_test",
+  "loco_overlap_bench_test",
+  "loco_train_test",
+)
+
+
+def _module(item) -> str:
+  return item.module.__name__.split(".")[-1]
 
 
 def pytest_collection_modifyitems(items):
   for item in items:
-    if item.get_closest_marker("slow") and item.module.__name__.split(".")[-1] in SERIAL_MODULES:
+    if item.get_closest_marker("slow") and _module(item) in SERIAL_MODULES:
       item.add_marker(pytest.mark.serial)
+
+  def rank(item):  # the same order in every worker (xdist checks), the rest as collected
+    if not item.get_closest_marker("slow") or _module(item) not in LONG_FIRST:
+      return len(LONG_FIRST)
+    return LONG_FIRST.index(_module(item))
+
+  items.sort(key=rank)
