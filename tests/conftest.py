@@ -72,9 +72,9 @@ def no_network(monkeypatch):
 # each other: dist.timeout_s 300 s at start-up, jax.distributed's heartbeats 100 s, XLA:CPU's
 # collectives 900 s, a 240 s bound on a 15 s run).
 SERIAL_MODULES = ("c4_test", "health_test", "preemption_test")
-# Slow modules whose tests take a minute or more each on 2 cores, longest first: the slow run
-# starts them first (the workers steal the short tests from each other's queues at the end), so
-# that no long test starts last while the other workers have nothing left to run.
+# The slow modules with the longest tests (half a minute to two minutes each on 2 cores), longest
+# first: the slow run starts them first (the workers steal the short tests from each other's queues
+# at the end), so that no long test starts last while the other workers have nothing left to run.
 LONG_FIRST = (
   "crash_resume_test",
   "loco_acco_test",

@@ -74,17 +74,17 @@ assert "torch" not in sys.modules and not os.path.exists(os.environ["TORCH_MARK"
 
 
 def test_torch_imported_before_or_after_the_writer_is_the_real_module(tmp_path):
-  before = """
-import sys, tempfile, torch
+  before = f"""
+import sys, torch
 from acco_jax.run import metrics
-metrics.MetricWriter(tempfile.mkdtemp()).close()
+metrics.MetricWriter({str(tmp_path / "before")!r}).close()
 assert sys.modules["torch"] is torch
 """
   assert run_python(before, tmp_path)
-  after = """
-import sys, tempfile
+  after = f"""
+import sys
 from acco_jax.run import metrics
-metrics.MetricWriter(tempfile.mkdtemp()).close()
+metrics.MetricWriter({str(tmp_path / "after")!r}).close()
 assert "torch" not in sys.modules
 import torch
 assert sys.modules["torch"] is torch
