@@ -9,7 +9,6 @@ config, the flags, the files or the environment ends the run before it starts, w
 """
 
 import os
-import subprocess
 import sys
 import traceback
 
@@ -71,23 +70,6 @@ def _parse_flags(argv: list[str]) -> list[str]:
     )
 
 
-def _check_xla_flags(known: set[str]) -> None:
-  """XLA ends the process on an unknown flag in ``XLA_FLAGS`` with its own log line, before Python
-  can catch anything. Flags this project does not set itself are tried first in a CPU-only child
-  process (about a second), so that a typo is a one-line error here."""
-  names = {f.split("=")[0] for f in os.environ.get("XLA_FLAGS", "").split()}
-  if not names - known:
-    return
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  probe = subprocess.run(
-    [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True
-  )
-  if probe.returncode:
-    reason = [line for line in probe.stderr.splitlines() if "XLA_FLAGS" in line]
-    reason = reason[-1].split("] ", 1)[-1] if reason else probe.stderr.strip()[-300:]
-    _user_error(f"{reason}: remove or correct it in the XLA_FLAGS environment variable")
-
-
 def main(argv):
   if len(argv) > 1:
     _user_error(
@@ -103,10 +85,8 @@ def main(argv):
   from acco_jax import errors
   from acco_jax.run import compile_cache, health, monitor, parallel  # backend not started yet
 
-  known = {f.split("=")[0] for f in parallel.GPU_OVERLAP_FLAGS}
-  cpu = {"--xla_force_host_platform_device_count", "--xla_backend_optimization_level"}  # tests' own
-  _check_xla_flags(known | cpu)
   try:
+    parallel.check_xla_flags(remember_in=compile_cache.base_dir(config.compile.cache_dir))
     parallel.configure_platform(cpu_devices=config.mesh.cpu_devices)
     try:  # health.exclude=auto: the launch's processes less those health.json names
       launch, dist = health.exclusion(

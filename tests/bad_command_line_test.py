@@ -129,3 +129,43 @@ def test_help_exits_zero():
 def test_cuda_platform_without_cuda(tmp_path):
   line = train_py("--config", TINY, "--workdir", str(tmp_path), env={"JAX_PLATFORMS": "cuda"})
   assert line.startswith("error: JAX has no usable backend for JAX_PLATFORMS='cuda': "), line
+
+
+def test_xla_flags_probe_runs_once_per_setting_that_passed(tmp_path, monkeypatch):
+  """Flags the project does not know cost a child process once per jaxlib and setting, not per
+  launch; a refused setting is never remembered; without a cache directory every launch probes."""
+  from acco_jax import errors
+  from acco_jax.run import parallel
+
+  children = []
+
+  def child(cmd, **kwargs):  # the probe: refuses what names 'bogus', as XLA would
+    children.append(kwargs["env"]["XLA_FLAGS"])
+    bad = "bogus" in kwargs["env"]["XLA_FLAGS"]
+    stderr = "F1129 parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS: --xla_bogus=1\n"
+    return subprocess.CompletedProcess(cmd, int(bad), "", stderr if bad else "")
+
+  monkeypatch.setattr(parallel.subprocess, "run", child)
+
+  def check(flags, cache=str(tmp_path / "cache")):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    parallel.check_xla_flags(remember_in=cache)
+
+  check("--xla_force_host_platform_device_count=8")  # the project's own: no child
+  assert children == []
+  fast = "--xla_force_host_platform_device_count=8 --xla_cpu_enable_fast_math=false"
+  check(fast)
+  check(fast)
+  check(" ".join(reversed(fast.split())))  # the same setting in another order
+  assert children == [fast]
+  check("--xla_cpu_enable_fast_math=true")  # another setting: probed
+  assert len(children) == 2
+  for _ in range(2):
+    with pytest.raises(
+      errors.UserError, match=r"^Unknown flag in XLA_FLAGS: --xla_bogus=1: remove"
+    ):
+      check("--xla_bogus=1")
+  assert len(children) == 4
+  check(fast, cache=None)
+  check(fast, cache=None)
+  assert len(children) == 6

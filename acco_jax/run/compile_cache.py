@@ -45,6 +45,15 @@ def default_dir() -> str:
   return os.path.join(base, "acco_jax", "xla")
 
 
+def base_dir(cache_dir: str) -> str | None:
+  """The directory that ``compile.cache_dir`` names (``auto``: :func:`default_dir`; ``''``: None),
+  absolute, ``~`` expanded. The executables go in a subdirectory per :func:`machine_tag`."""
+  if not cache_dir:
+    return None
+  base = default_dir() if cache_dir == "auto" else os.path.expanduser(cache_dir)
+  return os.path.abspath(base)
+
+
 def machine_tag() -> str:
   """The devices' platform and kind, and on CPUs a hash of the processor's feature flags."""
   device = jax.devices()[0]
@@ -88,11 +97,11 @@ def configure(cache_dir: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str | No
   Returns:
     The directory the cache uses (``cache_dir`` / :func:`machine_tag`), or None when it is off.
   """
-  if not cache_dir:
+  base = base_dir(cache_dir)
+  if base is None:
     jax.config.update("jax_enable_compilation_cache", False)
     return None
-  base = default_dir() if cache_dir == "auto" else os.path.expanduser(cache_dir)
-  path = os.path.join(os.path.abspath(base), machine_tag())
+  path = os.path.join(base, machine_tag())
   if jax.config.jax_compilation_cache_dir == path and jax.config.jax_enable_compilation_cache:
     return path
   reason = _writable(path)

@@ -6,8 +6,14 @@ algorithm. The data axis name lives here (:data:`DATA`) and is what every method
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import jax
@@ -110,6 +116,55 @@ def _add_xla_flags(flags) -> None:
   names = {f.split("=")[0] for f in current.split()}
   extra = [f for f in flags if f.split("=")[0] not in names]  # the user's own settings win
   os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+
+
+# XLA flags the project sets or the tests pass (8 simulated devices, an optimisation level):
+# not probed by :func:`check_xla_flags`
+_OWN_FLAGS = frozenset(
+  [f.split("=")[0] for f in GPU_OVERLAP_FLAGS]
+  + ["--xla_force_host_platform_device_count", "--xla_backend_optimization_level"]
+)
+
+
+def check_xla_flags(*, remember_in: str | None = None) -> None:
+  """Raises :class:`~acco_jax.errors.UserError` when ``XLA_FLAGS`` would end the process.
+
+  XLA ends the process on an unknown flag or a value it cannot parse, with its own log line, when
+  the backend starts: before Python can catch anything. Unless every flag is one of the project's
+  own, the backend is started first in a CPU-only child process (about a second), so that a typo
+  is a one-line error. A setting that passed is remembered in ``remember_in`` (the compilation
+  cache's directory; None: not remembered), keyed by the jaxlib and the flags: the next launch with
+  the same flags skips the child. Call it before the backend starts.
+  """
+  given = os.environ.get("XLA_FLAGS", "").split()
+  if all(f.split("=")[0] in _OWN_FLAGS for f in given):
+    return
+  passed = None
+  if remember_in:
+    try:
+      jaxlib = [importlib.metadata.version("jaxlib"), importlib.util.find_spec("jaxlib").origin]
+    except (ImportError, AttributeError, ValueError):  # no jaxlib to name: probe every time
+      jaxlib = None
+    if jaxlib:
+      key = hashlib.sha256(json.dumps([*jaxlib, *sorted(given)]).encode()).hexdigest()[:20]
+      passed = os.path.join(remember_in, "xla-flags-passed", key)
+      if os.path.exists(passed):
+        return
+  probe = subprocess.run(
+    [sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, text=True,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )  # fmt: skip
+  if probe.returncode:
+    reason = [line for line in probe.stderr.splitlines() if "XLA_FLAGS" in line]
+    reason = reason[-1].split("] ", 1)[-1] if reason else probe.stderr.strip()[-300:]
+    raise errors.UserError(f"{reason}: remove or correct it in the XLA_FLAGS environment variable")
+  if passed:
+    try:
+      os.makedirs(os.path.dirname(passed), exist_ok=True)
+      with open(passed, "w") as f:
+        f.write(" ".join(given) + "\n")
+    except OSError:  # an unwritable cache: probe again next time
+      pass
 
 
 def configure_platform(*, cpu_devices: int = 0, gpu_overlap: bool = True) -> None:
