@@ -1,4 +1,4 @@
-"""The GPT of :mod:`acco_jax.model` in pieces: embedding, one block, head and loss.
+"""The model of :mod:`acco_jax.model` in pieces: embedding, blocks in any order, head and loss.
 
 :func:`acco_jax.model.loss_fn` runs every block in order. Pipelines and SkipPipe's partial paths need
 the pieces apart: stage 0 embeds and, at the end of a path, takes the head and the loss; every stage
@@ -26,39 +26,20 @@ Usage:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from acco_jax import model
 
 Params = model.Params
 
 
-@functools.lru_cache(maxsize=32)
-def _graphdefs(cfg: model.GPTConfig):
-  """Graph definitions of one block and of the final LayerNorm (abstract, nothing allocated)."""
-  block_def, _ = nnx.split(nnx.eval_shape(lambda: model.Block(cfg, rngs=nnx.Rngs(0))))
-  dt = jnp.dtype(cfg.dtype)
-  ln_def, _ = nnx.split(
-    nnx.eval_shape(lambda: nnx.LayerNorm(cfg.D, epsilon=cfg.ln_eps, dtype=dt, rngs=nnx.Rngs(0)))
-  )
-  return block_def, ln_def
-
-
-def _check(cfg: model.GPTConfig) -> None:
+def _check(cfg: model.ModelConfig) -> None:
   if cfg.dropout > 0:
     raise ValueError(
       f"dropout={cfg.dropout}: the model's pieces (acco_jax.layers) run deterministically; set "
       "model.dropout=0 for pipelines and layer orders"
     )
-
-
-def _cast(tree, cfg: model.GPTConfig):
-  dt = jnp.dtype(cfg.dtype)
-  return jax.tree.map(lambda p: jnp.asarray(p).astype(dt), tree)
 
 
 def stack_blocks(blocks: Params) -> Params:
@@ -73,23 +54,22 @@ def unstack_blocks(blocks_N: Params) -> Params:
   return {str(i): jax.tree.map(lambda p, i=i: p[i], blocks_N) for i in range(n)}
 
 
-def embed(params: Params, cfg: model.GPTConfig, tokens_BxL) -> jax.Array:
-  """Token plus position embedding, in the compute dtype: [B, L', D]."""
+def embed(params: Params, cfg: model.ModelConfig, tokens_BxL) -> jax.Array:
+  """The architecture's embedding of ``tokens_BxL`` (``params``: the model's or its shared part),
+  in the compute dtype: [B, L', D]."""
   _check(cfg)
-  L = tokens_BxL.shape[1]
-  wte_VxD = _cast(params["wte"]["embedding"], cfg)
-  wpe_LxD = _cast(params["wpe"]["embedding"], cfg)
-  return wte_VxD[tokens_BxL] + wpe_LxD[:L][None]
+  return model.embed(model.shared(params), cfg, tokens_BxL)
 
 
-def block(block_params: Params, cfg: model.GPTConfig, x_BxLxD) -> jax.Array:
-  """One pre-LayerNorm transformer block (``model.Block``) applied to ``x_BxLxD``."""
+def block(block_params: Params, cfg: model.ModelConfig, x_BxLxD, layer=0) -> jax.Array:
+  """Block ``layer`` of the model (parameters ``block_params``) applied to ``x_BxLxD``."""
   _check(cfg)
-  block_def, _ = _graphdefs(cfg)
-  return nnx.merge(block_def, _cast(block_params, cfg))(x_BxLxD, None, True)
+  return model.block(block_params, cfg, x_BxLxD, model.context(x_BxLxD[..., 0], layer))
 
 
-def run_blocks(blocks_N: Params, cfg: model.GPTConfig, x_BxLxD, order_K, count=None) -> jax.Array:
+def run_blocks(
+  blocks_N: Params, cfg: model.ModelConfig, x_BxLxD, order_K, count=None, first_layer=0
+) -> jax.Array:
   """Applies the stacked blocks in the order ``order_K`` (int [K]; K = 0 is the identity map).
 
   Args:
@@ -100,13 +80,18 @@ def run_blocks(blocks_N: Params, cfg: model.GPTConfig, x_BxLxD, order_K, count=N
     count: if given (a traced or concrete int), only the first ``count`` entries of ``order_K``
       run; the others are skipped by a ``lax.cond`` (not computed; zero gradients). A pipeline
       stage with fewer blocks than the largest runs this way.
+    first_layer: the model's index of ``blocks_N[0]`` (a pipeline stage's first block; traced or
+      concrete): block ``order_K[k]`` is the model's ``first_layer + order_K[k]`` (the layer an
+      architecture may treat apart, e.g. GPT-Neo's local blocks).
 
   Returns:
     The residual stream after the K (or ``count``) blocks.
   """
+  _check(cfg)
 
   def apply(x_BxLxD, i):
-    return block(jax.tree.map(lambda p: p[i], blocks_N), cfg, x_BxLxD)
+    ctx = model.context(x_BxLxD[..., 0], first_layer + i)
+    return model.block(jax.tree.map(lambda p: p[i], blocks_N), cfg, x_BxLxD, ctx)
 
   # Under a per-slot cond XLA keeps what the backward reads slot by slot (with the attention's
   # causal mask, which a plain scan hoists out of the loop), so the skippable slot saves only its
@@ -129,14 +114,13 @@ def run_blocks(blocks_N: Params, cfg: model.GPTConfig, x_BxLxD, order_K, count=N
   return jax.lax.scan(one, x_BxLxD, (order_K, jnp.arange(order_K.shape[0])))[0]
 
 
-def head_logits(params: Params, cfg: model.GPTConfig, x_BxLxD) -> jax.Array:
-  """Final LayerNorm and the tied head: logits over the padded vocabulary, in the compute dtype."""
-  _, ln_def = _graphdefs(cfg)
-  x_BxLxD = nnx.merge(ln_def, _cast(params["ln_f"], cfg))(x_BxLxD)
-  return jnp.einsum("bld,vd->blv", x_BxLxD, _cast(params["wte"]["embedding"], cfg))
+def head_logits(params: Params, cfg: model.ModelConfig, x_BxLxD) -> jax.Array:
+  """The architecture's head (``params``: the model's or its shared part): logits over the padded
+  vocabulary, in the compute dtype."""
+  return model.head_logits(model.shared(params), cfg, x_BxLxD)
 
 
-def head_loss(params: Params, cfg: model.GPTConfig, x_BxLxD, batch: dict) -> tuple:
+def head_loss(params: Params, cfg: model.ModelConfig, x_BxLxD, batch: dict) -> tuple:
   """Head and mean cross-entropy over the weighted tokens, as :func:`acco_jax.model.loss_fn`.
 
   Returns:
@@ -145,19 +129,19 @@ def head_loss(params: Params, cfg: model.GPTConfig, x_BxLxD, batch: dict) -> tup
   return model.loss_from_logits(cfg, head_logits(params, cfg, x_BxLxD), batch)
 
 
-def loss_fn_ordered(params: Params, cfg: model.GPTConfig, batch: dict, order_K) -> tuple:
+def loss_fn_ordered(params: Params, cfg: model.ModelConfig, batch: dict, order_K) -> tuple:
   """``model.loss_fn`` with the blocks run in the order ``order_K`` (see the module docstring).
 
   Gradients reach ``params['blocks']`` through the stacking: a block absent from ``order_K`` gets
   zeros.
   """
   x_BxLxD = embed(params, cfg, batch["inputs"])
-  x_BxLxD = run_blocks(stack_blocks(params["blocks"]), cfg, x_BxLxD, order_K)
+  x_BxLxD = run_blocks(stack_blocks(params[model.BLOCKS]), cfg, x_BxLxD, order_K)
   return head_loss(params, cfg, x_BxLxD, batch)
 
 
-def apply_ordered(params: Params, cfg: model.GPTConfig, tokens_BxL, order_K) -> jax.Array:
+def apply_ordered(params: Params, cfg: model.ModelConfig, tokens_BxL, order_K) -> jax.Array:
   """``model.apply`` with the blocks run in the order ``order_K``: float32 logits [B, L', V]."""
   x_BxLxD = embed(params, cfg, tokens_BxL)
-  x_BxLxD = run_blocks(stack_blocks(params["blocks"]), cfg, x_BxLxD, order_K)
+  x_BxLxD = run_blocks(stack_blocks(params[model.BLOCKS]), cfg, x_BxLxD, order_K)
   return head_logits(params, cfg, x_BxLxD)[..., : cfg.V].astype(jnp.float32)

@@ -116,7 +116,7 @@ def optimizer_is_elementwise(config) -> bool:
   return config.opt.name != "muon"
 
 
-def source_step(config, model_cfg: model.GPTConfig, num_devices: int):
+def source_step(config, model_cfg: model.ModelConfig, num_devices: int):
   """The step of a run of ``config`` on this process's first ``num_devices`` devices, never run:
   it reads that run's checkpoints (written on any device count) and exports them
   (:meth:`acco_jax.dp.step.TrainStep.export_state`; ``ckpt.init_from``)."""

@@ -20,13 +20,13 @@ from acco_jax.ensemble import mixing
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _row_log_probs(params, cfg: model.GPTConfig, rows_BxS):
+def _row_log_probs(params, cfg: model.ModelConfig, rows_BxS):
   logits_BxLxV = model.apply(params, cfg, rows_BxS[:, :-1])
   logp_BxLxV = jax.nn.log_softmax(logits_BxLxV, axis=-1)
   return jnp.take_along_axis(logp_BxLxV, rows_BxS[:, 1:, None], axis=-1)[..., 0]
 
 
-def token_log_probs(params, cfg: model.GPTConfig, rows_BxS: np.ndarray, chunk: int = 32):
+def token_log_probs(params, cfg: model.ModelConfig, rows_BxS: np.ndarray, chunk: int = 32):
   """``log p(row[t+1] | row[:t+1])`` for every row of ``S = L + 1`` tokens: float32 ``[B, L]``."""
   rows_BxS = np.asarray(rows_BxS, np.int32)
   out = []
@@ -66,12 +66,12 @@ def ensemble_perplexities(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _last_log_probs(params, cfg: model.GPTConfig, window_BxL, last):
+def _last_log_probs(params, cfg: model.ModelConfig, window_BxL, last):
   return jax.nn.log_softmax(model.apply(params, cfg, window_BxL)[:, last], axis=-1)
 
 
 def generate(
-  experts: Sequence[tuple[dict, model.GPTConfig]],
+  experts: Sequence[tuple[dict, model.ModelConfig]],
   prompt_tokens,
   num_new: int,
   key,

@@ -29,7 +29,7 @@ def save_params(path: str, params) -> None:
   os.replace(tmp, path)  # a kill leaves no half-written params.npz
 
 
-def load_params(path: str, cfg: model.GPTConfig):
+def load_params(path: str, cfg: model.ModelConfig):
   shapes = model.param_shapes(cfg)
   with np.load(path) as f:
     leaves = [f[f"arr_{i}"] for i in range(len(f.files))]

@@ -51,7 +51,7 @@ class Plan:
   experts: list[budgets.Expert]
   domains: list[budgets.Domain]
   sizes: dict[str, dict[str, int]]
-  model_cfgs: dict[str, model.GPTConfig]
+  model_cfgs: dict[str, model.ModelConfig]
   tokens: dict[str, data.TokenData]  # per domain name
   source_of: dict[str, str]
   tokens_per_step: int
@@ -76,7 +76,7 @@ def _list(spec: str) -> list[str]:
   return [s.strip() for s in spec.split(",") if s.strip()]
 
 
-def _model_cfg(config, overrides: dict[str, int], vocab: int) -> model.GPTConfig:
+def _model_cfg(config, overrides: dict[str, int], vocab: int) -> model.ModelConfig:
   fields = {k: config.model[k] for k in ("D", "N", "H", "F") if config.model[k]}
   fields.update(overrides)
   return model.get_config(

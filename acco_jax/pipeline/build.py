@@ -83,7 +83,7 @@ def updates_done(config, stage: int) -> int:
   return max(stage - 1, 0) // 2
 
 
-def scheduled_plan(config, model_cfg: model.GPTConfig, num_devices: int):
+def scheduled_plan(config, model_cfg: model.ModelConfig, num_devices: int):
   """The plan ``method=pipeline`` trains on ``num_devices`` devices
   (:class:`acco_jax.skippipe.plans.Planned`), or None unless ``pipeline.schedule=skippipe`` with
   ``pipeline.paths=scheduled``. ``bench/pipeline/skippipe.py --part plan`` prints the same."""
@@ -97,7 +97,7 @@ def scheduled_plan(config, model_cfg: model.GPTConfig, num_devices: int):
 
 def whole_matrices(config, shapes):
   """The block's matrices an optimizer updates whole (``opt.name=muon``: Muon's), or None."""
-  return model.muon_mask(shapes)["blocks"]["0"] if config.opt.name == "muon" else None
+  return model.muon_mask(shapes)[model.BLOCKS]["0"] if config.opt.name == "muon" else None
 
 
 def _split_and_tx(config, model_cfg, stages: int, lanes: int):
@@ -115,7 +115,7 @@ def _split_and_tx(config, model_cfg, stages: int, lanes: int):
   return counts, shapes, tx if matrices is None else packing_lib.on_view(tx, buffers)
 
 
-def source_step(config, model_cfg: model.GPTConfig, num_devices: int) -> carry.SourceStep:
+def source_step(config, model_cfg: model.ModelConfig, num_devices: int) -> carry.SourceStep:
   """The step of a pipeline run of ``config`` as ``ckpt.init_from`` reads its checkpoints: the
   state's structure and its export (no mesh: it is never run)."""
   stages = int(config.pipeline.stages)

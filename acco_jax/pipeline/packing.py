@@ -9,15 +9,16 @@ group ``g`` (``decay``: matrices and embeddings; ``nodecay``: biases and LayerNo
 
 .. code-block:: none
 
-  stage 0   [ block 0 | ... | block c_0 - 1 | wte  wpe  ln_f | zeros ]
+  stage 0   [ block 0 | ... | block c_0 - 1 |    shared     | zeros ]
   stage s   [ block a_s | ... | block a_s + c_s - 1 |            zeros ]      a_s = c_0 + ... + c_{s-1}
             <- slot 0 -><- ... (K slots of one block's g-elements) ->
   P_g = max(K * block_g, c_0 * block_g + shared_g), rounded up to a multiple of ``multiple``
 
 ``c_s`` blocks on stage ``s`` (``counts``), ``K = max_s c_s``. Inside the step every stage reads the
 same views at the same offsets (one SPMD program): :meth:`StagePacking.blocks` reads the K slots as
-stacked blocks (stage ``s`` runs the first ``c_s``), :meth:`StagePacking.shared` reads the embedding,
-position embedding and final LayerNorm at stage 0's offset. On stage 0 the slots ``c_0 .. K-1``
+stacked blocks (stage ``s`` runs the first ``c_s``), :meth:`StagePacking.shared` reads the shared
+parameters (``model.shared``: the embeddings, final norm and an untied head, whatever the
+architecture names them) at stage 0's offset. On stage 0 the slots ``c_0 .. K-1``
 overlap the shared leaves and are never run; on the other stages the shared view is never used. The
 gradient of a buffer is the pull-back of both views (:meth:`StagePacking.grads`), so overlapping reads
 add up and unused ones add zeros.
@@ -118,10 +119,12 @@ def parse_counts(spec: str, num_blocks: int, num_stages: int) -> tuple[int, ...]
   return counts
 
 
-def head_cost(cfg: model.GPTConfig) -> float:
-  """The head's forward FLOPs per token in units of one block's (``2 V D`` against ``24 D^2``
-  for the projections and MLP plus ``4 L D`` for attention's two products)."""
-  return 2 * cfg.padded_vocab * cfg.D / (24 * cfg.D**2 + 4 * cfg.L * cfg.D)
+def head_cost(cfg: model.ModelConfig) -> float:
+  """The head's forward FLOPs per token in units of one block's: ``2 V D`` (padded rows
+  included: they are computed) against a block's share of the architecture's forward FLOPs
+  (:func:`acco_jax.model.flops_per_token`, a third of them, less the head's ``2 V D``)."""
+  forward = model.flops_per_token(cfg) / 3 - 2 * cfg.V * cfg.D
+  return 2 * cfg.padded_vocab * cfg.D / (forward / cfg.N)
 
 
 def balanced_counts_for(num_blocks: int, num_stages: int, head: float) -> tuple[int, ...]:
@@ -145,7 +148,7 @@ def balanced_counts_for(num_blocks: int, num_stages: int, head: float) -> tuple[
   return best[1]
 
 
-def balanced_counts(cfg: model.GPTConfig, num_stages: int) -> tuple[int, ...]:
+def balanced_counts(cfg: model.ModelConfig, num_stages: int) -> tuple[int, ...]:
   """:func:`balanced_counts_for` with the head's cost from the model's shapes."""
   return balanced_counts_for(cfg.N, num_stages, head_cost(cfg))
 
@@ -174,7 +177,7 @@ class StagePacking:
 
   def __init__(self, params_like, counts, multiple: int = 1, matrices=None):
     counts = tuple(int(c) for c in counts)
-    blocks = params_like["blocks"]
+    blocks = params_like[model.BLOCKS]
     if min(counts) < 1 or sum(counts) != len(blocks):
       raise ValueError(f"counts {counts} must be >= 1 and sum to {len(blocks)} blocks")
     dtypes = {jnp.dtype(x.dtype) for x in jax.tree.leaves(params_like)}
@@ -184,7 +187,7 @@ class StagePacking:
     self.counts, self.num_stages = counts, len(counts)
     self.starts = tuple(int(x) for x in np.cumsum((0, *counts[:-1])))
     self.slots = max(counts)
-    shared = {k: v for k, v in params_like.items() if k != "blocks"}
+    shared = model.shared(params_like)
     self._block, self._block_sizes = _leaves(blocks["0"], model.decay_mask(blocks["0"]), matrices)
     self._shared, shared_sizes = _leaves(shared, model.decay_mask(shared))
     self._shared_at = {g: counts[0] * self._block_sizes[g] for g in GROUPS}
@@ -214,7 +217,7 @@ class StagePacking:
       parts = {g: [] for g in self.sizes}
       for b in range(a, a + c):
         for leaf in self._block:
-          parts[leaf.group].append(_get(params["blocks"][str(b)], leaf.path).reshape(-1))
+          parts[leaf.group].append(_get(params[model.BLOCKS][str(b)], leaf.path).reshape(-1))
       if s == 0:
         for leaf in self._shared:
           parts[leaf.group].append(_get(params, leaf.path).reshape(-1))
@@ -225,14 +228,14 @@ class StagePacking:
 
   def unpack(self, packed) -> dict:
     """``{g: [S, P_g]}`` -> the model's parameters (the inverse of :meth:`pack`)."""
-    out = {"blocks": {}}
+    out = {model.BLOCKS: {}}
     for s, (a, c) in enumerate(zip(self.starts, self.counts, strict=True)):
       for k, b in enumerate(range(a, a + c)):
         block = {}
         for leaf in self._block:
           at = k * self._block_sizes[leaf.group] + leaf.offset
           _set(block, leaf.path, packed[leaf.group][s, at : at + leaf.size].reshape(leaf.shape))
-        out["blocks"][str(b)] = block
+        out[model.BLOCKS][str(b)] = block
     for leaf in self._shared:
       at = self._shared_at[leaf.group] + leaf.offset
       _set(out, leaf.path, packed[leaf.group][0, at : at + leaf.size].reshape(leaf.shape))
@@ -250,7 +253,7 @@ class StagePacking:
     return out
 
   def shared(self, local) -> dict:
-    """One stage's ``{g: [P_g]}`` -> ``{wte, wpe, ln_f}`` at stage 0's offsets."""
+    """One stage's ``{g: [P_g]}`` -> the shared parameters (``model.shared``) at stage 0's offsets."""
     out = {}
     for leaf in self._shared:
       at = self._shared_at[leaf.group] + leaf.offset
@@ -304,8 +307,8 @@ class StagePacking:
     :meth:`view`'s structure: each matrix leaf its own value, each other buffer the value its
     leaves share (a mask that splits a buffer is an error)."""
     out = {}
-    block = mask["blocks"]["0"]
-    shared = {k: v for k, v in mask.items() if k != "blocks"}
+    block = mask[model.BLOCKS]["0"]
+    shared = model.shared(mask)
     for g in self.sizes:
       if g == MATRICES:
         out[g] = {}
@@ -338,7 +341,9 @@ def on_view(tx, packing: StagePacking) -> optax.GradientTransformationExtraArgs:
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def stage_counts(cfg: model.GPTConfig, num_stages: int, spec: str, equal: bool) -> tuple[int, ...]:
+def stage_counts(
+  cfg: model.ModelConfig, num_stages: int, spec: str, equal: bool
+) -> tuple[int, ...]:
   """The run's blocks per stage: ``spec`` if given, else equal stages when ``equal`` (and they
   divide the blocks), else :func:`balanced_counts`."""
   counts = parse_counts(spec, cfg.N, num_stages)

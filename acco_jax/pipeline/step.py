@@ -74,7 +74,7 @@ def packing_for(params_like, num_stages: int, counts=None, lanes: int = 1, matri
   """The :class:`acco_jax.pipeline.packing.StagePacking` of a model on ``num_stages`` stages:
   ``counts`` blocks per stage (default: equal stages), buffers a multiple of ``lanes`` long, and
   ``matrices`` (a block's mask) whole in slots that ``lanes`` divides."""
-  n = len(params_like["blocks"])
+  n = len(params_like[model.BLOCKS])
   counts = packing_lib.equal_counts(n, num_stages) if counts is None else counts
   return packing_lib.StagePacking(params_like, counts, multiple=lanes, matrices=matrices)
 
@@ -106,7 +106,7 @@ REDUCE = ("mean", "scatter", "none")
 
 
 def make_loss_and_grad(
-  cfg: model.GPTConfig, mesh, schedule: ticks.Schedule, packing, reduce: str = "mean"
+  cfg: model.ModelConfig, mesh, schedule: ticks.Schedule, packing, reduce: str = "mean"
 ):
   """``f(packed, batch) -> (loss, grads)``, jittable, for batches of shape [M, B, L].
 
@@ -146,6 +146,7 @@ def make_loss_and_grad(
   }
   perms = schedule.perms
   counts_S = jnp.asarray(packing.counts, jnp.int32)
+  starts_S = jnp.asarray(packing.starts, jnp.int32)
 
   def vary(x, names=axes):
     return jax.tree.map(lambda v: jax.lax.pcast(v, names, to="varying"), x)
@@ -162,7 +163,8 @@ def make_loss_and_grad(
     count = None if even else counts_S[jax.lax.axis_index(STAGE)]
     zero_x = vary(jnp.zeros((B, L, cfg.D), jnp.dtype(cfg.dtype)))
     order = jnp.arange(packing.slots)
-    run = lambda bl, x: layers.run_blocks(bl, cfg, x, order, count)
+    first_layer = starts_S[jax.lax.axis_index(STAGE)]  # the model's index of the stage's slot 0
+    run = lambda bl, x: layers.run_blocks(bl, cfg, x, order, count, first_layer)
 
     def first(bl, sh, mb):
       return run(bl, layers.embed(sh, cfg, batch["inputs"][mb]))

@@ -126,7 +126,7 @@ class PipelineTrainStep:
   keeps_residual = False
 
   def __init__(
-    self, cfg: model.GPTConfig, tx, mesh, schedule: ticks.Schedule, params_like, planned=None,
+    self, cfg: model.ModelConfig, tx, mesh, schedule: ticks.Schedule, params_like, planned=None,
     counts=None, data_method: str = "ddp", comm_dtype=jnp.float32, matrices=None,
   ):  # fmt: skip
     if data_method not in DATA_METHODS:
@@ -263,6 +263,11 @@ class PipelineTrainStep:
   def export_state(self, saved):
     """The portable form of a saved state (``ckpt.init_from``; :mod:`acco_jax.pipeline.carry`)."""
     return carry.export_state(self.packing, self.data_method, saved)
+
+  def export_params(self, saved):
+    """The committed parameters of a saved state, every stage's blocks gathered into the model's
+    structure (float32 numpy)."""
+    return self.export_state(saved).params
 
   def import_state(self, portable, stage: int, microbatch=None) -> PipeState:
     """This run's state from the portable form, at ``stage`` (:mod:`acco_jax.pipeline.carry`;

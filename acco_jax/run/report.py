@@ -21,7 +21,7 @@ from acco_jax.run import parallel
 from acco_jax.run.build import Run, batch_stream, updates_done
 
 
-def eval_function(cfg: model.GPTConfig, order=None):
+def eval_function(cfg: model.ModelConfig, order=None):
   """Jitted ``(params, batch) -> aux`` of the model, or of its blocks run in ``order`` (int array of
   block indices: a half model, a SkipPipe path; None runs every block in order)."""
   if order is None:

@@ -31,7 +31,7 @@ from acco_jax.skippipe import paths, plans
 MODES = ("scheduled", "random")
 
 
-def ordered_loss(cfg: model.GPTConfig):
+def ordered_loss(cfg: model.ModelConfig):
   """The per-microbatch loss that runs ``mb['order'][0]`` (see the module docstring)."""
   return lambda params, mb: layers.loss_fn_ordered(params, cfg, mb, mb["order"][0])
 
@@ -47,7 +47,7 @@ class LayerOrders:
     rows_per_mb: rows per microbatch (B).
   """
 
-  def __init__(self, pcfg, cfg: model.GPTConfig, num_mb: int, rows_per_mb: int):
+  def __init__(self, pcfg, cfg: model.ModelConfig, num_mb: int, rows_per_mb: int):
     self.num_stages = int(pcfg.stages)
     self.blocks = cfg.N
     paths.check_stages(cfg.N, self.num_stages)

@@ -49,7 +49,7 @@ def settings(pcfg, num_nodes: int, num_mb: int, rows_per_mb: int, equal: bool) -
 
 
 def make(
-  pcfg, cfg: model.GPTConfig, num_nodes: int, num_mb: int, rows_per_mb: int, equal: bool = False
+  pcfg, cfg: model.ModelConfig, num_nodes: int, num_mb: int, rows_per_mb: int, equal: bool = False
 ) -> Planned:
   """The plan of a ``config.pipeline`` group (see the module docstring).
 

@@ -1,0 +1,30 @@
+"""The architectures a run can train: GPT-2, GPT-Neo and Llama, one module each.
+
+Each module implements :class:`acco_jax.models.base.Architecture`; :mod:`acco_jax.model` is the
+interface the rest of the package calls (it composes an architecture's pieces into the model).
+``model.arch`` in a config, or :attr:`~acco_jax.models.base.ModelConfig.arch`, picks one.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from acco_jax import errors
+from acco_jax.models import base, gpt2, gpt_neo, llama
+from acco_jax.models.base import ARCHS as ARCHS
+from acco_jax.models.base import ModelConfig as ModelConfig
+
+_BY_NAME: dict[str, ModuleType] = {"gpt2": gpt2, "gpt_neo": gpt_neo, "llama": llama}
+assert tuple(_BY_NAME) == ARCHS
+
+
+def get(arch: str) -> base.Architecture:
+  """The module of architecture ``arch`` (one-line error naming the others)."""
+  if arch not in _BY_NAME:
+    raise errors.UserValueError(f"model.arch={arch!r} is unknown: choose one of {', '.join(ARCHS)}")
+  return _BY_NAME[arch]
+
+
+def by_hf_model_type(model_type: str) -> str | None:
+  """The architecture whose Hugging Face ``model_type`` is ``model_type``, or None."""
+  return next((a for a, m in _BY_NAME.items() if m.HF_MODEL_TYPE == model_type), None)
