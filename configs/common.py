@@ -42,11 +42,19 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.comm.layout = "auto"  # auto | elementwise | owner
 
   c.model = ml_collections.ConfigDict()
-  c.model.size = "tiny"  # acco_jax.model.SIZES name; fields below override it when > 0
+  c.model.arch = "gpt2"  # gpt2 | gpt_neo | llama (acco_jax.models)
+  c.model.size = "tiny"  # a preset of the arch (acco_jax.model.sizes(arch)); fields below override
+  #                        it when > 0; 'hf': every size from model.init's config.json
   c.model.D = 0  # width
   c.model.N = 0  # layers
   c.model.H = 0  # heads
-  c.model.F = 0  # MLP width (0: 4*D)
+  c.model.F = 0  # MLP width (0: the preset's; gpt2, gpt_neo: 4*D)
+  c.model.kv_heads = 0  # llama: key/value heads of grouped-query attention (0: the preset's)
+  # Start from pretrained weights: 'hf:<dir>', a local Hugging Face directory (config.json,
+  # model.safetensors or its index; acco_jax.hf). Its config.json sets the architecture and sizes:
+  # model.arch/size/D/N/H/F/kv_heads must agree with it, or be left to it (model.size=hf). The run
+  # starts at update 0 with a fresh optimizer; data.tokenizer=hf takes the directory's tokenizer.
+  c.model.init = ""
   c.model.dtype = "bfloat16"  # compute dtype (params stay float32)
   c.model.remat = False  # rematerialise each block in the backward pass
   c.model.attention = "auto"  # auto | xla | cudnn
@@ -57,8 +65,10 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "embedded"  # embedded | text:<path or glob> | tfds:<name>[:<split>]
-  c.data.tokenizer = "bpe:2048"  # byte | gpt2 | bpe:<vocab size> (trained on the corpus, cached)
-  c.data.seq_len = 128  # tokens per row (the model's context)
+  # byte | gpt2 | bpe:<vocab size> (trained on the corpus, cached) | bpe:<path.json> |
+  # hf:<dir> (a Hugging Face directory's tokenizer.json) | hf (model.init's directory's)
+  c.data.tokenizer = "bpe:2048"
+  c.data.seq_len = 128  # tokens per row (the model's context; at most a pretrained model's)
   c.data.eval_fraction = 0.05  # share of documents held out for evaluation
   c.data.split_seed = 0  # which documents are held out (fixed across training seeds)
   c.data.cache_dir = ""  # token / tokenizer cache ('' = ~/.cache/acco_jax)

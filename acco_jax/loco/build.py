@@ -28,11 +28,29 @@ def build_run(config) -> build_lib.Run:
       f"pipeline.stages={config.pipeline.stages}: SkipPipe paths run with the data-parallel "
       f"methods (ddp, zero1, acco, dpu, wp), not {config.method}; set pipeline.stages=0"
     )
-  method = _check_loco(config)
   mesh = parallel.make_mesh(config.mesh.num_devices)
-  mesh = loco_lib.worker_mesh(config.loco.workers or mesh.size, list(mesh.devices.flat))
   tokens = build_lib.prepare_tokens(config)
   model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
+  train = _step(config, model_cfg, mesh, lambda p, b: model.loss_fn(p, model_cfg, b))
+  shapes = model.param_shapes(model_cfg)
+  total, k = config.train.num_updates, int(config.batch.microbatches)
+  axes = tuple(train.mesh.axis_names)
+  return build_lib.Run(
+    train.mesh, tokens, model_cfg, shapes, train, 1, total, k, None, axes, loco=True
+  )
+
+
+def source_step(config, model_cfg: model.ModelConfig, num_devices: int) -> loco_lib.LocoStep:
+  """The step of a LoCo run of ``config`` on this process's first ``num_devices`` devices (the
+  run's own count: its workers' states do not move onto another mesh), never run: it reads that
+  run's checkpoints and exports their global parameters (``python -m acco_jax.export``)."""
+  return _step(config, model_cfg, parallel.make_mesh(num_devices), lambda p, b: 0.0)
+
+
+def _step(config, model_cfg: model.ModelConfig, mesh, loss) -> loco_lib.LocoStep:
+  """The workers' step of ``config`` over ``mesh``'s devices, with the per-microbatch ``loss``."""
+  method = _check_loco(config)
+  mesh = loco_lib.worker_mesh(config.loco.workers or mesh.size, list(mesh.devices.flat))
   k = int(config.batch.microbatches)
   shapes = model.param_shapes(model_cfg)
   dp_build.comm_args(config, mesh.size, shapes)  # refuses comm.quantize: LoCo syncs its own way
@@ -45,18 +63,14 @@ def build_run(config) -> build_lib.Run:
   inner_tx = methods.get_method(
     config.loco.inner, inner, comm_dtype=jnp.dtype(config.comm_dtype), **kwargs
   )
-  loss = lambda p, b: model.loss_fn(p, model_cfg, b)
   try:
-    train = loco_lib.make_loco_step(
+    return loco_lib.make_loco_step(
       loss, inner_tx, method, mesh, num_microbatches=k, params=shapes, has_aux=True,
       skip_nonfinite=config.train.on_nonfinite == "skip", owned=owned,
       elementwise=dp_build.optimizer_is_elementwise(config),
     )  # fmt: skip
   except ValueError as e:  # a fragment layout the model cannot take
     raise errors.UserValueError(str(e)) from None
-  total = config.train.num_updates
-  axes = tuple(mesh.axis_names)
-  return build_lib.Run(mesh, tokens, model_cfg, shapes, train, 1, total, k, None, axes, loco=True)
 
 
 def _inner_layout(config, d: int, shapes):

@@ -318,6 +318,12 @@ class LocoStep(SyncAccounting):
     per-worker values."""
     return self.inner.replicated(x)
 
+  def export_params(self, saved: LocoState) -> PyTree:
+    """``θ_g`` of a checkpoint read as host arrays (this mesh's shapes), worker 0's copy (the same
+    on every worker), as float32 numpy leaves of the model's shapes."""
+    shards = jax.tree.map(lambda x: np.asarray(x)[0], saved.outer.params)
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), self.layout.from_shards(shards))
+
   def reshard(self, saved: LocoState):
     """Refuses a checkpoint of another mesh: workers hold diverged copies, no rule splits or
     merges them (the trainer's ``reshard=`` hook)."""

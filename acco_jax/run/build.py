@@ -13,6 +13,7 @@ one-line :class:`acco_jax.errors.UserError`.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import os
 from typing import Any, NamedTuple
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from acco_jax import data, errors, model
 from acco_jax.data.tokenizer import declared_vocab_size
-from acco_jax.run import optim, parallel, profile, registry
+from acco_jax.run import optim, parallel, pretrained, profile, registry
 
 
 class Run(NamedTuple):
@@ -29,7 +30,7 @@ class Run(NamedTuple):
 
   mesh: Any
   tokens: data.TokenData
-  model_cfg: model.GPTConfig
+  model_cfg: model.ModelConfig
   params_shapes: Any  # ShapeDtypeStruct tree of the model's parameters
   train: Any  # the family's step: acco_jax.dp.step.TrainStep, loco.step.LocoStep, ...
   stages_per_update: int
@@ -45,14 +46,33 @@ class Run(NamedTuple):
   batch_whole: bool = False
 
 
-def model_config(config, vocab_size: int) -> model.GPTConfig:
-  """The config's model for a tokenizer of ``vocab_size`` ids."""
-  overrides = {k: config.model[k] for k in ("D", "N", "H", "F") if config.model[k]}
+def model_config(config, vocab_size: int) -> model.ModelConfig:
+  """The config's model for a tokenizer of ``vocab_size`` ids: ``model.arch``'s preset
+  ``model.size`` with the config's sizes, or a pretrained model's (``model.init``,
+  :mod:`acco_jax.run.pretrained`)."""
+  m = config.model
+  settings = dict(
+    dtype=m.dtype,
+    remat=m.remat,
+    attention=m.attention,
+    vocab_multiple=m.get("vocab_multiple", 1),
+  )
+  if pretrained.directory(config) is not None:
+    return pretrained.model_config(config, vocab_size, settings)
+  if m.size == pretrained.SIZE_FROM_CHECKPOINT:
+    raise errors.UserValueError(
+      "model.size=hf takes the sizes from model.init's checkpoint, but model.init is not set: "
+      "give model.init=hf:<dir>, or a preset size"
+    )
+  overrides = {k: m[k] for k in ("D", "N", "H", "F", "kv_heads") if m.get(k)}
   return model.get_config(
-    config.model.size, V=vocab_size, L=config.data.seq_len, dtype=config.model.dtype,
-    remat=config.model.remat, attention=config.model.attention,
-    vocab_multiple=config.model.get("vocab_multiple", 1), **overrides,
-  )  # fmt: skip
+    m.size,
+    arch=m.get("arch", "gpt2"),
+    V=vocab_size,
+    L=config.data.seq_len,
+    **settings,
+    **overrides,
+  )
 
 
 # set while :func:`build` checks a config: the families build against the declared vocabulary
@@ -62,13 +82,16 @@ _CHECKING = contextvars.ContextVar("checking_config", default=False)
 def prepare_tokens(config) -> data.TokenData:
   """The config's corpus, tokenized, split and cached (``data.prepare``); while :func:`build`
   checks the config, no data: empty streams of the tokenizer's declared vocabulary."""
+  name = pretrained.tokenizer_name(config)
   if _CHECKING.get():
-    vocab = declared_vocab_size(config.data.tokenizer)
+    vocab = declared_vocab_size(name)
     empty = np.zeros((0,), np.int32)
-    return data.TokenData(empty, empty, _Declared(config.data.tokenizer, vocab), "")
+    return data.TokenData(empty, empty, _Declared(name, vocab), "")
   cache = config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
+  # a model directory's tokenizer is keyed by its contents (a name is a path, whose file may change)
+  tokenizer = data.get_tokenizer(name) if name.startswith("hf:") else name
   return data.prepare(
-    config.data.source, config.data.tokenizer, cache_dir=cache,
+    config.data.source, tokenizer, cache_dir=cache,
     eval_fraction=config.data.eval_fraction, seed=config.data.split_seed,
     data_dir=config.data.data_dir or None, text_key=config.data.text_key,
   )  # fmt: skip
@@ -195,11 +218,23 @@ def _check_layout(config) -> None:
     )
 
 
-def vocab_meta(cfg: model.GPTConfig) -> dict:
+def model_meta(run: Run) -> dict:
+  """What a checkpoint records of the model, so that it reads back without the config's sources
+  (a Hugging Face directory, a tokenizer trained on the corpus): the resolved model config, the
+  tokenizer's name (``bpe:<its file>``, ``hf:<dir>``, ...) and the devices the state is laid out
+  over (``python -m acco_jax.export``)."""
+  return {
+    "model": dataclasses.asdict(run.model_cfg),
+    "tokenizer": run.tokens.tokenizer.name,
+    "num_devices": int(run.mesh.size),
+  }
+
+
+def vocab_meta(cfg: model.ModelConfig) -> dict:
   return {"V": cfg.V, "padded": cfg.padded_vocab, "multiple": cfg.vocab_multiple}
 
 
-def check_vocab(extra: dict, cfg: model.GPTConfig) -> None:
+def check_vocab(extra: dict, cfg: model.ModelConfig) -> None:
   """Refuses a checkpoint whose embedding padding differs from the config's, before reading it.
 
   Checkpoints written before the padding was recorded carry no ``vocab`` entry and restore as

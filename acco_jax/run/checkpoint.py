@@ -72,6 +72,18 @@ def _all_processes_agree(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
+def open_read_only(directory: str) -> Checkpointer:
+  """A read-only :class:`Checkpointer` on another run's checkpoints (``ckpt.init_from``, the
+  export), without orbax's two warnings that it is read-only."""
+  log = logging.getLogger("absl")
+  level = log.level
+  log.setLevel(logging.ERROR)
+  try:
+    return Checkpointer(directory, read_only=True, async_save=False)
+  finally:
+    log.setLevel(level)
+
+
 class Checkpointer:
   """Saves and restores ``(state, extra)`` under ``directory``, one subdirectory per step.
 

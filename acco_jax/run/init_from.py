@@ -30,7 +30,6 @@ onto another mesh, a source whose data stream differs from this run's.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any, NamedTuple
 
@@ -40,7 +39,7 @@ import ml_collections
 from acco_jax import data, errors, model
 from acco_jax.run import build as build_lib
 from acco_jax.run import registry
-from acco_jax.run.checkpoint import Checkpointer
+from acco_jax.run.checkpoint import open_read_only
 
 
 class Started(NamedTuple):
@@ -55,17 +54,6 @@ class Started(NamedTuple):
 
 def _refuse(path: str, message: str):
   return errors.UserValueError(f"ckpt.init_from={path}: {message}")
-
-
-def _reader(directory: str) -> Checkpointer:
-  """A read-only :class:`Checkpointer` (orbax's two warnings that it is read-only left out)."""
-  log = logging.getLogger("absl")
-  level = log.level
-  log.setLevel(logging.ERROR)
-  try:
-    return Checkpointer(directory, read_only=True, async_save=False)
-  finally:
-    log.setLevel(level)
 
 
 def _checkpoints(path: str) -> str:
@@ -85,7 +73,7 @@ def _checkpoints(path: str) -> str:
     )  # fmt: skip
   directory = os.path.join(path, "checkpoints")
   if os.path.isdir(directory):
-    with _reader(directory) as ckpt:
+    with open_read_only(directory) as ckpt:
       if ckpt.all_steps():
         return directory
   raise _refuse(path, "holds no checkpoint (none under checkpoints/): give the workdir of a run")
@@ -103,7 +91,7 @@ _MODEL_KEYS = {
 }  # fmt: skip
 
 
-def _check_model(path: str, src, extra: dict, mine: model.GPTConfig) -> model.GPTConfig:
+def _check_model(path: str, src, extra: dict, mine: model.ModelConfig) -> model.ModelConfig:
   """The source's model config; refused unless its parameters are this run's (named)."""
   vocab = extra.get("vocab", {}).get("V", mine.V)
   theirs = build_lib.model_config(src, vocab)
@@ -201,7 +189,7 @@ def start(run, config, stream, rows_per_stage: int) -> Started:
     found.update(config=src, step=family.source_step(src, src_model, run.mesh.size))
     return found["step"].abstract_state(run.params_shapes)
 
-  with _reader(directory) as ckpt:
+  with open_read_only(directory) as ckpt:
     saved_like = lambda shapes: getattr(found["step"], "saved_like", lambda _: None)(shapes)
     saved, extra = ckpt.restore_host(None, target_of, saved_like)
   src, portable = found["config"], found["step"].export_state(saved)

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax import data, model
-from acco_jax.run import checkpoint
+from acco_jax.run import checkpoint, pretrained
 from acco_jax.run import init_from as init_from_lib
 from acco_jax.run.build import Run, check_comm, check_vocab, prime_batch
 
@@ -112,7 +112,16 @@ def restore_or_init(
       print(started.line, flush=True)
   else:
     start = 0
-    params = _initializer(run.mesh)(run.model_cfg, config.train.seed)
+    if pretrained.directory(config) is not None:  # a Hugging Face directory's weights
+      t0 = time.time()
+      params = pretrained.load_params(config, run.model_cfg, run.mesh)
+      events.append(("initialized_from_hf", dict(init=config.model.init, load_s=time.time() - t0)))
+      if lead:
+        took = time.time() - t0
+        line = f"initialized from {config.model.init} ({run.model_cfg.arch}, {took:.1f} s)"
+        print(f"{line}: update 0, a fresh optimizer", flush=True)
+    else:
+      params = _initializer(run.mesh)(run.model_cfg, config.train.seed)
     if init_params is not None:
       params = jax.tree.map(lambda p, q: jax.device_put(jnp.asarray(q, p.dtype), p.sharding),
                             params, init_params)  # fmt: skip

@@ -35,7 +35,7 @@ from acco_jax.run.build import Run as Run
 from acco_jax.run.build import batch_stream as batch_stream
 from acco_jax.run.build import build as build
 from acco_jax.run.build import check_vocab as check_vocab
-from acco_jax.run.build import comm_meta, updates_done, vocab_meta
+from acco_jax.run.build import comm_meta, model_meta, updates_done, vocab_meta
 from acco_jax.run.report import eval_function as eval_function
 from acco_jax.run.report import evaluate as evaluate
 
@@ -211,7 +211,7 @@ def train_and_evaluate(
     check_finite(nonfinite, stage)
     ckpt.save(stage, state, extra={"stage": stage, "data": consumed, "tokens_seen": tokens_seen,
                                    "vocab": vocab_meta(run.model_cfg), "wire_bytes": wire_bytes,
-                                   "comm": comm_meta(config, train),
+                                   "comm": comm_meta(config, train), **model_meta(run),
                                    "config": config.to_json_best_effort(),
                                    **getattr(train, "checkpoint_extra", dict)()})  # fmt: skip
 
