@@ -156,7 +156,9 @@ def tensor_index(directory: str) -> dict[str, Entry]:
   else:
     found = [f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth", ".h5"))]
     hint = f" (it has {', '.join(sorted(found))}: convert to safetensors)" if found else ""
-    raise _refuse(directory, f"has no {WEIGHTS} or {INDEX}{hint}")
+    raise _refuse(
+      directory, f"has no {WEIGHTS} or {INDEX}{hint}: save the model with save_pretrained"
+    )
   out = {}
   for name in files:
     path = os.path.join(directory, name)
@@ -197,7 +199,11 @@ def check_weights(directory: str, cfg: ModelConfig) -> list[tuple[HFTensor, Entr
   for t in arch.hf_tensors(cfg):
     name = t.name if t.name in index else t.name.removeprefix(arch.HF_PREFIX)
     if name not in index:
-      raise _refuse(directory, f"tensor {t.name} is missing from its weights")
+      raise _refuse(
+        directory,
+        f"tensor {t.name} is missing from its weights: they are not the model config.json "
+        "describes",
+      )
     entry, want = index[name], _expected_shape(t, leaves[t.path], cfg)
     if entry.shape != want:
       raise _refuse(

@@ -77,13 +77,25 @@ def _list(spec: str) -> list[str]:
 
 
 def _model_cfg(config, overrides: dict[str, int], vocab: int) -> model.ModelConfig:
-  fields = {k: config.model[k] for k in ("D", "N", "H", "F") if config.model[k]}
+  """A size class's model: ``model.arch``'s preset ``model.size``, the config's sizes, then the
+  class's (the same model each expert job's trainer run builds from its config)."""
+  if config.model.get("init"):
+    raise errors.UserValueError(
+      f"model.init={config.model.init}: HDEE's experts start from its seed models; train the "
+      "recipe from scratch (model.init='')"
+    )
+  fields = {k: config.model[k] for k in ("D", "N", "H", "F", "kv_heads") if config.model.get(k)}
   fields.update(overrides)
   return model.get_config(
-    config.model.size, V=vocab, L=config.data.seq_len, dtype=config.model.dtype,
-    attention=config.model.attention, vocab_multiple=config.model.get("vocab_multiple", 1),
+    config.model.size,
+    arch=config.model.get("arch", "gpt2"),
+    V=vocab,
+    L=config.data.seq_len,
+    dtype=config.model.dtype,
+    attention=config.model.attention,
+    vocab_multiple=config.model.get("vocab_multiple", 1),
     **fields,
-  )  # fmt: skip
+  )
 
 
 def _tokens(config, name: str, source: str) -> data.TokenData:

@@ -96,9 +96,9 @@ def model_config(config, vocab_size: int, settings: dict) -> model.ModelConfig:
   wrong = _contradictions(config, fields, vocab_size)
   if wrong:
     raise errors.UserValueError(
-      f"model.init={config.model.init}: {'; '.join(wrong)} contradicts the checkpoint: set "
-      "--config.model.size=hf to take the architecture and every size from it, and drop the "
-      "model overrides"
+      f"model.init={config.model.init}: the config's {'; '.join(wrong)} do not match the "
+      "checkpoint: set --config.model.size=hf to take the architecture and every size from it, "
+      "and drop the model overrides"
     )
   cfg = model.ModelConfig(**{**fields, **settings})
   if vocab_size > cfg.V:

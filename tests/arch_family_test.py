@@ -1,0 +1,159 @@
+"""Every family trains every architecture: GPT-Neo and Llama (GPT-2 is every other test's model)
+through the data-parallel methods, the LoCo methods, the pipeline's schedules and data methods,
+SkipPipe's paths, Muon and HDEE's experts.
+
+Each case builds the ``tiny`` config of the family's config file with ``model.arch`` set, as
+``train.py`` does (:func:`acco_jax.run.build.build`), on a narrow model (two blocks of width 32, the
+architecture's own features kept: GPT-Neo's local window of 8 shorter than the 16-token rows,
+Llama's grouped-query attention and untied head), and runs its step on one fixed batch until the
+loss falls: the family's programs compute the architecture's loss and move its parameters the
+right way. The default run trains the two new architectures under one method of each family; the
+rest of the matrix is marked slow (.ci/run runs it).
+"""
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from acco_jax.run import build, parallel
+from configs import gpt2_acco, gpt2_diloco, gpt2_pipeline, gpt2_skippipe
+
+ARCHS = ("gpt_neo", "llama")
+NARROW = {"model.D": 32, "model.H": 4, "model.N": 2, "data.seq_len": 16}
+
+
+def _config(module, arch: str, **overrides):
+  config = module.get_config("tiny")
+  config.data.cache_dir = str(pathlib.Path(__file__).parent / ".." / ".pytest_cache" / "acco_data")
+  config.model.arch = arch
+  config.model.dtype = "float32"
+  config.opt.lr, config.opt.warmup_updates, config.opt.clip_norm = 3e-3, 0, 0.0
+  for key, value in {**NARROW, **overrides}.items():
+    group, _, field = key.rpartition(".")
+    (config[group] if group else config)[field] = value
+  return config
+
+
+def _losses(config, stages: int) -> list[float]:
+  """The loss of each of ``stages`` stages of the config's step on one fixed batch."""
+  run = build.build(config)
+  train = run.train
+  rows = getattr(train, "microbatches_per_stage", run.mesh.size * train.num_microbatches)
+  rows *= config.batch.microbatch_size
+  stream = build.batch_stream(run, config, run.tokens.train, rows, seed=0)
+  if run.orders is not None:  # SkipPipe: each microbatch's layer order rides in the batch
+    stream = run.orders.stream(stream, 0, 1)
+  batch = next(stream)
+  placed = parallel.global_batch(batch, run.mesh, run.batch_axis, run.batch_whole)
+  state = train.init(jax.tree.map(np.asarray, _init(run, config)), build.prime_batch(run, config))
+  out = []
+  for stage in range(stages):
+    if run.loco:
+      state, m = train.run(state, [placed], stage, stages)
+    else:
+      state, m = train.step(state, placed, run.budgets)
+    out.append(float(np.mean(jax.device_get(m["loss"]))))
+  return out
+
+
+def _init(run, config):
+  from acco_jax import model
+
+  return model.init_params(run.model_cfg, config.train.seed)
+
+
+def _trains(config, stages=6):
+  losses = _losses(config, stages)
+  assert np.all(np.isfinite(losses)), losses
+  assert losses[-1] < losses[0] - 0.05, losses
+
+
+DEFAULT = {  # one method of each family
+  "acco": (gpt2_acco, {}),
+  "diloco-acco": (gpt2_diloco, {"loco.workers": 4, "loco.inner": "acco", "loco.sync_every": 2}),
+  "pipeline-1f1b-acco": (gpt2_pipeline, {"pipeline.data_method": "acco", "model.N": 4}),
+  "skippipe-paths-zero1": (gpt2_skippipe, {"model.N": 4}),
+  "zero1-muon": (gpt2_acco, {"method": "zero1", "opt.name": "muon", "opt.muon_lr": 0.02}),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", DEFAULT)
+def test_each_family_trains_the_architecture(case, arch):
+  module, overrides = DEFAULT[case]
+  _trains(_config(module, arch, **overrides))
+
+
+SLOW = {  # the rest of each family
+  "ddp": (gpt2_acco, {"method": "ddp"}),
+  "zero1": (gpt2_acco, {"method": "zero1"}),
+  "dpu": (gpt2_acco, {"method": "dpu"}),
+  "wp": (gpt2_acco, {"method": "wp"}),
+  "diloco": (gpt2_diloco, {"loco.workers": 4, "loco.sync_every": 2}),
+  "streaming_diloco": (
+    gpt2_diloco,
+    {"method": "streaming_diloco", "loco.workers": 4, "loco.sync_every": 2, "loco.fragments": 2},
+  ),
+  "noloco": (gpt2_diloco, {"method": "noloco", "loco.workers": 4, "loco.sync_every": 2}),
+  "sparseloco": (
+    gpt2_diloco,
+    {
+      "method": "sparseloco",
+      "loco.workers": 4,
+      "loco.sync_every": 2,
+      "loco.outer_lr": 1.0,
+      "loco.outer_momentum": 0.0,
+      "loco.chunk": 16,
+      "loco.topk": 64,
+    },
+  ),  # fmt: skip
+  "demo": (
+    gpt2_diloco,
+    {"method": "demo", "loco.workers": 4, "loco.sync_every": 1, "loco.chunk": 16, "opt.lr": 1e-3},
+  ),
+  "pipeline-gpipe-ddp": (gpt2_pipeline, {"pipeline.schedule": "gpipe", "model.N": 4}),
+  "pipeline-1f1b-zero1": (gpt2_pipeline, {"pipeline.data_method": "zero1", "model.N": 4}),
+  "pipeline-skippipe-acco": (
+    gpt2_pipeline,
+    {"pipeline.schedule": "skippipe", "pipeline.data_method": "acco", "model.N": 4},
+  ),
+  "skippipe-paths-acco": (gpt2_skippipe, {"method": "acco", "model.N": 4}),
+  "acco-muon": (gpt2_acco, {"opt.name": "muon"}),
+  "muloco": (gpt2_diloco, {"loco.workers": 4, "loco.sync_every": 2, "opt.name": "muon"}),
+  "pipeline-muon": (gpt2_pipeline, {"opt.name": "muon", "model.N": 4}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", SLOW)
+def test_every_method_trains_the_architecture(case, arch):
+  module, overrides = SLOW[case]
+  _trains(_config(module, arch, **overrides))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hdee_experts_of_the_architecture(tmp_path, arch):
+  """HDEE's recipe (seed model, two experts continued from it, their mixture evaluated) with
+  experts of ``arch``: every job's parameters are the architecture's, and the trained experts
+  beat the vocabulary's uniform guess on their domains."""
+  from acco_jax.ensemble import jobs, recipe
+  from configs import hdee
+
+  c = hdee.get_config("tiny")
+  c.data.cache_dir = _config(gpt2_acco, arch).data.cache_dir
+  c.ckpt.async_save, c.train.sample_tokens = False, 0
+  c.model.arch, c.model.D, c.model.H, c.model.N = arch, 32, 4, 2
+  c.hdee.modes, c.hdee.budget_flops = "steps", 1.5e9
+  c.hdee.domains = "hard:1:code_asyncio,hard:0:code_unittest,easy:1:kjv_law,easy:0:kjv_gospels"
+  results = recipe.run(c, str(tmp_path))
+  plan = recipe.make_plan(c)
+  for job in results["plan"]:
+    cfg = plan.model_cfgs[job["size"]]
+    assert cfg.arch == arch
+    jobs.load_params(str(tmp_path / job["name"] / "params.npz"), cfg)  # the architecture's tree
+  ppl = results["experts"]["M_Ho-I_He"]
+  assert all(np.isfinite(v) for by in ppl.values() for v in by.values()), ppl
