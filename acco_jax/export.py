@@ -57,8 +57,10 @@ def runs_of(workdir: str) -> list[tuple[str, str]]:
   if not os.path.isdir(workdir):
     raise errors.UserFileNotFoundError(f"{workdir}: no such directory: give a run's workdir")
   if os.path.isfile(os.path.join(workdir, "recipe.json")):
-    jobs = sorted(
-      d for d in os.listdir(workdir) if os.path.isdir(os.path.join(workdir, d, "checkpoints"))
+    jobs = sorted(  # job names may hold a slash (steps/hard-1)
+      os.path.relpath(root, workdir)
+      for root, dirs, _ in os.walk(workdir)
+      if "checkpoints" in dirs and root != workdir
     )
     if not jobs:
       raise errors.UserValueError(f"{workdir}: an HDEE recipe whose jobs hold no checkpoint yet")

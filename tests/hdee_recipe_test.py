@@ -166,3 +166,21 @@ def test_bad_job_selection_writes_nothing(selection, match, tmp_path):
     recipe.run(tiny(**{"hdee.jobs": selection}), str(tmp_path / "W"))
   assert "\n" not in str(info.value)
   assert not (tmp_path / "W").exists()
+
+
+def test_every_job_exports_to_hugging_face(straight, tmp_path):
+  """``python -m acco_jax.export`` of a recipe writes each job (seed, experts) as a Hugging Face
+  directory holding exactly the job's final parameters (its ``params.npz``)."""
+  from acco_jax import export, hf
+
+  workdir, results = straight
+  written = export.export(workdir, str(tmp_path / "hf"))
+  assert [pathlib.Path(w).relative_to(tmp_path / "hf").as_posix() for w in written] == sorted(
+    j["name"] for j in results["plan"]
+  )
+  plan = recipe.make_plan(tiny())
+  for job in results["plan"]:
+    cfg = plan.model_cfgs[job["size"]]
+    want = jobs.load_params(os.path.join(workdir, job["name"], "params.npz"), cfg)
+    got = hf.load_params(str(tmp_path / "hf" / job["name"]), cfg)
+    jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -281,3 +281,33 @@ def test_export_command_refuses_in_one_line(tmp_path):
     f"error: {tmp_path / 'none'}: no such directory: give a run's workdir"
   ]
   assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+  "method,overrides",
+  [
+    ("diloco", {"loco.workers": 4, "loco.sync_every": 2}),
+    ("pipeline", {"pipeline.stages": 2, "pipeline.data_method": "zero1"}),
+  ],
+)
+def test_loco_and_pipeline_runs_export_their_global_parameters(method, overrides, tmp_path):
+  """A LoCo run exports θ_g (what its evaluation reads, the same on every worker), a pipeline
+  every stage's blocks gathered: the export reads back as the run's final parameters exactly."""
+  from acco_jax import export as export_lib
+  from configs import gpt2_diloco, gpt2_pipeline
+
+  module = gpt2_diloco if method == "diloco" else gpt2_pipeline
+  config = module.get_config("tiny")
+  config.data.cache_dir = str(CACHE)
+  config.ckpt.async_save, config.train.sample_tokens, config.train.eval_every = False, 0, 0
+  config.model.D, config.model.H, config.model.N, config.data.seq_len = 16, 2, 2, 16
+  config.train.num_updates = 4
+  for key, value in overrides.items():
+    group, field = key.split(".")
+    config[group][field] = value
+  got = {}
+  trainer.train_and_evaluate(config, str(tmp_path / "run"), on_params=got.update)
+  (out,) = export_lib.export(str(tmp_path / "run"), str(tmp_path / "hf"))
+  cfg = hf.model_config(out)
+  exported = hf.load_params(out, cfg)
+  jax.tree.map(np.testing.assert_array_equal, exported, jax.tree.map(np.asarray, got))

@@ -103,3 +103,7 @@ class SourceStep:
 
   def export_state(self, saved) -> Portable:
     return export_state(self.packing, self.data_method, saved)
+
+  def export_params(self, saved):
+    """The committed parameters, every stage's blocks gathered into the model's structure."""
+    return self.export_state(saved).params

@@ -264,11 +264,6 @@ class PipelineTrainStep:
     """The portable form of a saved state (``ckpt.init_from``; :mod:`acco_jax.pipeline.carry`)."""
     return carry.export_state(self.packing, self.data_method, saved)
 
-  def export_params(self, saved):
-    """The committed parameters of a saved state, every stage's blocks gathered into the model's
-    structure (float32 numpy)."""
-    return self.export_state(saved).params
-
   def import_state(self, portable, stage: int, microbatch=None) -> PipeState:
     """This run's state from the portable form, at ``stage`` (:mod:`acco_jax.pipeline.carry`;
     ``microbatch`` is not used: ACCO's first flush fills its buffer)."""

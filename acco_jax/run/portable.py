@@ -3,7 +3,7 @@
 A data-parallel state (:class:`acco_jax.dp.step.TrainState`: flat weights, ``[N, s_l]`` shards) and
 a pipeline state (each stage's parameters packed in flat buffers over a ``stage`` axis) hold the
 same training in different layouts. :class:`Portable` is what they have in common, as host numpy arrays in the *model's own*
-structure (``acco_jax.model.init_params``: ``{'wte', 'wpe', 'ln_f', 'blocks': {'0': ..., ...}}``):
+structure (``acco_jax.model.init_params``: ``{'blocks': {'0': ..., ...}, **shared}``):
 
 - ``params``: the committed parameters θ, float32 (ACCO and WP: the committed copy, not the
   estimate θ̃ or the prediction θ̂ the next stage would compute at);
@@ -28,6 +28,9 @@ Contract for a family's step (what :mod:`acco_jax.run.init_from` calls):
   they were *written* with (any device count or mesh), in the tree structure of the step's
   ``abstract_state(params_shapes)``. The step that exports was built from the source run's config
   (the family's ``source_step``, :class:`acco_jax.run.registry.Family`), on this process's devices.
+``export_params(saved) -> params``
+  The committed parameters alone, ``Portable.params`` (``python -m acco_jax.export``; a LoCo
+  step has this one only: its global parameters θ_g).
 ``import_state(portable, stage, microbatch=None) -> state``
   This run's state, placed like ``abstract_state`` (every device array sharded as the step
   runs it), with ``params`` and ``opt`` bit for bit and the stage counter ``stage`` (the trainer
