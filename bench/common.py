@@ -234,10 +234,11 @@ def write_report(out: Path, stem: str, results: dict, text: str, failed: list[st
   return 1 if failed else 0
 
 
-def abstract_stage(cfg, tx, devices, k: int, rows: int):
-  """(jitted stage, abstract args, train step): the stage of method transform ``tx`` for the GPT of
-  ``cfg`` over ``devices`` (real or abstract), ``k`` microbatches of ``rows`` x ``cfg.L`` tokens per
-  device, for :meth:`jax.stages.Wrapped.lower` without any array (parameters and state as shapes)."""
+def abstract_stage(cfg, tx, devices, k: int, rows: int, seq: int | None = None):
+  """(jitted stage, abstract args, train step): the stage of method transform ``tx`` for the model
+  of ``cfg`` over ``devices`` (real or abstract), ``k`` microbatches of ``rows`` x ``seq`` tokens
+  (default ``cfg.L``) per device, for :meth:`jax.stages.Wrapped.lower` without any array
+  (parameters and state as shapes)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -255,6 +256,9 @@ def abstract_stage(cfg, tx, devices, k: int, rows: int):
   fn = train._jit("delayed" if train.plan.delayed else "sync", state)
   data = NamedSharding(train.mesh, P("data"))
   n = len(devices)
-  batch = {key: jax.ShapeDtypeStruct((n * k * rows, cfg.L), jnp.int32, sharding=data)
-           for key in ("inputs", "targets")}  # fmt: skip
+  seq = cfg.L if seq is None else seq
+  batch = {
+    key: jax.ShapeDtypeStruct((n * k * rows, seq), jnp.int32, sharding=data)
+    for key in ("inputs", "targets")
+  }
   return fn, (state, batch), train

@@ -12,7 +12,12 @@ import ml_collections
 #   tiny   the smallest run (tests and CI smoke)
 #   gpt2   GPT-2 124M, 1024 tokens, GPT-2 BPE (GPU)
 #   gpt2-medium  GPT-2 355M (GPU)
-PRESETS = ("cpu", "tiny", "gpt2", "gpt2-medium")
+#   gpt_neo-125m, gpt_neo-2.7b, llama-1b   the other architectures at those sizes, from scratch
+#          with GPT-2's BPE (GPU; acco_jax.model.sizes(arch))
+#   hf     from a pretrained Hugging Face directory: pass --config.model.init=hf:<dir>; its
+#          config.json sets the architecture and sizes, its tokenizer the ids (GPU or CPU)
+PRESETS = ("cpu", "tiny", "gpt2", "gpt2-medium", "gpt_neo-125m", "gpt_neo-2.7b", "llama-1b", "hf")
+GPU_PRESETS = ("gpt2", "gpt2-medium", "gpt_neo-125m", "gpt_neo-2.7b", "llama-1b")
 
 
 def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.ConfigDict:
@@ -226,8 +231,15 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
     c.train.eval_batches, c.train.sample_tokens = 2, 8
     c.opt.warmup_updates = 1
     c.ckpt.every = 3
-  elif preset in ("gpt2", "gpt2-medium"):
-    c.model.size = preset
+  elif preset == "hf":
+    c.model.size = "hf"  # the architecture and every size from model.init's config.json
+    c.data.tokenizer = "hf"  # and its tokenizer
+    c.model.vocab_multiple = 128  # aligned GEMMs on GPUs (the padded rows are not exported)
+    c.opt.lr, c.opt.warmup_updates, c.opt.weight_decay = 2e-5, 20, 0.0  # fine-tuning
+  elif preset in GPU_PRESETS:
+    other = preset.startswith(("gpt_neo-", "llama-"))
+    c.model.arch, c.model.size = preset.split("-", 1) if other else ("gpt2", preset)
+    c.model.remat = preset in ("gpt_neo-2.7b", "llama-1b")
     c.model.attention = "auto"
     c.model.vocab_multiple = 128  # aligned GEMMs on GPUs
     c.data.tokenizer, c.data.seq_len = "gpt2", 1024

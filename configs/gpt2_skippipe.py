@@ -23,7 +23,7 @@ def get_config(arg: str = "cpu"):
   c = common.get_base(arg or "cpu", method="zero1")
   if (arg or "cpu") == "tiny":
     c.model.N = 4  # four one-block stages (the tiny model has 2 blocks)
-  c.pipeline.stages = {"cpu": 4, "tiny": 4, "gpt2": 6, "gpt2-medium": 8}[arg or "cpu"]
+  c.pipeline.stages = {"cpu": 4, "tiny": 4, "gpt2": 6, "gpt2-medium": 8}.get(arg or "cpu", 4)
   c.pipeline.skip = 0.25
   c.pipeline.swap = True
   c.pipeline.schedule = "skippipe"  # used with method=pipeline: paths on a 'stage' mesh axis

@@ -20,6 +20,12 @@ def test_the_page_has_a_cell_per_combination():
       assert len(cells) == len(compat.OPTIMIZERS), line
       assert all(c.startswith(("runs", "no (")) for c in cells), line
   assert "runs · `loco_acco_test`" in text  # ACCO inside the workers is in the table
+  assert f"## {compat.ARCH_TABLE}" in text
+  for row in compat.ARCH_ROWS:
+    line = next(x for x in text.splitlines() if x.startswith(f"| {compat.label_of(row)} |"))
+    cells = [c.strip() for c in line.strip("|").split("|")[1:]]
+    assert len(cells) == len(compat.ARCHS), line
+    assert all(c.startswith("runs") for c in cells[1:]), line  # every family, every architecture
   for _, name in compat.COVERAGE:  # a cell names a test file that exists
     assert (REPO / "tests" / f"{name}.py").is_file(), name
 
@@ -33,4 +39,4 @@ def test_the_page_is_current_and_every_refusal_is_one_line():
   refusals = [t for rows in results.values() for by in rows.values() for t, _ in by.values()
               if t != "runs"]  # fmt: skip
   assert refusals and all("\n" not in t for t in refusals), [t for t in refusals if "\n" in t]
-  assert compat.render(results) == compat.OUT.read_text(), "run python bench/run/compat.py"
+  assert compat.render_all(results) == compat.OUT.read_text(), "run python bench/run/compat.py"

@@ -16,6 +16,8 @@ from acco_jax.models.base import ModelConfig as ModelConfig
 
 _BY_NAME: dict[str, ModuleType] = {"gpt2": gpt2, "gpt_neo": gpt_neo, "llama": llama}
 assert tuple(_BY_NAME) == ARCHS
+for _name, _module in _BY_NAME.items():
+  base.register_check(_name, _module.check)
 
 
 def get(arch: str) -> base.Architecture:

@@ -31,6 +31,16 @@ from acco_jax import errors
 Params = dict[str, Any]
 
 ARCHS = ("gpt2", "gpt_neo", "llama")  # the modules of acco_jax.models, in this order
+# each architecture's check of a config, registered by acco_jax.models (importing this module runs
+# the package's __init__ first, which imports and registers every architecture)
+_CHECKS: dict[str, Any] = {}
+
+
+def register_check(arch: str, check) -> None:
+  """Makes :class:`ModelConfig` run ``check(cfg)`` for configs of ``arch``."""
+  _CHECKS[arch] = check
+
+
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
@@ -63,9 +73,7 @@ class ModelConfig:
 
   def __post_init__(self):
     _check_common(self)
-    from acco_jax import models  # the architectures import this module
-
-    models.get(self.arch).check(self)
+    _CHECKS[self.arch](self)
 
   @property
   def mlp_dim(self) -> int:

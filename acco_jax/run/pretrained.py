@@ -42,6 +42,8 @@ def tokenizer_name(config) -> str:
   """``data.tokenizer`` with ``hf`` resolved to ``model.init``'s directory."""
   name = config.data.tokenizer
   source = directory(config)
+  if source is not None:
+    hf.read_config(source)  # a missing directory or config.json: named first
   if name == "hf":
     if source is None:
       raise errors.UserValueError(
