@@ -88,7 +88,12 @@ CONFIGS = [
     ValueError,
     r"opt.warmup_updates=2 must be in \[0, train.num_updates=2\); lower it",
   ),
-  ("unknown-model-size", {"model.size": "huge"}, ValueError, r"unknown model size 'huge'; known"),
+  (
+    "unknown-model-size",
+    {"model.size": "huge"},
+    ValueError,
+    r"unknown model size 'huge' for model.arch=gpt2; known",
+  ),
   (
     "heads-not-dividing-width",
     {"model.H": 3},
