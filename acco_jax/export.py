@@ -136,7 +136,15 @@ def export_run(workdir: str, out_dir: str, *, dtype: str = "float32", step: int 
     raise errors.UserValueError(
       f"{workdir}: the run's tokenizer {name!r} cannot be read back ({e})"
     ) from None
-  hf.save(out_dir, params, found["cfg"], dtype=dtype, tokenizer=tokenizer, eos_id=tokenizer.eot_id)
+  hf.save(
+    out_dir,
+    params,
+    found["cfg"],
+    dtype=dtype,
+    tokenizer=tokenizer,
+    eos_id=tokenizer.eot_id,
+    bos_id=tokenizer.bos_id,
+  )
   return out_dir, found["cfg"], int(extra["stage"])
 
 

@@ -1,4 +1,4 @@
-"""Sampling from the GPT of :mod:`acco_jax.model`: :func:`generate` (the run's ``sample.txt``).
+"""Sampling from the model of :mod:`acco_jax.model`: :func:`generate` (the run's ``sample.txt``).
 
 Padded vocabulary rows (``vocab_multiple``) are never sampled: :func:`acco_jax.model.apply` does not
 return them.
@@ -25,11 +25,11 @@ def _sample_next(params, cfg, window_BxL, last, key, temperature, top_k, greedy)
   return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
 
 
-def generate(params, cfg, prompt_tokens, num_new, key, temperature=1.0, top_k=None):
+def generate(params, cfg, prompt_tokens, num_new, key, temperature=1.0, top_k=None, window=None):
   """Samples `num_new` tokens after a prompt (full context re-run each step; for short samples).
 
-  Each step runs one jitted forward over a fixed [B, cfg.L] window (the last cfg.L tokens, padded on
-  the right while shorter; causality makes the padding irrelevant), so it compiles once.
+  Each step runs one jitted forward over a fixed [B, window] window (the last `window` tokens,
+  padded on the right while shorter; causality makes the padding irrelevant), so it compiles once.
 
   Args:
     params: parameter dict.
@@ -39,6 +39,8 @@ def generate(params, cfg, prompt_tokens, num_new, key, temperature=1.0, top_k=No
     key: PRNG key (or int seed); the same key gives the same sample.
     temperature: softmax temperature; <= 0 means greedy (argmax) decoding.
     top_k: if set, sample only among the top_k most likely tokens.
+    window: tokens of context each step sees, at most (default) ``cfg.L`` (a pretrained model's
+      2,048 positions cost each step a forward of that length).
 
   Returns:
     int32 array [T + num_new] or [B, T + num_new] (prompt followed by the sampled tokens).
@@ -51,12 +53,13 @@ def generate(params, cfg, prompt_tokens, num_new, key, temperature=1.0, top_k=No
   out_BxS = np.zeros((B, T + num_new), np.int32)
   out_BxS[:, :T] = tokens_BxT
   key = model.to_key(key)
+  W = cfg.L if window is None else min(int(window), cfg.L)
   for i in range(num_new):
     n = T + i
-    window = out_BxS[:, max(0, n - cfg.L) : n]
-    padded_BxL = np.pad(window, ((0, 0), (0, cfg.L - window.shape[1])))
+    seen = out_BxS[:, max(0, n - W) : n]
+    padded_BxW = np.pad(seen, ((0, 0), (0, W - seen.shape[1])))
     step_key = jax.random.fold_in(key, i)
     out_BxS[:, n] = _sample_next(
-      params, cfg, padded_BxL, window.shape[1] - 1, step_key, temperature, top_k, temperature <= 0
+      params, cfg, padded_BxW, seen.shape[1] - 1, step_key, temperature, top_k, temperature <= 0
     )
   return jnp.asarray(out_BxS[0] if prompt.ndim == 1 else out_BxS)

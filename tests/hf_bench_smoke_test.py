@@ -33,10 +33,11 @@ def test_load_memory_smoke(tmp_path):
 @cuda_plugin.NEEDS_PLUGIN
 @pytest.mark.cuda_plugin
 def test_large_memory_smoke(tmp_path):
-  data = _run("gpu/large_memory.py", tmp_path / "m.json")
+  # one compile (the four of the smoke preset take a minute): the script's path, not the models
+  data = _run(
+    "gpu/large_memory.py", tmp_path / "m.json", "--presets", "llama-tiny", "--methods", "acco"
+  )
   rows = data["rows"]
-  assert {(r["preset"], r["method"]) for r in rows} == {
-    (p, m) for p in ("gpt_neo-tiny", "llama-tiny") for m in ("acco", "zero1")
-  }
+  assert [(r["preset"], r["method"]) for r in rows] == [("llama-tiny", "acco")]
   for r in rows:  # the state is the arguments but the batch, as the formula says
     assert r["argument_gb"] >= r["state_formula_gb"] > 0 and r["total_gb"] > r["argument_gb"]

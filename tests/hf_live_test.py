@@ -70,14 +70,26 @@ def _train_and_export(directory, workdir, out):
   return jax.tree.map(np.asarray, got)
 
 
+@pytest.fixture(scope="module")
+def trained(rebuilt, tmp_path_factory):
+  """Each rebuilt fixture trained 2 updates and exported: ``{name: (export dir, parameters)}``."""
+  root = tmp_path_factory.mktemp("trained")
+  out = {}
+  for name, (directory, _) in rebuilt.items():
+    out[name] = (
+      root / name / "hf",
+      _train_and_export(directory, root / name / "run", root / name / "hf"),
+    )
+  return out
+
+
 @pytest.mark.parametrize("name", ARCHS)
-def test_trained_export_loads_in_transformers_with_its_logits(rebuilt, name, tmp_path):
+def test_trained_export_loads_in_transformers_with_its_logits(rebuilt, trained, name):
   directory, ref = rebuilt[name]
-  out = tmp_path / "exported"
-  trained = _train_and_export(directory, tmp_path / "run", out)
+  out, params = trained[name]
   cfg = hf.model_config(str(out), dtype="float32")
   tokens = ref["tokens"]
-  want = np.asarray(model.apply(trained, cfg, jnp.asarray(tokens)))
+  want = np.asarray(model.apply(params, cfg, jnp.asarray(tokens)))
   assert np.max(np.abs(want - ref["logits"])) > 1e-3, "training did not move the parameters"
   np.testing.assert_allclose(_transformers_logits(out, tokens), want, **TOL)
   tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
@@ -88,18 +100,19 @@ def test_trained_export_loads_in_transformers_with_its_logits(rebuilt, name, tmp
   assert tokenizer.eos_token_id == ours.eot_id
 
 
-def test_an_export_that_drops_the_tied_head_fails_the_comparison(rebuilt, tmp_path, monkeypatch):
+def test_an_export_that_drops_the_tied_head_fails_the_comparison(
+  rebuilt, trained, tmp_path, monkeypatch
+):
   directory, ref = rebuilt["gpt2"]
-  out = tmp_path / "exported"
-  trained = _train_and_export(directory, tmp_path / "run", tmp_path / "good")
+  good, params = trained["gpt2"]
   cfg = hf.model_config(str(directory), dtype="float32")
   config_of = hf.hf_config
   monkeypatch.setattr(
     hf, "hf_config", lambda *a, **k: {**config_of(*a, **k), "tie_word_embeddings": False}
   )
-  hf.save(str(out), trained, cfg)
-  want = np.asarray(model.apply(trained, cfg, jnp.asarray(ref["tokens"])))
-  got = _transformers_logits(out, ref["tokens"])
+  hf.save(str(tmp_path / "untied"), params, cfg)
+  want = np.asarray(model.apply(params, cfg, jnp.asarray(ref["tokens"])))
+  got = _transformers_logits(tmp_path / "untied", ref["tokens"])
   with pytest.raises(AssertionError):
     np.testing.assert_allclose(got, want, **TOL)
-  np.testing.assert_allclose(_transformers_logits(tmp_path / "good", ref["tokens"]), want, **TOL)
+  np.testing.assert_allclose(_transformers_logits(good, ref["tokens"]), want, **TOL)

@@ -46,6 +46,7 @@ class Tokenizer(abc.ABC):
   name: str  # the spec that rebuilds it, e.g. 'byte', 'gpt2', 'bpe:/path/to/bpe.json'
   vocab_size: int  # number of ids; every id is in [0, vocab_size)
   eot_id: int  # end-of-text id placed after every document
+  bos_id: int | None = None  # a model directory's beginning-of-sequence id (hf:<dir>), if any
 
   @abc.abstractmethod
   def _encode_plain(self, text: str) -> list[int]:
@@ -224,11 +225,12 @@ def _hf_dir(directory: str) -> HFTokenizer:
       f"tokenizer 'hf:{directory}': no tokenizer.json there (a fast tokenizer is needed; "
       "save one with transformers' tokenizer.save_pretrained)"
     )
-  eos = None
+  eos = bos = None
   settings = os.path.join(directory, "tokenizer_config.json")
   if os.path.isfile(settings):
     with open(settings) as f:
-      eos = _special_token(json.load(f).get("eos_token"))
+      loaded = json.load(f)
+    eos, bos = _special_token(loaded.get("eos_token")), _special_token(loaded.get("bos_token"))
   if eos is None and os.path.isfile(os.path.join(directory, "config.json")):
     import tokenizers
 
@@ -242,7 +244,9 @@ def _hf_dir(directory: str) -> HFTokenizer:
       f"tokenizer 'hf:{directory}': no end-of-sequence token (eos_token in "
       "tokenizer_config.json or eos_token_id in config.json) to separate documents"
     )
-  return HFTokenizer(path, eos, name=f"hf:{os.path.abspath(directory)}")
+  tok = HFTokenizer(path, eos, name=f"hf:{os.path.abspath(directory)}")
+  tok.bos_id = tok._tok.token_to_id(bos) if bos else None
+  return tok
 
 
 def _byte_chars() -> list[str]:

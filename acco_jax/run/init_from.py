@@ -86,15 +86,18 @@ def _source_config(path: str, extra: dict):
 
 
 _MODEL_KEYS = {
-  "D": "model.D", "N": "model.N", "H": "model.H", "F": "model.F", "L": "data.seq_len",
-  "V": "data.tokenizer", "padded_vocab": "model.vocab_multiple",
+  "arch": "model.arch", "D": "model.D", "N": "model.N", "H": "model.H", "F": "model.F",
+  "num_kv_heads": "model.kv_heads", "L": "data.seq_len", "V": "data.tokenizer",
+  "padded_vocab": "model.vocab_multiple",
 }  # fmt: skip
 
 
 def _check_model(path: str, src, extra: dict, mine: model.ModelConfig) -> model.ModelConfig:
   """The source's model config; refused unless its parameters are this run's (named)."""
-  vocab = extra.get("vocab", {}).get("V", mine.V)
-  theirs = build_lib.model_config(src, vocab)
+  if "model" in extra:  # the resolved model the source recorded (a pretrained one needs no dir)
+    theirs = model.ModelConfig(**extra["model"])
+  else:
+    theirs = build_lib.model_config(src, extra.get("vocab", {}).get("V", mine.V))
   value = lambda cfg, key: cfg.mlp_dim if key == "F" else getattr(cfg, key)
   diff = [
     f"{key}={value(theirs, key)} there, {value(mine, key)} here ({name})"

@@ -54,7 +54,7 @@ def sample(run: Run, config, params, workdir: str) -> str:
   prompt = np.asarray(tok.encode(config.train.sample_prompt) or [tok.eot_id], np.int32)
   out = sampling.generate(
     params, run.model_cfg, prompt, config.train.sample_tokens, jax.random.key(config.train.seed),
-    temperature=0.8, top_k=40,
+    temperature=0.8, top_k=40, window=config.data.seq_len,
   )  # fmt: skip
   text = tok.decode([int(t) for t in np.asarray(out).reshape(-1)])
   with open(os.path.join(workdir, "sample.txt"), "w") as f:

@@ -17,7 +17,8 @@ The batches are the settings the presets are for: GPT-Neo 2.7B as the ACCO paper
 update), the Llama with 4 rows of 1,024 tokens. Usage::
 
   PYTHONPATH=. python bench/gpu/large_memory.py                 # both presets, acco and zero1
-  python bench/gpu/large_memory.py --smoke --out /tmp/m.json    # tiny presets, 2 devices (tests)
+  python bench/gpu/large_memory.py --smoke --out /tmp/m.json    # tiny presets, 2 devices
+  python bench/gpu/large_memory.py --smoke --presets llama-tiny --methods acco   # one (tests)
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--presets", default=",".join(PRESETS))
+  p.add_argument("--presets", default="", help=f"default: all ({', '.join(PRESETS)})")
   p.add_argument("--methods", default="acco,zero1")
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--target", default="h100", choices=("h100", "a100"))
@@ -114,7 +115,12 @@ def main(argv=None) -> int:
     common.log('skipped: needs the CUDA PJRT plugin: pip install "jax-cuda12-pjrt==<jaxlib>"')
     return 0
   parallel.configure_platform(gpu_overlap=True)
-  presets = SMOKE if args.smoke else {k: PRESETS[k] for k in args.presets.split(",")}
+  table_of = SMOKE if args.smoke else PRESETS
+  names = args.presets.split(",") if args.presets else list(table_of)
+  unknown = [n for n in names if n not in table_of]
+  if unknown:
+    raise SystemExit(f"unknown preset(s) {unknown}: choose from {', '.join(table_of)}")
+  presets = {k: table_of[k] for k in names}
   devices = parallel.gpu_aot_devices(2 if args.smoke else args.devices, args.target)
   rows = []
   for name, spec in presets.items():
