@@ -50,6 +50,14 @@ def _meta_steps(checkpoints: str) -> list[tuple[int, dict]]:
   return out
 
 
+def recorded(workdir: str) -> dict:
+  """The ``extra`` of the newest checkpoint of the run in ``workdir`` whose metadata reads (its
+  config, model, tokenizer and device count), read as plain JSON; ``{}`` if none."""
+  checkpoints = os.path.join(workdir, "checkpoints")
+  metas = _meta_steps(checkpoints) if os.path.isdir(checkpoints) else []
+  return metas[0][1] if metas else {}
+
+
 def runs_of(workdir: str) -> list[tuple[str, str]]:
   """``(name, run workdir)`` of what ``workdir`` holds: itself, or each job of an HDEE recipe."""
   from acco_jax import errors
@@ -89,16 +97,18 @@ def _configured_devices(extra: dict) -> int:
   return int(mesh.get("num_devices") or mesh.get("cpu_devices") or 1)
 
 
-def export_run(workdir: str, out_dir: str, *, dtype: str = "float32", step: int | None = None):
-  """Writes the parameters of the run in ``workdir`` (one run, not a recipe) to ``out_dir``.
+def read_params(workdir: str, step: int | None = None):
+  """The committed parameters of the newest (or ``step``'s) checkpoint of the run in ``workdir``
+  (read-only), as float32 numpy leaves in the model's structure.
 
   Returns:
-    ``(out_dir, the model config, the step exported)``.
+    ``(params, the model config, the checkpoint's extra)``: the model as the run recorded it
+    (its dtype and vocabulary padding included).
   """
   import jax
   import ml_collections
 
-  from acco_jax import data, errors, hf, model
+  from acco_jax import errors, model
   from acco_jax.run import build as build_lib
   from acco_jax.run import registry
   from acco_jax.run.checkpoint import open_read_only
@@ -115,21 +125,34 @@ def export_run(workdir: str, out_dir: str, *, dtype: str = "float32", step: int 
     if family.source_step is None:
       raise errors.UserValueError(f"{workdir}: checkpoints of method={src.method} do not export")
     n = int(extra.get("num_devices", 0)) or len(jax.devices())
-    if n > len(jax.devices()):
+    if family.name == "loco" and n > len(jax.devices()):
       raise errors.UserValueError(
-        f"{workdir}: the checkpoint is laid out over {n} devices, this process has "
-        f"{len(jax.devices())}: export on the CPU (JAX_PLATFORMS=cpu) or a machine with as many"
+        f"{workdir}: a {src.method} checkpoint is laid out over its {n} devices, this process "
+        f"has {len(jax.devices())}: read it on the CPU (JAX_PLATFORMS=cpu) or a machine with as "
+        "many"
       )
-    found.update(src=src, cfg=cfg, extra=extra, step=family.source_step(src, cfg, n))
+    n = min(n, len(jax.devices()))  # the other families read a checkpoint of any device count
+    found.update(src=src, cfg=cfg, step=family.source_step(src, cfg, n))
     return found["step"].abstract_state(model.param_shapes(cfg))
 
   with open_read_only(os.path.join(workdir, "checkpoints")) as ckpt:
     if not ckpt.all_steps():
-      raise errors.UserValueError(f"{workdir}: holds no checkpoint to export")
+      raise errors.UserValueError(f"{workdir}: holds no checkpoint to read")
     saved_like = lambda shapes: getattr(found["step"], "saved_like", lambda _: None)(shapes)
     saved, extra = ckpt.restore_host(step, target_of, saved_like)
-  params = found["step"].export_params(saved)
-  name = extra.get("tokenizer") or found["src"].data.tokenizer
+  return found["step"].export_params(saved), found["cfg"], {**extra, "source": found["src"]}
+
+
+def export_run(workdir: str, out_dir: str, *, dtype: str = "float32", step: int | None = None):
+  """Writes the parameters of the run in ``workdir`` (one run, not a recipe) to ``out_dir``.
+
+  Returns:
+    ``(out_dir, the model config, the step exported)``.
+  """
+  from acco_jax import data, errors, hf
+
+  params, cfg, extra = read_params(workdir, step)
+  name = extra.get("tokenizer") or extra["source"].data.tokenizer
   try:
     tokenizer = data.get_tokenizer(name)
   except (errors.UserError, ValueError) as e:
@@ -139,13 +162,13 @@ def export_run(workdir: str, out_dir: str, *, dtype: str = "float32", step: int 
   hf.save(
     out_dir,
     params,
-    found["cfg"],
+    cfg,
     dtype=dtype,
     tokenizer=tokenizer,
     eos_id=tokenizer.eot_id,
     bos_id=tokenizer.bos_id,
   )
-  return out_dir, found["cfg"], int(extra["stage"])
+  return out_dir, cfg, int(extra["stage"])
 
 
 def export(workdir: str, out_dir: str, *, dtype: str = "float32", step: int | None = None):

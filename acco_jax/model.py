@@ -174,7 +174,15 @@ def check_params(params: Params, cfg: ModelConfig) -> None:
     )
 
 
-def _logits(params: Params, cfg: ModelConfig, tokens_BxL, rng=None, deterministic: bool = True):
+def _logits(
+  params: Params,
+  cfg: ModelConfig,
+  tokens_BxL,
+  rng=None,
+  deterministic: bool = True,
+  positions_BxL=None,
+  segments_BxL=None,
+):
   """Logits over the padded vocabulary, in the compute dtype: [B, L', padded_vocab]."""
   check_params(params, cfg)
   if tokens_BxL.ndim != 2 or tokens_BxL.shape[1] > cfg.L:
@@ -183,20 +191,29 @@ def _logits(params: Params, cfg: ModelConfig, tokens_BxL, rng=None, deterministi
   if use_dropout and rng is None:
     raise ValueError("apply(deterministic=False) with cfg.dropout > 0 needs an rng key")
   keys = jax.random.split(to_key(rng), cfg.N + 1) if use_dropout else [None] * (cfg.N + 1)
-  ctx = context(tokens_BxL)
+  ctx = context(tokens_BxL, 0, positions_BxL, segments_BxL)
   x_BxLxD = embed(shared(params), cfg, tokens_BxL, ctx, keys[-1])
 
-  def run(block_params, x_BxLxD, positions_BxL, key, layer: int):
-    return block(block_params, cfg, x_BxLxD, Context(layer, positions_BxL), key)
+  def run(block_params, x_BxLxD, positions_BxL, segments_BxL, key, layer: int):
+    return block(block_params, cfg, x_BxLxD, Context(layer, positions_BxL, segments_BxL), key)
 
   if cfg.remat:
-    run = jax.checkpoint(run, static_argnums=(4,))
+    run = jax.checkpoint(run, static_argnums=(5,))
   for i in range(cfg.N):
-    x_BxLxD = run(params[BLOCKS][str(i)], x_BxLxD, ctx.positions_BxL, keys[i], i)
+    x_BxLxD = run(params[BLOCKS][str(i)], x_BxLxD, ctx.positions_BxL, segments_BxL, keys[i], i)
   return head_logits(shared(params), cfg, x_BxLxD)
 
 
-def apply(params: Params, cfg: ModelConfig, tokens_BxL, *, rng=None, deterministic: bool = True):
+def apply(
+  params: Params,
+  cfg: ModelConfig,
+  tokens_BxL,
+  *,
+  rng=None,
+  deterministic: bool = True,
+  positions_BxL=None,
+  segments_BxL=None,
+):
   """Forward pass: token ids to next-token logits over the real vocabulary.
 
   Args:
@@ -206,12 +223,15 @@ def apply(params: Params, cfg: ModelConfig, tokens_BxL, *, rng=None, determinist
     tokens_BxL: int token ids of shape [B, L'] with L' <= cfg.L.
     rng: PRNG key for dropout; needed only if ``deterministic=False`` and ``cfg.dropout > 0``.
     deterministic: if True, no dropout.
+    positions_BxL, segments_BxL: packed rows (several examples a row): each token's position in
+      its example and the example's id; attention stays within an example. Default: one
+      sequence a row from position 0.
 
   Returns:
     float32 logits of shape [B, L', V] (the padded ids are dropped); position t depends on
-    tokens 0..t only.
+    tokens 0..t only (of its own segment).
   """
-  logits = _logits(params, cfg, tokens_BxL, rng, deterministic)
+  logits = _logits(params, cfg, tokens_BxL, rng, deterministic, positions_BxL, segments_BxL)
   return logits[..., : cfg.V].astype(jnp.float32)
 
 
@@ -225,7 +245,8 @@ def loss_fn(params: Params, cfg: ModelConfig, batch: dict[str, jax.Array], *, rn
     params: parameter dict.
     cfg: model config (static under jit).
     batch: {'inputs': int32 [B, L], 'targets': int32 [B, L], optional 'weights': float32 [B, L]
-      (0 = ignore the token; defaults to all ones)}.
+      (0 = ignore the token; defaults to all ones), optional 'positions' and 'segments' int32
+      [B, L] (packed rows: see :func:`apply`)}.
     rng: if given (and cfg.dropout > 0), dropout is applied with this key.
 
   Returns:
@@ -233,7 +254,15 @@ def loss_fn(params: Params, cfg: ModelConfig, batch: dict[str, jax.Array], *, rn
     aux = {'tokens': sum of weights, 'loss_sum': weighted sum of token losses}, float32 scalars,
     so that sums over microbatches or devices give the exact global mean.
   """
-  logits_BxLxV = _logits(params, cfg, batch["inputs"], rng, deterministic=rng is None)
+  logits_BxLxV = _logits(
+    params,
+    cfg,
+    batch["inputs"],
+    rng,
+    deterministic=rng is None,
+    positions_BxL=batch.get("positions"),
+    segments_BxL=batch.get("segments"),
+  )
   return loss_from_logits(cfg, logits_BxLxV, batch)
 
 

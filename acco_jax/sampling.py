@@ -63,3 +63,52 @@ def generate(params, cfg, prompt_tokens, num_new, key, temperature=1.0, top_k=No
       params, cfg, padded_BxW, seen.shape[1] - 1, step_key, temperature, top_k, temperature <= 0
     )
   return jnp.asarray(out_BxS[0] if prompt.ndim == 1 else out_BxS)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _greedy_next(params, cfg, tokens_BxW, last_B):
+  logits_BxWxV = model.apply(params, cfg, tokens_BxW)
+  return jnp.argmax(jnp.take_along_axis(logits_BxWxV, last_B[:, None, None], axis=1)[:, 0], -1)
+
+
+def greedy(params, cfg, prompts, max_new: int, stop_id: int, window: int | None = None):
+  """Greedy replies to a batch of prompts of different lengths, each until ``stop_id`` (not
+  included) or ``max_new`` tokens.
+
+  All prompts share one jitted forward over a ``[B, window]`` window: each row holds its prompt
+  from position 0 and grows on the right (a row's padding lies after its last token, which
+  causality makes irrelevant), so it compiles once. A prompt longer than ``window - max_new``
+  keeps its last tokens.
+
+  Args:
+    params: parameter dict.
+    cfg: model config.
+    prompts: B lists of token ids, each at least one.
+    max_new: the longest reply.
+    stop_id: the id that ends a reply (the tokenizer's end-of-text).
+    window: tokens of context, at most (default) ``cfg.L``.
+
+  Returns:
+    B lists of generated ids.
+  """
+  W = cfg.L if window is None else min(int(window), cfg.L)
+  keep = max(1, W - max_new)
+  tokens_BxW = np.zeros((len(prompts), W), np.int32)
+  length_B = np.zeros(len(prompts), np.int32)
+  for b, p in enumerate(prompts):
+    p = list(p)[-keep:] or [stop_id]
+    tokens_BxW[b, : len(p)] = p
+    length_B[b] = len(p)
+  replies, done = [[] for _ in prompts], np.zeros(len(prompts), bool)
+  for _ in range(max_new):
+    nxt_B = np.asarray(_greedy_next(params, cfg, tokens_BxW, jnp.asarray(length_B - 1)))
+    for b in np.flatnonzero(~done):
+      if nxt_B[b] == stop_id or length_B[b] >= W:
+        done[b] = True
+        continue
+      tokens_BxW[b, length_B[b]] = nxt_B[b]
+      length_B[b] += 1
+      replies[b].append(int(nxt_B[b]))
+    if done.all():
+      break
+  return replies

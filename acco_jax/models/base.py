@@ -153,16 +153,22 @@ class Context(NamedTuple):
     layer: the block's index in the model; a traced int32 scalar when blocks run in a traced order
       (:mod:`acco_jax.layers`), a Python int otherwise.
     positions_BxL: int32 position of each token (learned positions and RoPE read it).
+    segments_BxL: int32 example of each token in a packed row (attention stays within one), or
+      None: one sequence a row.
   """
 
   layer: int | jax.Array
   positions_BxL: jax.Array
+  segments_BxL: jax.Array | None = None
 
 
-def context(tokens_BxL, layer: int | jax.Array = 0) -> Context:
-  """The context of rows that each hold one sequence from position 0."""
-  L = tokens_BxL.shape[1]
-  return Context(layer, jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), tokens_BxL.shape))
+def context(tokens_BxL, layer: int | jax.Array = 0, positions=None, segments=None) -> Context:
+  """The context of rows of tokens: each one sequence from position 0, unless ``positions`` and
+  ``segments`` say how examples are packed in them."""
+  if positions is None:
+    L = tokens_BxL.shape[1]
+    positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), tokens_BxL.shape)
+  return Context(layer, positions, segments)
 
 
 def attention_impl(cfg: ModelConfig) -> str:
@@ -175,19 +181,36 @@ def attention_impl(cfg: ModelConfig) -> str:
 
 
 def attention(
-  q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, cfg: ModelConfig, *, scale=None, window: int | None = None
+  q_BxLxHxK,
+  k_BxLxGxK,
+  v_BxLxGxK,
+  cfg: ModelConfig,
+  *,
+  scale=None,
+  window: int | None = None,
+  segments_BxL=None,
 ):
   """Causal attention, grouped-query when ``G < H`` heads of keys and values; with ``window``,
-  query ``i`` sees only keys ``j`` with ``0 <= i - j < window``.
+  query ``i`` sees only keys ``j`` with ``0 <= i - j < window``; with ``segments_BxL``, only keys
+  of its own segment (packed examples; a mask both XLA's and cuDNN's kernels take).
 
   Scores and softmax are float32 whatever the inputs' dtype (XLA's and cuDNN's kernels both
   accumulate the products of bf16 inputs in float32); ``scale`` defaults to ``1/sqrt(K)``.
   """
   local = None if window is None else (window - 1, 0)
+  mask = None
+  if segments_BxL is not None:
+    mask = segments_BxL[:, None, :, None] == segments_BxL[:, None, None, :]  # [B, 1, L, L]
   return jax.nn.dot_product_attention(
-    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, scale=scale, is_causal=True, local_window_size=local,
+    q_BxLxHxK,
+    k_BxLxGxK,
+    v_BxLxGxK,
+    mask=mask,
+    scale=scale,
+    is_causal=True,
+    local_window_size=local,
     implementation=attention_impl(cfg),
-  )  # fmt: skip
+  )
 
 
 def dropout(x, rate: float, key) -> jax.Array:

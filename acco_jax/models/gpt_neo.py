@@ -92,7 +92,10 @@ class Block(nnx.Module):
     B, L, _ = h_BxLxD.shape
     heads = lambda t: t.reshape(B, L, cfg.H, cfg.head_dim)
     q, k, v = heads(self.attn_q(h_BxLxD)), heads(self.attn_k(h_BxLxD)), heads(self.attn_v(h_BxLxD))
-    attend = lambda window: base.attention(q, k, v, cfg, scale=1.0, window=window)
+    segments = ctx.segments_BxL
+    attend = lambda window: base.attention(
+      q, k, v, cfg, scale=1.0, window=window, segments_BxL=segments
+    )
     types = layer_types(cfg)
     if cfg.window >= L or "local" not in types:  # a local block sees every earlier key
       return attend(None)

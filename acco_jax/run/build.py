@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from acco_jax import data, errors, model
+from acco_jax.data import examples, instruct
 from acco_jax.data.tokenizer import declared_vocab_size
 from acco_jax.run import optim, parallel, pretrained, profile, registry
 
@@ -57,12 +58,12 @@ def model_config(config, vocab_size: int) -> model.ModelConfig:
     attention=m.attention,
     vocab_multiple=m.get("vocab_multiple", 1),
   )
-  if pretrained.directory(config) is not None:
+  if pretrained.source(config) is not None:
     return pretrained.model_config(config, vocab_size, settings)
-  if m.size == pretrained.SIZE_FROM_CHECKPOINT:
+  if m.size == pretrained.FROM_SOURCE:
     raise errors.UserValueError(
-      "model.size=hf takes the sizes from model.init's checkpoint, but model.init is not set: "
-      "give model.init=hf:<dir>, or a preset size"
+      "model.size=init takes the sizes from model.init's checkpoint, but model.init is not set: "
+      "give model.init=hf:<dir> or run:<workdir>, or a preset size"
     )
   overrides = {k: m[k] for k in ("D", "N", "H", "F", "kv_heads") if m.get(k)}
   return model.get_config(
@@ -90,6 +91,16 @@ def prepare_tokens(config) -> data.TokenData:
   cache = config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
   # a model directory's tokenizer is keyed by its contents (a name is a path, whose file may change)
   tokenizer = data.get_tokenizer(name) if name.startswith("hf:") else name
+  if instruct.is_instruction_source(config.data.source):
+    return examples.prepare(
+      config.data.source,
+      tokenizer,
+      fmt=config.data.format,
+      chat_template=config.data.chat_template,
+      eval_fraction=config.data.eval_fraction,
+      seed=config.data.split_seed,
+      cache_dir=cache,
+    )
   return data.prepare(
     config.data.source, tokenizer, cache_dir=cache,
     eval_fraction=config.data.eval_fraction, seed=config.data.split_seed,
@@ -105,6 +116,19 @@ def batch_stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True
   each device's part).
   """
   shared = run.batch_whole
+  if isinstance(tokens, data.Examples):  # instruction data: packed rows, or buckets
+    return examples.batches(
+      tokens,
+      seq_len=config.data.seq_len,
+      global_batch_rows=rows,
+      seed=seed,
+      process_index=0 if shared else jax.process_index(),
+      process_count=1 if shared else jax.process_count(),
+      shuffle=shuffle,
+      num_epochs=epochs,
+      packing=bool(config.data.packing),
+      bucket=int(config.data.bucket),
+    )
   return data.batches(
     tokens, seq_len=config.data.seq_len, global_batch_rows=rows, seed=seed,
     process_index=0 if shared else jax.process_index(),
@@ -196,6 +220,7 @@ def _check_config(config) -> None:
       f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'"
     )
   _check_layout(config)
+  _check_instruction(config)
   profile.parse(config.train.get("profile_stages", ""), float("inf"))
   for key, allowed in _DTYPES.items():
     value = config[key.split(".")[0]][key.split(".")[1]] if "." in key else config[key]
@@ -203,6 +228,33 @@ def _check_config(config) -> None:
       raise errors.UserValueError(
         f"{key}={value!r} is not a dtype this field takes: choose one of {', '.join(allowed)}"
       )
+
+
+def _check_instruction(config) -> None:
+  """Instruction data's fields, and the families that take its rows (one line each)."""
+  d = config.data
+  if not instruct.is_instruction_source(d.source):
+    return
+  if d.format not in instruct.FORMATS:
+    raise errors.UserValueError(
+      f"data.format={d.format!r} is unknown: choose one of {', '.join(instruct.FORMATS)}"
+    )
+  if config.train.exact_match not in ("end", "every", "off"):
+    raise errors.UserValueError(
+      f"train.exact_match={config.train.exact_match!r}: choose end, every or off"
+    )
+  family = registry.lookup(config.method).name
+  pipelined = family == "pipeline" or config.get("pipeline", {}).get("stages", 0)
+  if pipelined and d.packing:
+    raise errors.UserValueError(
+      "data.packing=True: the pipeline's stages (and SkipPipe's paths) run each row as one "
+      "sequence, without segment masks: set data.packing=False"
+    )
+  if family == "loco" and not d.packing:
+    raise errors.UserValueError(
+      f"method={config.method} with data.packing=False: a LoCo call takes several stages' "
+      "batches at once, which buckets would give different widths: set data.packing=True"
+    )
 
 
 LAYOUTS = ("auto", "elementwise", "owner")

@@ -63,12 +63,59 @@ def sample(run: Run, config, params, workdir: str) -> str:
   return text
 
 
+def describe_examples(run: Run, config) -> str:
+  """One line on instruction data: examples, and those cut at or dropped for ``data.seq_len``."""
+  from acco_jax.data import examples as examples_lib
+
+  seq = config.data.seq_len
+  tokens = run.tokens
+  cut, dropped = examples_lib.truncation(tokens.train, seq)
+  cut_eval, dropped_eval = examples_lib.truncation(tokens.eval, seq)
+  rows = "packed rows" if config.data.packing else f"rows in buckets of {config.data.bucket}"
+  return (
+    f"instruction data {tokens.source}: {len(tokens.train)} train / {len(tokens.eval)} held-out "
+    f"examples in {rows}; longer than data.seq_len={seq} and cut there: {cut} / {cut_eval}, of "
+    f"which dropped (no response left): {dropped} / {dropped_eval}"
+  )
+
+
+def answers(run: Run, config, params, workdir: str | None, lead: bool = True) -> dict:
+  """Exact match of greedy replies to the first ``train.answer_prompts`` held-out prompts of
+  instruction data: the reply (up to the end-of-text, ``train.answer_tokens`` at most) stripped
+  of surrounding white space against the reference answer, likewise. Writes every prompt, answer
+  and reply to ``<workdir>/samples.jsonl`` and prints a few."""
+  from acco_jax.data import examples as examples_lib
+
+  tok, held = run.tokens.tokenizer, run.tokens.eval
+  n = min(int(config.train.answer_prompts), len(held))
+  prompts = [examples_lib.prompt_ids(held, i) for i in range(n)]
+  max_new, window = int(config.train.answer_tokens), config.data.seq_len
+  replies = sampling.greedy(params, run.model_cfg, prompts, max_new, tok.eot_id, window=window)
+  rows = []
+  for (prompt, answer), reply in zip(run.tokens.answers[:n], replies, strict=True):
+    text = tok.decode(reply)
+    exact = text.strip() == answer.strip()
+    rows.append({"prompt": prompt, "answer": answer, "reply": text, "exact": exact})
+  if workdir is not None and lead:
+    with open(os.path.join(workdir, "samples.jsonl"), "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+  exact = sum(r["exact"] for r in rows) / max(len(rows), 1)
+  if lead:
+    for r in rows[:3]:
+      lines = r["prompt"].strip().splitlines()
+      asked = lines[-2] if len(lines) > 1 else lines[-1]
+      reply = r["reply"].strip()
+      print(f"answer: {asked!r} -> {reply!r} (reference {r['answer']!r})", flush=True)
+    print(f"exact match {exact:.1%} of {len(rows)} held-out prompts", flush=True)
+  return {"exact_match": exact, "answer_prompts": len(rows)}
+
+
 # The order of a run's summary keys, fixed here rather than by when each value arrived: a run that
 # evaluates only at its end gets its evaluation after a LoCo method's byte counts, one that
 # evaluates on the way (or the rerun of a finished run) before them, and a resumed run may evaluate
 # before its first log line. Keys not listed follow in the order they came.
 SUMMARY_KEYS = (
-  "unigram_baseline", "loss", "tokens_per_s", "eval_loss", "eval_ppl",
+  "unigram_baseline", "loss", "tokens_per_s", "eval_loss", "eval_ppl", "exact_match",
   "wire_bytes_per_worker", "peak_sync_bytes", "payload_bytes_per_sync", "sent_density",
   "stages", "updates", "stopped", "sample",
 )  # fmt: skip
@@ -93,7 +140,7 @@ def finished(run: Run, config, workdir: str, stage: int, wire_bytes: float, lead
   ``metrics.jsonl``, with the keys the run printed when it finished; no step runs."""
   logged = metrics_lib.last_logged(workdir)
   at = logged.pop("eval_step", None)
-  summary = {"unigram_baseline": data.unigram_entropy(run.tokens.train), **logged}
+  summary = {"unigram_baseline": data.unigram_entropy(data.loss_tokens(run.tokens.train)), **logged}
   if run.loco:
     summary.update(loco_summary(run.train, wire_bytes))
   summary.update(stages=stage, updates=updates_done(config, stage))

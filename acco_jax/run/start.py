@@ -112,10 +112,10 @@ def restore_or_init(
       print(started.line, flush=True)
   else:
     start = 0
-    if pretrained.directory(config) is not None:  # a Hugging Face directory's weights
+    if pretrained.source(config) is not None:  # pretrained weights (model.init)
       t0 = time.time()
       params = pretrained.load_params(config, run.model_cfg, run.mesh)
-      events.append(("initialized_from_hf", dict(init=config.model.init, load_s=time.time() - t0)))
+      events.append(("pretrained", dict(init=config.model.init, load_s=time.time() - t0)))
       if lead:
         took = time.time() - t0
         line = f"initialized from {config.model.init} ({run.model_cfg.arch}, {took:.1f} s)"

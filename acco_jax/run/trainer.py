@@ -95,7 +95,8 @@ def train_and_evaluate(
     writer.event(name, **fields)
 
   eval_fn = report.eval_function(run.model_cfg)  # the full model, also after SkipPipe training
-  baseline = data.unigram_entropy(run.tokens.train)
+  baseline = data.unigram_entropy(data.loss_tokens(run.tokens.train))
+  instruction = isinstance(run.tokens, data.InstructData)  # prompts and responses
   n_params = train.layout.num_params
   flops_token = model.flops_per_token(run.model_cfg)
   peak = metrics_lib.peak_flops(jax.devices()[0])
@@ -109,6 +110,8 @@ def train_and_evaluate(
       f"stages={run.total_stages} unigram_baseline={baseline:.3f} nats",
       flush=True,
     )
+    if instruction:
+      print(report.describe_examples(run, config), flush=True)
     line = train.describe()  # the sync schedule, quantized sends, a pipeline's plan; or ''
     if line:
       print(line, flush=True)
@@ -309,6 +312,8 @@ def train_and_evaluate(
       if at_update and crossed(config.train.eval_every):
         flush()
         ev = report.evaluate(run, config, train.params(state), eval_fn)
+        if instruction and config.train.exact_match == "every":
+          ev.update(report.answers(run, config, train.params(state), None, lead))
         writer.write(stage, {"update": done, **ev})
         summary.update(ev)
         evaluated_at = stage
@@ -345,6 +350,10 @@ def train_and_evaluate(
       ev = report.evaluate(run, config, final, eval_fn)
       writer.write(stage, {"update": updates_done(config, stage), **ev})
       summary.update(ev)
+    if instruction and config.train.exact_match != "off":  # greedy replies to held-out prompts
+      answered = report.answers(run, config, final, workdir, lead)
+      writer.write(stage, {"update": updates_done(config, stage), **answered})
+      summary.update(answered)
     summary.update(stages=stage, updates=updates_done(config, stage))
     if ckpt.latest_step() != stage:
       save(stage)

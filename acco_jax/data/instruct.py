@@ -1,0 +1,289 @@
+"""Instruction data: examples of a prompt and a response, as text pieces that are trained on or not.
+
+An example is a list of ``(text, trained)`` pieces (:class:`Example`): the prompt's pieces are not
+trained on, the response's are, and the tokenizer's end-of-text after each trained response counts
+as part of it (the model learns to stop). Sources (``data.source``):
+
+* ``jsonl:<path or glob>`` (JSON lines, or a file holding one JSON array of records, as Alpaca's
+  ``alpaca_data.json``) with ``data.format``:
+
+  - ``alpaca``: ``{"instruction", "input" (optional), "output"}``, rendered with the Alpaca prompt
+    template (:func:`alpaca_prompt`);
+  - ``prompt_completion``: ``{"prompt", "completion"}``, the prompt as it is;
+  - ``chat``: ``{"messages": [{"role": "system" | "user" | "assistant", "content"}, ...]}``: every
+    assistant message is trained on. Rendered with the built-in template (:data:`CHAT_TEMPLATE`),
+    or with a Hugging Face tokenizer's ``chat_template`` (``data.chat_template=hf``), which must
+    mark the assistant's text with ``{% generation %} ... {% endgeneration %}`` (the mask
+    transformers' ``return_assistant_tokens_mask`` reads): a template without it is refused, as it
+    would train on nothing, or on everything.
+
+* ``instruct:embedded``: the built-in set, derived from the embedded King James Bible (public
+  domain; :func:`embedded_examples`): for each of a fixed, seeded sample of verses, "Which book is
+  this verse from?" (66 answers) and "What is the last word of this verse?" (a copy), answers a
+  person can check and a small model learns.
+
+Errors in a file are one line naming the file and line (a line that is not JSON, a field missing
+or of the wrong type, an empty response).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import sqlite3
+from typing import NamedTuple
+
+import numpy as np
+
+from acco_jax import errors
+from acco_jax.data import sources
+
+FORMATS = ("alpaca", "prompt_completion", "chat")
+ROLES = ("system", "user", "assistant")
+
+
+class Example(NamedTuple):
+  """One example as text pieces; ``answer`` is the reference an exact-match evaluation compares
+  the model's greedy reply with (the last trained piece)."""
+
+  pieces: tuple[tuple[str, bool], ...]  # (text, trained), in order
+
+  @property
+  def prompt(self) -> str:
+    """Everything before the last trained piece (what a reply is generated after)."""
+    last = max(i for i, (_, trained) in enumerate(self.pieces) if trained)
+    return "".join(text for text, _ in self.pieces[:last])
+
+  @property
+  def answer(self) -> str:
+    return next(text for text, trained in reversed(self.pieces) if trained)
+
+
+# -- templates -------------------------------------------------------------------------------------
+
+_ALPACA_INPUT = (
+  "Below is an instruction that describes a task, paired with an input that provides further "
+  "context. Write a response that appropriately completes the request.\n\n"
+  "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+_ALPACA = (
+  "Below is an instruction that describes a task. Write a response that appropriately completes "
+  "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+def alpaca_prompt(instruction: str, input_text: str = "") -> str:
+  """The Alpaca prompt (Taori et al., 2023): with an input section when there is one."""
+  if input_text:
+    return _ALPACA_INPUT.format(instruction=instruction, input=input_text)
+  return _ALPACA.format(instruction=instruction)
+
+
+# The built-in chat template: each message as '<|role|>\n' and its content; an assistant's content
+# (trained on) follows '<|assistant|>\n' and is closed by the tokenizer's end-of-text.
+CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
+
+
+def chat_pieces(messages: list[dict]) -> tuple[tuple[str, bool], ...]:
+  """The built-in template's pieces: every assistant message trained on (its end-of-text is
+  added when the example is encoded), everything else not."""
+  pieces = []
+  for m in messages:
+    if m["role"] == "assistant":
+      pieces.append(("<|assistant|>\n", False))
+      pieces.append((m["content"], True))
+    else:
+      pieces.append((CHAT_TEMPLATE.format(role=m["role"], content=m["content"]), False))
+  return tuple(pieces)
+
+
+_GEN_START, _GEN_END = "\x00<generation>\x00", "\x00</generation>\x00"
+
+
+def hf_chat_pieces(template: str, messages: list[dict], where: str):
+  """The pieces of ``messages`` under a Hugging Face ``chat_template`` (Jinja): the text inside
+  its ``{% generation %}`` blocks is trained on. Refused (one line) without such a block."""
+  import jinja2
+  from jinja2 import nodes
+  from jinja2.ext import Extension
+
+  class Generation(Extension):
+    tags = {"generation"}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+      return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+    def _mark(self, caller):
+      return f"{_GEN_START}{caller()}{_GEN_END}"
+
+  if "generation" not in template:
+    raise errors.UserValueError(
+      f"{where}: the tokenizer's chat_template has no {{% generation %}} block marking the "
+      "assistant's text, so there is nothing to train on: use data.chat_template=builtin"
+    )
+  env = jinja2.Environment(extensions=[Generation], trim_blocks=True, lstrip_blocks=True)
+  env.globals["raise_exception"] = lambda message: (_ for _ in ()).throw(ValueError(message))
+  text = env.from_string(template).render(messages=messages, add_generation_prompt=False)
+  pieces, trained = [], False
+  for part in re.split(f"({re.escape(_GEN_START)}|{re.escape(_GEN_END)})", text):
+    if part in (_GEN_START, _GEN_END):
+      trained = part == _GEN_START
+    elif part:
+      pieces.append((part, trained))
+  return tuple(pieces)
+
+
+# -- reading JSONL -----------------------------------------------------------------------------------
+
+
+def _field(record: dict, key: str, where: str, optional: bool = False) -> str:
+  value = record.get(key)
+  if value is None and optional:
+    return ""
+  if not isinstance(value, str):
+    got = "missing" if key not in record else f"a {type(value).__name__}"
+    raise errors.UserValueError(f"{where}: field {key!r} is {got}, not a string")
+  return value
+
+
+def _example(record, fmt: str, where: str, chat_template: str | None) -> Example:
+  if not isinstance(record, dict):
+    raise errors.UserValueError(f"{where}: a {type(record).__name__}, not a JSON object")
+  if fmt == "alpaca":
+    prompt = alpaca_prompt(
+      _field(record, "instruction", where), _field(record, "input", where, optional=True)
+    )
+    pieces = ((prompt, False), (_field(record, "output", where), True))
+  elif fmt == "prompt_completion":
+    pieces = ((_field(record, "prompt", where), False), (_field(record, "completion", where), True))
+  else:
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not messages:
+      raise errors.UserValueError(f"{where}: field 'messages' is missing or not a list")
+    for m in messages:
+      if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise errors.UserValueError(
+          f"{where}: a message without a role of {', '.join(ROLES)}: {json.dumps(m)[:80]}"
+        )
+      _field(m, "content", where)
+    if not any(m["role"] == "assistant" for m in messages):
+      raise errors.UserValueError(f"{where}: no assistant message to train on")
+    if chat_template:
+      pieces = hf_chat_pieces(chat_template, messages, where)
+    else:
+      pieces = chat_pieces(messages)
+  if not any(trained and text.strip() for text, trained in pieces):
+    raise errors.UserValueError(f"{where}: the response is empty (nothing to train on)")
+  return Example(pieces)
+
+
+def jsonl_files(pattern: str) -> list[str]:
+  expanded = os.path.expanduser(pattern)
+  files = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [expanded]
+  files = [f for f in files if os.path.isfile(f)]
+  if not files:
+    raise errors.UserFileNotFoundError(
+      f"data.source=jsonl:{pattern}: no such file (one JSON object per line)"
+    )
+  return files
+
+
+def read_jsonl(pattern: str, fmt: str, chat_template: str | None = None) -> list[Example]:
+  """The examples of every line of the files ``pattern`` names (blank lines skipped)."""
+  if fmt not in FORMATS:
+    raise errors.UserValueError(
+      f"data.format={fmt!r} is unknown: choose one of {', '.join(FORMATS)}"
+    )
+  out = []
+  for path in jsonl_files(pattern):
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    if text.lstrip().startswith("["):  # one JSON array (Alpaca's alpaca_data.json)
+      try:
+        records = json.loads(text)
+      except json.JSONDecodeError as e:
+        raise errors.UserValueError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
+      out += [_example(r, fmt, f"{path}: record {i}", chat_template) for i, r in enumerate(records)]
+      continue
+    for number, line in enumerate(text.splitlines(), 1):
+      if not line.strip():
+        continue
+      where = f"{path}:{number}"
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise errors.UserValueError(f"{where}: not a JSON object ({e.msg})") from None
+      out.append(_example(record, fmt, where, chat_template))
+  if not out:
+    raise errors.UserValueError(f"data.source=jsonl:{pattern}: the files hold no example")
+  return out
+
+
+# -- the embedded set ------------------------------------------------------------------------------
+
+EMBEDDED = "instruct:embedded"
+_BOOK_QUESTION = "Which book of the Bible is this verse from?\n{verse}\nAnswer: "
+_LAST_WORD_QUESTION = "What is the last word of this verse?\n{verse}\nAnswer: "
+
+
+def _verses() -> list[tuple[str, str]]:
+  """``(book name, verse text)`` of every verse of the embedded KJV, in order."""
+  con = sqlite3.connect(f"{sources.kjv_path().as_uri()}?mode=ro", uri=True)
+  try:
+    rows = con.execute(
+      "SELECT Books.LongName, Bible.Passage1 FROM Bible JOIN Books ON "
+      "Books.TestamentID = Bible.TestamentID AND Books.BookID = Bible.BookID "
+      "ORDER BY Bible.TestamentID, Bible.BookID, Bible.ChapterID, Bible.VerseID"
+    ).fetchall()
+  finally:
+    con.close()
+  out = []
+  for book, passage in rows:
+    text = re.sub(r"^\s*\d+:\d+\s+", "", passage or "").strip()
+    if text:
+      out.append((book.strip(), text))
+  return out
+
+
+def _books() -> list[str]:
+  """The 66 book names of the embedded KJV, in order."""
+  con = sqlite3.connect(f"{sources.kjv_path().as_uri()}?mode=ro", uri=True)
+  try:
+    rows = con.execute("SELECT LongName FROM Books ORDER BY TestamentID, BookID").fetchall()
+  finally:
+    con.close()
+  return [name.strip() for (name,) in rows]
+
+
+def embedded_examples(count: int = 4000, seed: int = 0) -> list[Example]:
+  """``count`` examples of the built-in set: a seeded sample of ``count // 2`` verses, each asked
+  for its book and for its last word (the same verses in both tasks)."""
+  verses = _verses()
+  rng = np.random.default_rng(seed)
+  picked = sorted(rng.choice(len(verses), size=min(count // 2, len(verses)), replace=False))
+  out = []
+  for i in picked:
+    book, verse = verses[i]
+    last = re.findall(r"[A-Za-z']+", verse)[-1]
+    out.append(Example(((_BOOK_QUESTION.format(verse=verse), False), (book, True))))
+    out.append(Example(((_LAST_WORD_QUESTION.format(verse=verse), False), (last, True))))
+  return out
+
+
+def load(source: str, fmt: str, chat_template: str | None = None) -> list[Example]:
+  """The examples of an instruction source (``jsonl:<glob>`` or ``instruct:embedded``)."""
+  if source == EMBEDDED:
+    return embedded_examples()
+  if source.startswith("jsonl:") and len(source) > 6:
+    return read_jsonl(source[6:], fmt, chat_template)
+  raise errors.UserValueError(
+    f"data.source={source!r} is not instruction data: give jsonl:<path or glob> or {EMBEDDED}"
+  )
+
+
+def is_instruction_source(source: str) -> bool:
+  return source == EMBEDDED or source.startswith("jsonl:")

@@ -1,0 +1,209 @@
+"""Instruction data: the loss mask token by token, packed rows against each example alone, buckets,
+and the refusals of bad files. References are written out by hand here (byte ids: a character is
+its code), never computed by the code under test."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from acco_jax import errors, model
+from acco_jax.data import examples, instruct
+from acco_jax.data.instruct import Example
+from acco_jax.data.tokenizer import ByteTokenizer
+
+BYTES = ByteTokenizer()
+EOT = BYTES.eot_id  # 256
+
+
+def _jsonl(tmp_path, records, name="data.jsonl"):
+  path = tmp_path / name
+  path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+  return str(path)
+
+
+def test_prompt_completion_weights_token_by_token(tmp_path):
+  path = _jsonl(tmp_path, [{"prompt": "Q:ab\n", "completion": "cd"}])
+  (ex,) = instruct.read_jsonl(path, "prompt_completion")
+  enc = examples.encode(BYTES, [ex])
+  ids, trained = enc.example(0)
+  #           Q   :   a   b  \n   c    d   eot
+  want_ids = [81, 58, 97, 98, 10, 99, 100, EOT]
+  assert ids.tolist() == want_ids
+  assert trained.tolist() == [False] * 5 + [True] * 3  # the response and its end-of-text
+  row = examples._row(enc, [0], 10, packed=False)
+  assert row["inputs"].tolist() == [81, 58, 97, 98, 10, 99, 100, 0, 0, 0]
+  assert row["targets"].tolist() == [58, 97, 98, 10, 99, 100, EOT, 0, 0, 0]
+  # a target weighs 1 iff it is the response's ('c' after '\n', 'd', then end-of-text)
+  assert row["weights"].tolist() == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0]
+
+
+def test_alpaca_prompt_and_answer(tmp_path):
+  path = _jsonl(
+    tmp_path,
+    [
+      {"instruction": "Add.", "input": "1+1", "output": "2"},
+      {"instruction": "Hi", "output": "Hello"},
+    ],
+  )
+  with_input, plain = instruct.read_jsonl(path, "alpaca")
+  assert with_input.prompt.endswith("### Instruction:\nAdd.\n\n### Input:\n1+1\n\n### Response:\n")
+  assert "### Input" not in plain.prompt and plain.prompt.endswith("### Response:\n")
+  assert (with_input.answer, plain.answer) == ("2", "Hello")
+
+
+def test_builtin_chat_trains_every_assistant_turn():
+  ex = Example(instruct.chat_pieces([
+    {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+    {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
+  ]))  # fmt: skip
+  enc = examples.encode(BYTES, [ex])
+  ids, trained = enc.example(0)
+  text = bytes(int(i) for i in ids if i < 256).decode()
+  assert text == "<|user|>\na\n<|assistant|>\nb<|user|>\nc\n<|assistant|>\nd"
+  kept = "".join(
+    chr(i) for i, t in zip(ids.tolist(), trained.tolist(), strict=True) if t and i < 256
+  )
+  assert kept == "bd" and trained[-1]  # both replies and the final end-of-text
+  assert bytes(examples.prompt_ids(enc, 0).tolist()).decode().endswith("c\n<|assistant|>\n")
+
+
+MARKED = (
+  "{% for m in messages %}{% if m['role'] == 'assistant' %}A: {% generation %}{{ m['content'] }}"
+  "{% endgeneration %}\n{% else %}U: {{ m['content'] }}\n{% endif %}{% endfor %}"
+)
+
+
+def test_hf_chat_template_with_generation_marks():
+  messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+  pieces = instruct.hf_chat_pieces(MARKED, messages, "x")
+  # rendered as transformers renders it (trim_blocks: the newline after a block tag goes)
+  assert pieces == (("U: hi\nA: ", False), ("yo", True))
+
+
+def test_chat_template_without_an_assistant_mask_is_refused(tmp_path):
+  template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+  path = _jsonl(tmp_path, [{"messages": [{"role": "user", "content": "a"},
+                                         {"role": "assistant", "content": "b"}]}])  # fmt: skip
+  with pytest.raises(errors.UserValueError, match=r"no \{% generation %\} block") as info:
+    instruct.read_jsonl(path, "chat", template)
+  assert "\n" not in str(info.value)
+
+
+BAD_FILES = {
+  "not-json": (['{"prompt": "a", "completion": "b"}', '{"prompt": "a",'], r"data.jsonl:2: not a JSON object"),
+  "missing-field": ([{"prompt": "a"}], r"data.jsonl:1: field 'completion' is missing, not a string"),
+  "not-a-string": ([{"prompt": "a", "completion": 3}], r"field 'completion' is a int"),
+  "empty-response": ([{"prompt": "a", "completion": "  "}], r"data.jsonl:1: the response is empty"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_FILES)
+def test_bad_file_is_one_line_naming_file_and_line(case, tmp_path):
+  records, match = BAD_FILES[case]
+  with pytest.raises(errors.UserValueError, match=match) as info:
+    instruct.read_jsonl(_jsonl(tmp_path, records), "prompt_completion")
+  assert "\n" not in str(info.value)
+
+
+def test_embedded_set_is_fixed_and_checkable():
+  a, b = instruct.embedded_examples(40), instruct.embedded_examples(40)
+  assert a == b and len(a) == 40
+  books = {ex.answer for ex in a[0::2]}
+  assert books <= set(instruct._books()) and len(books) > 3
+  for book_q, last_q in zip(a[0::2], a[1::2], strict=True):
+    verse = book_q.prompt.splitlines()[1]
+    assert last_q.prompt.splitlines()[1] == verse and verse.rstrip(".;:,?!'\" ").endswith(
+      last_q.answer
+    )
+
+
+# -- rows ------------------------------------------------------------------------------------------
+
+
+def _encoded(lengths, trained_from=2):
+  """Examples of the given id counts (end-of-text included), ids 1, 2, ..., trained from the
+  ``trained_from``-th id on."""
+  exs = []
+  for n in lengths:
+    prompt = "".join(chr(ord("a") + i % 26) for i in range(trained_from))
+    response = "".join(chr(ord("A") + i % 26) for i in range(n - 1 - trained_from))
+    exs.append(Example(((prompt, False), (response, True))))
+  return examples.encode(BYTES, exs)
+
+
+def test_packing_first_fit_in_order_and_truncation():
+  enc = _encoded([5, 4, 6, 20, 3])  # positions: 4, 3, 5, 19, 2
+  assert examples.pack(enc, 8) == [[0, 1], [2], [3], [4]]  # 4 + 3 fit; 5 + 2 would not go first
+  assert examples.truncation(enc, 8) == (1, 0)  # the 20-id example cut to 9 ids, kept
+  prompt_only = examples.encode(BYTES, [Example((("x" * 20, False), ("y", True)))])
+  assert examples.truncation(prompt_only, 8) == (1, 1)  # its response lies past the cut: dropped
+  row = examples._row(enc, [0, 1], 8, packed=True)
+  assert row["segments"].tolist() == [1, 1, 1, 1, 2, 2, 2, 0]
+  assert row["positions"].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
+  assert row["weights"].tolist() == [0, 1, 1, 1, 0, 1, 1, 0]
+
+
+def test_buckets_are_multiples_padded_to_the_batch_longest():
+  enc = _encoded([5, 12, 40, 7, 70, 9, 30, 3])
+  it = examples.batches(enc, seq_len=64, global_batch_rows=2, seed=0, bucket=16, shuffle=False)
+  widths = [b["inputs"].shape[1] for b in (next(it) for _ in range(4))]
+  # pairs (5, 12) (40, 7) (70 -> cut to 64, 9) (30, 3): longest 11, 39, 64, 29 positions
+  assert widths == [16, 48, 64, 32]
+
+
+def test_every_process_takes_its_rows_of_one_bucketed_global_batch():
+  enc = _encoded([5, 12, 40, 7, 70, 9, 30, 3])
+  whole = examples.batches(enc, seq_len=64, global_batch_rows=4, seed=1, bucket=16)
+  parts = [examples.batches(enc, seq_len=64, global_batch_rows=4, seed=1, bucket=16,
+                            process_index=p, process_count=2) for p in range(2)]  # fmt: skip
+  for _ in range(3):
+    w = next(whole)
+    a, b = next(parts[0]), next(parts[1])
+    np.testing.assert_array_equal(np.concatenate([a["inputs"], b["inputs"]]), w["inputs"])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neo", "llama"])
+def test_a_packed_row_gives_each_example_its_own_logits(arch):
+  """Positions restart and attention stays inside each example: the packed row's logits at each
+  example's positions are the ones it gets alone (GPT-Neo's local window shorter than them)."""
+  local = {"window": 4} if arch == "gpt_neo" else {}
+  cfg = model.get_config("tiny", arch=arch, dtype="float32", V=257, **local)
+  params = model.init_params(cfg, 0)
+  enc = _encoded([9, 6, 12])
+  row = examples._row(enc, [0, 1, 2], 32, packed=True)
+  packed = model.apply(params, cfg, row["inputs"][None], positions_BxL=row["positions"][None],
+                       segments_BxL=row["segments"][None])[0]  # fmt: skip
+  at = 0
+  for i in range(3):
+    ids, _ = enc.example(i)
+    alone = model.apply(params, cfg, jnp.asarray(ids[:-1])[None])[0]
+    np.testing.assert_allclose(packed[at : at + len(ids) - 1], alone, rtol=2e-5, atol=2e-5)
+    at += len(ids) - 1
+  # the same row without the segments (attention across examples) or the positions differs
+  crossed = model.apply(params, cfg, row["inputs"][None], positions_BxL=row["positions"][None])[0]
+  assert np.max(np.abs(crossed[8:13] - packed[8:13])) > 1e-3
+  if arch != "llama":  # RoPE's scores depend on positions' differences only: restarting is moot
+    unrestarted = model.apply(params, cfg, row["inputs"][None], segments_BxL=row["segments"][None])
+    assert np.max(np.abs(unrestarted[0, 8:13] - packed[8:13])) > 1e-3
+
+
+def test_packed_loss_is_the_response_tokens_mean():
+  cfg = model.get_config("tiny", dtype="float32", V=257)
+  params = model.init_params(cfg, 1)
+  enc = _encoded([9, 6])
+  row = {k: jnp.asarray(v[None]) for k, v in examples._row(enc, [0, 1], 16, packed=True).items()}
+  loss, aux = model.loss_fn(params, cfg, row)
+  want_sum, count = 0.0, 0
+  for i in range(2):
+    ids, trained = enc.example(i)
+    logp = jax.nn.log_softmax(model.apply(params, cfg, jnp.asarray(ids[:-1])[None])[0])
+    for t in range(len(ids) - 1):
+      if trained[t + 1]:
+        want_sum, count = want_sum - float(logp[t, ids[t + 1]]), count + 1
+  assert float(aux["tokens"]) == count == 7 + 4  # each response and its end-of-text
+  np.testing.assert_allclose(float(loss), want_sum / count, rtol=1e-5)
