@@ -47,6 +47,7 @@ from configs import (
   gpt2_sparseloco,
   gpt2_streaming_diloco,
   gpt2_zero1,
+  sft_acco,
 )
 from tests.train_test import SMALL
 
@@ -71,6 +72,7 @@ MODULES = {
   "diloco_acco": (gpt2_diloco, {}),
   "streaming_eager": (gpt2_streaming_diloco, {}),
   "sparseloco_eager": (gpt2_sparseloco, {}),
+  "sft": (sft_acco, {}),
 }
 OVERRIDES = {  # 24 stages (acco) with a checkpoint at every update, all saved asynchronously
   "train.num_updates": 12,
@@ -144,6 +146,18 @@ METHOD_OVERRIDES = {
     "loco.sync_every": 3,
     "loco.workers": 4,
     "train.num_updates": 24,
+  },
+  # instruction fine-tuning from a Hugging Face directory, rows padded to buckets of 16: a resumed
+  # run must read the same examples in the same buckets (the data position is the global step)
+  "sft": {
+    "model.D": 0,
+    "model.N": 0,
+    "model.H": 0,
+    "data.seq_len": 48,
+    "model.init": f"hf:{REPO / 'tests' / 'data' / 'hf' / 'gpt2'}",
+    "data.source": f"jsonl:{REPO / 'tests' / 'data' / 'reversals.jsonl'}",
+    "data.format": "prompt_completion",
+    "train.exact_match": "off",
   },
 }
 

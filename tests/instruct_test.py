@@ -111,15 +111,20 @@ def test_bad_file_is_one_line_naming_file_and_line(case, tmp_path):
 
 
 def test_embedded_set_is_fixed_and_checkable():
-  a, b = instruct.embedded_examples(40), instruct.embedded_examples(40)
-  assert a == b and len(a) == 40
-  books = {ex.answer for ex in a[0::2]}
+  a, b = instruct.embedded_examples(60), instruct.embedded_examples(60)
+  assert a == b and len(a) == 60
+  by_task = {}
+  for ex in a:
+    by_task.setdefault(ex.prompt.splitlines()[0], []).append(ex)
+  assert sorted(len(v) for v in by_task.values()) == [20, 20, 20]
+  books = {ex.answer.strip() for ex in by_task["Which book of the Bible is this verse from?"]}
   assert books <= set(instruct._books()) and len(books) > 3
-  for book_q, last_q in zip(a[0::2], a[1::2], strict=True):
-    verse = book_q.prompt.splitlines()[1]
-    assert last_q.prompt.splitlines()[1] == verse and verse.rstrip(".;:,?!'\" ").endswith(
-      last_q.answer
-    )
+  for ex in by_task["What is the first word of this verse?"]:
+    assert ex.prompt.splitlines()[1].startswith(f"Verse:{ex.answer}")
+  for ex in by_task["What is the last word of this verse?"]:
+    verse = ex.prompt.splitlines()[1]
+    assert verse.rstrip(".;:,?!'\" ").endswith(ex.answer.strip())
+  assert all(ex.prompt.endswith("\nAnswer:") and ex.answer.startswith(" ") for ex in a)
 
 
 # -- rows ------------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ as part of it (the model learns to stop). Sources (``data.source``):
 
 * ``instruct:embedded``: the built-in set, derived from the embedded King James Bible (public
   domain; :func:`embedded_examples`): for each of a fixed, seeded sample of verses, "Which book is
-  this verse from?" (66 answers) and "What is the last word of this verse?" (a copy), answers a
-  person can check and a small model learns.
+  this verse from?" (66 answers), "What is the first word of this verse?" and "What is the last
+  word ...?" (copies from the verse), answers a person can check and a small model learns.
 
 Errors in a file are one line naming the file and line (a line that is not JSON, a field missing
 or of the wrong type, an empty response).
@@ -226,8 +226,15 @@ def read_jsonl(pattern: str, fmt: str, chat_template: str | None = None) -> list
 # -- the embedded set ------------------------------------------------------------------------------
 
 EMBEDDED = "instruct:embedded"
-_BOOK_QUESTION = "Which book of the Bible is this verse from?\n{verse}\nAnswer: "
-_LAST_WORD_QUESTION = "What is the last word of this verse?\n{verse}\nAnswer: "
+# The answer follows "Answer:" after a space, as a word follows another in running text (a BPE
+# learnt on text has " Genesis" as a token, "Genesis" after a space-ended prompt rarely).
+# The verse follows "Verse:" after a space too: its first word is then the same token as the
+# answer that copies it.
+_QUESTIONS = {
+  "book": "Which book of the Bible is this verse from?\nVerse: {verse}\nAnswer:",
+  "first": "What is the first word of this verse?\nVerse: {verse}\nAnswer:",
+  "last": "What is the last word of this verse?\nVerse: {verse}\nAnswer:",
+}
 
 
 def _verses() -> list[tuple[str, str]]:
@@ -235,7 +242,7 @@ def _verses() -> list[tuple[str, str]]:
   con = sqlite3.connect(f"{sources.kjv_path().as_uri()}?mode=ro", uri=True)
   try:
     rows = con.execute(
-      "SELECT Books.LongName, Bible.Passage1 FROM Bible JOIN Books ON "
+      "SELECT Books.ShortName, Bible.Passage1 FROM Bible JOIN Books ON "
       "Books.TestamentID = Bible.TestamentID AND Books.BookID = Bible.BookID "
       "ORDER BY Bible.TestamentID, Bible.BookID, Bible.ChapterID, Bible.VerseID"
     ).fetchall()
@@ -253,25 +260,26 @@ def _books() -> list[str]:
   """The 66 book names of the embedded KJV, in order."""
   con = sqlite3.connect(f"{sources.kjv_path().as_uri()}?mode=ro", uri=True)
   try:
-    rows = con.execute("SELECT LongName FROM Books ORDER BY TestamentID, BookID").fetchall()
+    rows = con.execute("SELECT ShortName FROM Books ORDER BY TestamentID, BookID").fetchall()
   finally:
     con.close()
   return [name.strip() for (name,) in rows]
 
 
-def embedded_examples(count: int = 4000, seed: int = 0) -> list[Example]:
-  """``count`` examples of the built-in set: a seeded sample of ``count // 2`` verses, each asked
-  for its book and for its last word (the same verses in both tasks)."""
+def embedded_examples(count: int = 4500, seed: int = 0) -> list[Example]:
+  """``count`` examples of the built-in set, in a seeded order: a seeded sample of ``count // 3``
+  verses, each asked for its book (66 answers: recall), its first word (a copy from the start of
+  the verse) and its last word (a copy from its end), the same verses in the three tasks."""
   verses = _verses()
   rng = np.random.default_rng(seed)
-  picked = sorted(rng.choice(len(verses), size=min(count // 2, len(verses)), replace=False))
+  picked = rng.choice(len(verses), size=min(count // 3, len(verses)), replace=False)
   out = []
   for i in picked:
     book, verse = verses[i]
-    last = re.findall(r"[A-Za-z']+", verse)[-1]
-    out.append(Example(((_BOOK_QUESTION.format(verse=verse), False), (book, True))))
-    out.append(Example(((_LAST_WORD_QUESTION.format(verse=verse), False), (last, True))))
-  return out
+    words = re.findall(r"[A-Za-z']+", verse)
+    for task, answer in (("book", book), ("first", words[0]), ("last", words[-1])):
+      out.append(Example(((_QUESTIONS[task].format(verse=verse), False), (f" {answer}", True))))
+  return [out[j] for j in rng.permutation(len(out))]
 
 
 def load(source: str, fmt: str, chat_template: str | None = None) -> list[Example]:

@@ -280,7 +280,8 @@ def train_and_evaluate(
       in_flight = m["loss"]
       stages_run = len(batches)
       used = mb_per_stage if budgets is None else int(budgets.sum())
-      tokens_seen += used * rows_per_microbatch * config.data.seq_len * stages_run
+      width = batch["inputs"].shape[-1]  # data.seq_len, or an instruction batch's bucket
+      tokens_seen += used * rows_per_microbatch * width * stages_run
       # elementwise, per worker under LoCo: a reduction here would be a collective across every
       # device after every stage, which the next stage's programs would queue behind. The first
       # stage runs both of its programs (no flag yet, a flag): none compiles after it.

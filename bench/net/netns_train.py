@@ -19,6 +19,10 @@ Usage (root)::
   python bench/net/netns_train.py --mbit 100 --steps 30 --methods ddp diloco
   python bench/net/netns_train.py --mbit 10 100 --methods ddp zero1 acco acco-int8 acco-int4
   python bench/net/netns_train.py --mbit 100 --methods diloco diloco-eager --steps 60 --skip 20
+  python bench/net/netns_train.py --mbit 100 1000 --methods sft-ddp sft-zero1 sft-acco --steps 40
+
+The ``sft-*`` methods fine-tune on instructions (``configs/sft_acco.py``) the model ``--sft-init``
+names, ``bench/dp/sft.py``'s export of the quick start's run by default.
 """
 
 from __future__ import annotations
@@ -52,10 +56,23 @@ METHODS = {
     {"loco.sync_every": 10, "loco.workers": 2, "loco.outer_overlap": "eager"},
   ),
   "streaming_diloco": ("gpt2_streaming_diloco", {"loco.sync_every": 10, "loco.workers": 2}),
+  # instruction fine-tuning (configs/sft_acco.py, the embedded instruction set, rows padded to
+  # buckets of 64) of the model --sft-init names (bench/dp/sft.py's export of the quick start's)
+  "sft-ddp": ("sft_acco", {"method": "ddp"}),
+  "sft-zero1": ("sft_acco", {"method": "zero1"}),
+  "sft-acco": ("sft_acco", {"method": "acco"}),
 }
 
 
-def overrides(method: str, steps: int) -> list[str]:
+def overrides(method: str, steps: int, sft_init: str = "") -> list[str]:
+  if method.startswith("sft-"):  # the pretrained model's own sizes, its tokenizer
+    base = {
+      "model.init": f"hf:{sft_init}", "batch.microbatch_size": 2, "batch.microbatches": 4,
+      "train.num_updates": steps, "train.log_every": 2, "train.eval_every": 0,
+      "train.eval_batches": 2, "train.exact_match": "off", "opt.warmup_updates": 5,
+      "ckpt.every": 0, "ckpt.async_save": False, "mesh.cpu_devices": 1, **METHODS[method][1],
+    }  # fmt: skip
+    return [f"--config.{k}={v}" for k, v in base.items()]
   base = {
     "model.D": 128, "model.N": 2, "model.H": 4, "data.seq_len": 64,
     "batch.microbatch_size": 4, "batch.microbatches": 4, "train.num_updates": steps,
@@ -101,7 +118,7 @@ def run(method: str, mbit: float, args) -> dict:
            str(common.REPO / "train.py"), f"--config={common.REPO}/configs/{METHODS[method][0]}.py:cpu",
            f"--workdir={workdir}", f"--config.dist.coordinator_address={address}",
            "--config.dist.num_processes=2", f"--config.dist.process_id={i}",
-           *overrides(method, args.steps)]  # fmt: skip
+           *overrides(method, args.steps, args.sft_init)]  # fmt: skip
     log = open(workdir / f"process{i}.log", "w")
     procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
   t0 = time.time()
@@ -132,7 +149,9 @@ def run(method: str, mbit: float, args) -> dict:
     # 2 H before the end. A row is written once the next call is dispatched, so the compilation of
     # the final call's program (eager: its flush) delays the row H before the end; none here
     "s_per_update_steady": steady(per_update, ups, h, args.steps),
-    "tokens_per_update": 2 * 4 * 4 * 64,
+    # tokens computed per update (buckets: the rows' padded width), over the timed updates
+    "tokens_per_update": (rows[-1]["tokens_seen"] - rows[0]["tokens_seen"])
+    / max(rows[-1]["update"] - rows[0]["update"], 1),
     "final_loss": rows[-1]["loss"],
     "wire_bytes_per_worker": rows[-1].get("wire_bytes_per_worker"),
   }
@@ -145,6 +164,11 @@ def main() -> int:
   ap.add_argument("--steps", type=int, default=60)
   ap.add_argument("--skip", type=int, default=10, help="updates left out of the timing")
   ap.add_argument("--timeout", type=float, default=1800)
+  ap.add_argument(
+    "--sft-init",
+    default=str(common.RESULTS / "runs" / "sft" / "pretrain-hf"),
+    help="the sft-* methods' model: a Hugging Face directory (bench/dp/sft.py writes one)",
+  )
   ap.add_argument("--out", type=Path, default=common.RESULTS / "netns_train.json")
   args = ap.parse_args()
   reason = netns.netns_ok()
