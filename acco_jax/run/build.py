@@ -23,7 +23,7 @@ import numpy as np
 from acco_jax import data, errors, model
 from acco_jax.data import examples, instruct
 from acco_jax.data.tokenizer import declared_vocab_size
-from acco_jax.run import optim, parallel, pretrained, profile, registry
+from acco_jax.run import optim, parallel, presets, pretrained, profile, registry
 
 
 class Run(NamedTuple):
@@ -51,29 +51,14 @@ def model_config(config, vocab_size: int) -> model.ModelConfig:
   """The config's model for a tokenizer of ``vocab_size`` ids: ``model.arch``'s preset
   ``model.size`` with the config's sizes, or a pretrained model's (``model.init``,
   :mod:`acco_jax.run.pretrained`)."""
-  m = config.model
-  settings = dict(
-    dtype=m.dtype,
-    remat=m.remat,
-    attention=m.attention,
-    vocab_multiple=m.get("vocab_multiple", 1),
-  )
   if pretrained.source(config) is not None:
-    return pretrained.model_config(config, vocab_size, settings)
-  if m.size == pretrained.FROM_SOURCE:
+    return pretrained.model_config(config, vocab_size, presets.settings(config))
+  if config.model.size == pretrained.FROM_SOURCE:
     raise errors.UserValueError(
       "model.size=init takes the sizes from model.init's checkpoint, but model.init is not set: "
       "give model.init=hf:<dir> or run:<workdir>, or a preset size"
     )
-  overrides = {k: m[k] for k in ("D", "N", "H", "F", "kv_heads") if m.get(k)}
-  return model.get_config(
-    m.size,
-    arch=m.get("arch", "gpt2"),
-    V=vocab_size,
-    L=config.data.seq_len,
-    **settings,
-    **overrides,
-  )
+  return presets.named(config, vocab_size, **presets.settings(config))
 
 
 # set while :func:`build` checks a config: the families build against the declared vocabulary

@@ -5,7 +5,7 @@ Two sources:
 - ``hf:<dir>``, a local Hugging Face directory: its ``config.json`` sets the architecture and every
   size (:mod:`acco_jax.hf`), its weights the parameters, its tokenizer the ids;
 - ``run:<workdir>``, a run of this project: the committed parameters of its newest checkpoint (any
-  family, any device count: :func:`acco_jax.export.read_params`), with the model and tokenizer it
+  family, any device count: :func:`acco_jax.run.saved.read_params`), with the model and tokenizer it
   recorded. Unlike ``ckpt.init_from``, which continues a run (its optimizer state, update count
   and data position carry over), this keeps only the weights: what a fine-tune on other data
   wants.
@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax import errors, hf, model, models
+from acco_jax.run import presets
 
 FROM_SOURCE = "init"  # model.size and data.tokenizer: the source's
 _SIZES = {"D": "D", "N": "N", "H": "H", "F": "mlp_dim", "kv_heads": "num_kv_heads"}
@@ -65,13 +66,13 @@ def source(config) -> Source | None:
 
 
 def _recorded(workdir: str) -> dict:
-  from acco_jax import export
+  from acco_jax.run import saved
 
   if not os.path.isdir(workdir):
     raise errors.UserFileNotFoundError(
       f"model.init=run:{workdir}: no such directory: give the workdir of a run of train.py"
     )
-  extra = export.recorded(workdir)
+  extra = saved.recorded(workdir)
   return extra if "model" in extra and "tokenizer" in extra else {}
 
 
@@ -100,22 +101,13 @@ def _source_fields(src: Source) -> dict:
   return {k: v for k, v in fields.items() if k not in _SETTINGS}
 
 
-def _named(config, vocab_size: int) -> model.ModelConfig:
-  """The config's own model (a preset and its overrides), for comparison with the source."""
-  m = config.model
-  overrides = {k: m[k] for k in _SIZES if m.get(k)}
-  return model.get_config(
-    m.size, arch=m.get("arch", "gpt2"), V=vocab_size, L=config.data.seq_len, **overrides
-  )
-
-
 def _contradictions(config, fields: dict, vocab_size: int) -> list[str]:
   m, where = config.model, "config.json" if source(config).kind == "hf" else "the run's"
   theirs = model.ModelConfig(**{**fields, "dtype": "float32"})
   if m.size == FROM_SOURCE:
     given = {k: m[k] for k in _SIZES if m.get(k)}
   else:
-    mine = _named(config, vocab_size)
+    mine = presets.named(config, vocab_size)
     given = {k: getattr(mine, attr) for k, attr in _SIZES.items()}
     if mine.arch != theirs.arch:
       return [f"model.arch={mine.arch} ({where}: {theirs.arch})"]
@@ -187,8 +179,8 @@ def load_params(config, cfg: model.ModelConfig, mesh) -> dict:
   src = source(config)
   if src.kind == "hf":
     return hf.load_params(src.path, cfg, place)
-  from acco_jax import export
+  from acco_jax.run import saved
 
-  params, theirs, _ = export.read_params(src.path)
+  params, theirs, _ = saved.read_params(src.path)
   params = _repadded(params, theirs, cfg)
   return jax.tree.map(lambda x: place(None, np.asarray(x, np.float32)), params)
