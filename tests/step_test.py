@@ -93,7 +93,8 @@ def test_bf16_comm_halves_bytes():
   S = train.layout.shard_size
   assert movers == [("all_gather_invariant", 2 * S), ("reduce_scatter", 2 * N * S)]
   # The compiled CPU module moves f32 for both (XLA:CPU normalizes bf16 collectives to f32);
-  # docs/benchmarks.md records this; the GPU check reads the dtype from GPU HLO instead.
+  # docs/benchmarks/dp.md, "Communication accounting", records this; the GPU check reads the dtype
+  # from GPU HLO instead.
 
 
 @pytest.mark.parametrize("name", ["acco", "zero1", "ddp"])
