@@ -1,9 +1,11 @@
 """Shared helpers of the benchmarks: device-count subprocesses, machine info, tables and JSON.
 
-XLA reads ``--xla_force_host_platform_device_count`` once, when the backend starts, so a benchmark that
-needs several simulated device counts runs each in its own Python process: :func:`run_worker` re-invokes
-the benchmark script with ``--worker`` and the device count set in ``XLA_FLAGS``, and reads back the
-JSON the worker wrote.
+The benchmarks are modules, run from the repository root: ``python -m bench.dp.memory``. XLA reads
+``--xla_force_host_platform_device_count`` once, when the backend starts, so a benchmark that needs
+several simulated device counts runs each in its own Python process: :func:`run_worker` starts the
+benchmark's module again (``python -m <module> --worker ...``, the module named by its
+``__spec__.name``, which is its dotted name also when it runs as ``__main__``) with the device count
+set in ``XLA_FLAGS``, and reads back the JSON the worker wrote.
 """
 
 from __future__ import annotations
@@ -23,16 +25,29 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-if str(REPO) not in sys.path[:1]:  # this checkout's acco_jax and configs, not an installed copy
-  sys.path.insert(0, str(REPO))
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
+def module_command(module: str, *args: str) -> list[str]:
+  """``python -m module *args`` with this interpreter (:func:`child_env` finds the module)."""
+  return [sys.executable, "-m", module, *args]
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+  """``env`` (default: this process's environment) with this checkout first on ``PYTHONPATH``, so
+  a child started by :func:`module_command` imports this checkout's ``bench``, ``acco_jax`` and
+  ``configs`` whatever its working directory."""
+  env = dict(os.environ if env is None else env)
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  return env
+
+
 def cpu_env(num_devices: int) -> dict[str, str]:
-  """The environment for a child process with ``num_devices`` simulated CPU devices."""
+  """The environment for a child process with ``num_devices`` simulated CPU devices
+  (:func:`child_env`'s, so it finds the benchmark modules)."""
   from acco_jax.run.parallel import PATIENT_CPU_COLLECTIVES
 
-  env = dict(os.environ)
+  env = child_env()
   flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_COUNT_FLAG)]
   patience = PATIENT_CPU_COLLECTIVES.split("=")[0]
   if not any(f.startswith(patience) for f in flags):  # the user's own setting wins
@@ -42,15 +57,16 @@ def cpu_env(num_devices: int) -> dict[str, str]:
   return env
 
 
-def run_worker(script: str, num_devices: int, args: list[str], timeout: float) -> dict:
-  """Runs ``python script --worker <out.json> *args`` on ``num_devices`` CPU devices; returns its JSON.
+def run_worker(module: str, num_devices: int, args: list[str], timeout: float) -> dict:
+  """Runs ``python -m module --worker <out.json> *args`` on ``num_devices`` CPU devices; returns
+  its JSON. A benchmark passes its own ``__spec__.name``.
 
   The child's stderr passes through (progress lines); a non-zero exit or a timeout raises with the
   tail of its output so the failure is visible in the benchmark's own output.
   """
   with tempfile.TemporaryDirectory() as tmp:
     out = Path(tmp) / "worker.json"
-    cmd = [sys.executable, script, "--worker", str(out), *args]
+    cmd = module_command(module, "--worker", str(out), *args)
     start = time.perf_counter()
     try:
       proc = subprocess.run(
@@ -147,7 +163,7 @@ def log(msg: str) -> None:
 # -- the drivers' shared loops: workers per setting, a training run, the report -------------------
 
 
-def run_each(script: str, label: str, items: list, worker_args, num_devices, timeout: float):
+def run_each(module: str, label: str, items: list, worker_args, num_devices, timeout: float):
   """``run_worker`` once per item (``worker_args(item)``, ``num_devices(item)``): the runs that
   finished, each with its ``wall_s``, and ``{'item', 'error'}`` for those that failed."""
   runs, failures = [], []
@@ -155,7 +171,7 @@ def run_each(script: str, label: str, items: list, worker_args, num_devices, tim
     log(f"{label}: {item} on {num_devices(item)} CPU devices ...")
     start = time.perf_counter()
     try:
-      run = run_worker(script, num_devices(item), worker_args(item), timeout)
+      run = run_worker(module, num_devices(item), worker_args(item), timeout)
     except RuntimeError as e:
       log(f"{label}: {item} failed: {e}")
       failures.append({"item": item, "error": str(e)})
@@ -189,11 +205,17 @@ def finish_runs(
   for f in failures:
     print(f"{f['item']} FAILED: {f['error']}")
   print(f"1-min load average: {load_start} at start, {loadavg()} at end")
-  write_json(out, {
-    **result, "wall_s": round(time.perf_counter() - started, 1),
-    "runs": [{k: v for k, v in run.items() if k != "rows"} for run in runs],
-    "failures": failures, "rows": [r for run in runs for r in run["rows"]], "table": report,
-  })  # fmt: skip
+  write_json(
+    out,
+    {
+      **result,
+      "wall_s": round(time.perf_counter() - started, 1),
+      "runs": [{k: v for k, v in run.items() if k != "rows"} for run in runs],
+      "failures": failures,
+      "rows": [r for run in runs for r in run["rows"]],
+      "table": report,
+    },
+  )
   print(f"wrote {out}")
   return 1 if failures else 0
 

@@ -1,4 +1,4 @@
-"""Smoke tests of bench/dp/memory.py, bench/dp/overhead.py, bench/dp/memory_muon.py and bench/dp/muon.py: tiny
+"""Smoke tests of bench.dp.memory, bench.dp.overhead, bench.dp.memory_muon and bench.dp.muon: tiny
 models, a few steps, JSON checked.
 
 The benchmarks run as subprocesses (they start their own JAX processes with their own device
@@ -28,7 +28,8 @@ def results(tmp_path_factory):
   for name in ("memory", "overhead"):
     cmd = [
       sys.executable,
-      str(REPO / "bench" / "dp" / f"{name}.py"),
+      "-m",
+      f"bench.dp.{name}",
       "--smoke",
       "--out",
       str(tmp / name),
@@ -43,8 +44,8 @@ def results(tmp_path_factory):
     except subprocess.TimeoutExpired:
       proc.kill()
       log, _ = proc.communicate()
-      pytest.fail(f"bench/{name}.py --smoke timed out after {TIMEOUT_S} s:\n{log[-3000:]}")
-    assert proc.returncode == 0, f"bench/{name}.py --smoke failed:\n{log[-3000:]}"
+      pytest.fail(f"bench.dp.{name} --smoke timed out after {TIMEOUT_S} s:\n{log[-3000:]}")
+    assert proc.returncode == 0, f"bench.dp.{name} --smoke failed:\n{log[-3000:]}"
     out[name] = (json.loads((tmp / name).read_text()), log)
   return out
 
@@ -112,11 +113,12 @@ def test_overhead_smoke(results):
 
 @pytest.mark.slow
 def test_memory_muon_smoke(tmp_path):
-  """bench/dp/memory_muon.py --smoke: the owner layout shards Muon's state, at the price of its padding."""
+  """python -m bench.dp.memory_muon --smoke: the owner layout shards Muon's state, at the price of its padding."""
   out = tmp_path / "memory_muon.json"
   cmd = [
     sys.executable,
-    str(REPO / "bench" / "dp" / "memory_muon.py"),
+    "-m",
+    "bench.dp.memory_muon",
     "--smoke",
     "--out",
     str(out),
@@ -161,8 +163,8 @@ def test_memory_muon_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_muon_smoke(tmp_path):
-  """bench/dp/muon.py --smoke: Muon under zero1 and acco, finite losses, the same tokens_seen."""
-  cmd = [sys.executable, str(REPO / "bench" / "dp" / "muon.py"), "--smoke", "--out", str(tmp_path)]
+  """python -m bench.dp.muon --smoke: Muon under zero1 and acco, finite losses, the same tokens_seen."""
+  cmd = [sys.executable, "-m", "bench.dp.muon", "--smoke", "--out", str(tmp_path)]
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
   assert proc.returncode == 0, proc.stderr[-3000:]
   data = json.loads((tmp_path / "muon_smoke.json").read_text())

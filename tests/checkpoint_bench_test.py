@@ -1,4 +1,4 @@
-"""Smoke test of bench/run/checkpoint_time.py: the tiny ACCO state, two saves and a restore per layout,
+"""Smoke test of bench.run.checkpoint_time: the tiny ACCO state, two saves and a restore per layout,
 its JSON checked (the packed layout writes fewer arrays, both read back bit for bit)."""
 
 import json
@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_checkpoint_bench_smoke(tmp_path):
   out = tmp_path / "checkpoint_time.json"
-  cmd = [sys.executable, str(REPO / "bench/run/checkpoint_time.py"), "--methods", "acco", "--smoke",
+  cmd = [sys.executable, "-m", "bench.run.checkpoint_time", "--methods", "acco", "--smoke",
          "--out", str(out)]  # fmt: skip
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

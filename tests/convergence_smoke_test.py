@@ -1,4 +1,4 @@
-"""Smoke tests of the convergence benchmarks (bench/dp/convergence.py, bench/dp/quadratic.py).
+"""Smoke tests of the convergence benchmarks (bench.dp.convergence, bench.dp.quadratic).
 
 The full benchmarks take about an hour; CI runs ``convergence.py --smoke`` (tiny model, 2 devices,
 zero1 and acco, 2 updates, each run its own process) and checks the structure and finiteness of its
@@ -15,7 +15,7 @@ import pytest
 
 from bench.dp import convergence, convergence_settings, quadratic
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _finite(xs):
@@ -25,7 +25,8 @@ def _finite(xs):
 @pytest.mark.slow
 def test_convergence_smoke(tmp_path):
   proc = subprocess.run(
-    [sys.executable, str(BENCH / "dp" / "convergence.py"), "--smoke", "--out", str(tmp_path)],
+    [sys.executable, "-m", "bench.dp.convergence", "--smoke", "--out", str(tmp_path)],
+    cwd=REPO,
     capture_output=True,
     text=True,
     timeout=600,
@@ -58,7 +59,8 @@ def test_convergence_smoke(tmp_path):
   assert gap == pytest.approx(expected)
   # Resumable: a second invocation finds both runs done and trains nothing.
   again = subprocess.run(
-    [sys.executable, str(BENCH / "dp" / "convergence.py"), "--smoke", "--out", str(tmp_path)],
+    [sys.executable, "-m", "bench.dp.convergence", "--smoke", "--out", str(tmp_path)],
+    cwd=REPO,
     capture_output=True,
     text=True,
     timeout=120,

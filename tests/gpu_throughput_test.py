@@ -1,4 +1,4 @@
-"""Smoke test of bench/gpu/gpu_throughput.py: tiny shapes on CPU, one row of each kind, JSON checked.
+"""Smoke test of bench.gpu.gpu_throughput: tiny shapes on CPU, one row of each kind, JSON checked.
 
 The PyTorch peer has its own test (tests/torch_peer_test.py, marker ``torch_peer``).
 """
@@ -18,14 +18,14 @@ pytestmark = pytest.mark.slow
 
 def test_smoke_measures_each_kind_of_row(tmp_path):
   out = tmp_path / "gpu_throughput.json"
-  cmd = [sys.executable, str(REPO / "bench" / "gpu" / "gpu_throughput.py"), "--smoke", "--profile",
+  cmd = [sys.executable, "-m", "bench.gpu.gpu_throughput", "--smoke", "--profile",
          "--out", str(out), "--only", ",".join(JAX_ROWS)]  # fmt: skip
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   data = json.loads(out.read_text())
   assert data["benchmark"] == "gpu_throughput" and data["backend"] == "cpu"
   assert {"jax", "flax", "optax"} <= set(data["versions"]) and data["device"]
-  assert data["command"].startswith("python bench/gpu/gpu_throughput.py --smoke --profile")
+  assert data["command"].startswith("python -m bench.gpu.gpu_throughput --smoke --profile")
   rows = {r["name"]: r for r in data["rows"]}
   assert list(rows) == list(JAX_ROWS)
   for name, r in rows.items():

@@ -153,13 +153,8 @@ def test_bad_recipe_configs(overrides, match, tmp_path):
 
 
 def test_bench_counts_domains_where_a_heterogeneous_ensemble_is_lowest(tmp_path):
-  import importlib.util
+  from bench.ensemble import hdee as bench
 
-  spec = importlib.util.spec_from_file_location(
-    "bench_hdee", REPO / "bench" / "ensemble" / "hdee.py"
-  )
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
   rules = ("simple_avg", "uniform_prior")
   # domain a: M_Ho-I_He lowest under both rules; domain b: the homogeneous ensemble lowest
   ppl = {"a": {"M_Ho-I_Ho": 10.0, "M_Ho-I_He": 9.0, "M_He-I_Ho": 11.0},

@@ -1,4 +1,4 @@
-"""bench/loco/loco_overlap.py: every run of its grid is a config the trainer accepts, in the full setting
+"""bench.loco.loco_overlap: every run of its grid is a config the trainer accepts, in the full setting
 and in ``--smoke`` (Streaming DiLoCo's phase mode needs ``loco.overlap_steps=0``), and its table
 pairs each mode with ``none`` seed by seed."""
 
@@ -70,19 +70,20 @@ def test_the_table_pairs_each_mode_with_none_by_seed():
 
 
 def test_the_modelled_threshold_is_where_a_sync_outlasts_its_phase():
-  """bench/dp/perfmodel.py --loco: eager DiLoCo stops hiding its sync at the bandwidth where the
+  """python -m bench.dp.perfmodel --loco: eager DiLoCo stops hiding its sync at the bandwidth where the
   sync's time (hops x latency + bytes / bandwidth) equals H inner steps; blocking DiLoCo never
   hides it; Streaming DiLoCo's fragment hides behind H/P steps."""
   import json
 
   from acco_jax.analysis import perfmodel as pm
   from bench.dp import perfmodel_loco
+  from bench.loco import traffic_cost
 
   programs = json.loads((loco_compare.common.RESULTS / "loco_compare.json").read_text())["programs"]
   label = "diloco H=15 eager / delayed"
   prog = perfmodel_loco.loco_program(programs, "diloco", 15, 0)
   inner = perfmodel_loco.loco_point(label, prog, 1e4)["inner_s"]
-  a = loco_compare.PROJECTION
+  a = traffic_cost.PROJECTION
   sync_bytes = prog["accounting"]["sync_wire"]["0"] * a["params"] / prog["params"]
   hops = 2 * (a["workers"] - 1) * a["latency_inter_s"]
   expected = sync_bytes / (15 * inner - hops) / (pm.GBIT * a["link_efficiency"])
@@ -149,16 +150,17 @@ def test_the_long_grid_pairs_with_blocking_diloco_and_ddp_and_follows_the_gap(tm
 
 @pytest.mark.slow
 def test_the_long_grid_driver_runs_at_tiny_length(tmp_path):
-  """bench/loco/loco_overlap.py --setting long --smoke: three runs of the long grid (4 steps of the
+  """python -m bench.loco.loco_overlap --setting long --smoke: three runs of the long grid (4 steps of the
   tiny model), their JSON, tables and figures."""
   import json
   import subprocess
   import sys
 
-  script = loco_compare.common.REPO / "bench" / "loco" / "loco_overlap.py"
-  cmd = [sys.executable, str(script), "--setting", "long", "--smoke", "--out", str(tmp_path),
+  cmd = [sys.executable, "-m", "bench.loco.loco_overlap", "--setting", "long", "--smoke", "--out", str(tmp_path),
          "--jobs", "2", "--cases", "diloco H=30", "ddp", "--modes", "none", "eager"]  # fmt: skip
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+    cmd, cwd=loco_compare.common.REPO, capture_output=True, text=True, timeout=600
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   res = json.loads((tmp_path / "loco_long_smoke.json").read_text())
   assert res["grid"] == "long" and res["updates"] == loco_compare.SMOKE["num_updates"]

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 def schedules(tmp_path_factory):
   out = tmp_path_factory.mktemp("loco_overlap") / "loco_overlap_gpu.json"
   proc = subprocess.run(
-    [sys.executable, str(REPO / "bench" / "gpu" / "loco_overlap_gpu.py"), "--model", "tiny",
+    [sys.executable, "-m", "bench.gpu.loco_overlap_gpu", "--model", "tiny",
      "--layers", "4", "--seq", "64", "--out", str(out)],
     capture_output=True, text=True, timeout=900, cwd=REPO,
   )  # fmt: skip

@@ -14,7 +14,7 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes_without_error(tmp_path, path):
   proc = subprocess.run(
-    [sys.executable, str(REPO / "bench" / "run" / "notebooks.py"), str(path), "--out", str(tmp_path)],
+    [sys.executable, "-m", "bench.run.notebooks", str(path), "--out", str(tmp_path)],
     capture_output=True, text=True, timeout=900, cwd=REPO,
   )  # fmt: skip
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -30,5 +30,5 @@ def test_committed_notebooks_hold_their_outputs():
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     assert all(c.get("execution_count") for c in cells), f"{path.name} has unexecuted cells"
     assert any("image/png" in o.get("data", {}) for c in cells for o in c.get("outputs", [])), (
-      f"{path.name} was committed without its plots: run python bench/run/notebooks.py"
+      f"{path.name} was committed without its plots: run python -m bench.run.notebooks"
     )

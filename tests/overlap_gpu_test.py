@@ -1,6 +1,6 @@
 """The compiled XLA:GPU schedule keeps ACCO's collectives in flight across the microbatch loops.
 
-Two ways to get a GPU schedule, both through ``bench/gpu/overlap_gpu.py`` in a child process (the
+Two ways to get a GPU schedule, both through ``bench.gpu.overlap_gpu`` in a child process (the
 ``GPU_OVERLAP_FLAGS`` must be in ``XLA_FLAGS`` before the backend starts):
 
 * compile-only (``--mode aot``), on any machine with the CUDA PJRT plugin installed
@@ -32,7 +32,7 @@ HAS_PLUGIN = parallel.has_cuda_plugin()
 def run_bench(tmp_path_factory, *args) -> dict:
   out = tmp_path_factory.mktemp("overlap") / "overlap_gpu.json"
   proc = subprocess.run(
-    [sys.executable, str(REPO / "bench" / "gpu" / "overlap_gpu.py"), "--out", str(out), *args],
+    [sys.executable, "-m", "bench.gpu.overlap_gpu", "--out", str(out), *args],
     capture_output=True, text=True, timeout=1500, cwd=REPO,
   )  # fmt: skip
   print(proc.stdout[-6000:])

@@ -271,7 +271,8 @@ def test_bench_bubble_table_smoke(tmp_path):
   out = tmp_path / "pipeline.json"
   cmd = [
     sys.executable,
-    str(repo / "bench" / "pipeline" / "pipeline.py"),
+    "-m",
+    "bench.pipeline.pipeline",
     "--parts",
     "bubbles",
     "--out",
@@ -311,14 +312,9 @@ def test_scheduled_plan_reduces_over_lanes_like_the_mean(params):
 
 
 def _bench_pipeline():
-  import importlib.util
-  import pathlib
+  from bench.pipeline import pipeline
 
-  path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "pipeline" / "pipeline.py"
-  spec = importlib.util.spec_from_file_location("bench_pipeline", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return pipeline
 
 
 def test_bench_memory_rows_and_table():
@@ -342,10 +338,13 @@ def test_bench_memory_rows_and_table():
 
 def _run_bench(args, tmp_path, timeout):
   import subprocess
-  import sys
 
-  cmd = [sys.executable, str(_bench_pipeline().__file__), *args]
-  proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+  from bench import common
+
+  cmd = common.module_command("bench.pipeline.pipeline", *args)
+  proc = subprocess.run(
+    cmd, cwd=tmp_path, env=common.child_env(), capture_output=True, text=True, timeout=timeout
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc
 

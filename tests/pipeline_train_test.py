@@ -99,10 +99,10 @@ def test_resume_keeps_the_saved_plan():
 
 
 def test_bench_reports_the_plan_train_trains(tmp_path):
-  """``bench/pipeline/skippipe.py --part plan`` prints and writes the plan ``train.py`` trains for the same
+  """``python -m bench.pipeline.skippipe --part plan`` prints and writes the plan ``train.py`` trains for the same
   config (configs/gpt2_skippipe.py:tiny, method=pipeline, 8 devices)."""
   repo = pathlib.Path(__file__).resolve().parent.parent
-  cmd = [sys.executable, str(repo / "bench" / "pipeline" / "skippipe.py"), "--part", "plan", "--config",
+  cmd = [sys.executable, "-m", "bench.pipeline.skippipe", "--part", "plan", "--config",
          "configs/gpt2_skippipe.py:tiny", "--devices", "8", "--out", str(tmp_path)]  # fmt: skip
   proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_sft_driver_smoke(tmp_path):
-  cmd = [sys.executable, str(REPO / "bench" / "dp" / "sft.py"), "--smoke", "--out", str(tmp_path)]
+  cmd = [sys.executable, "-m", "bench.dp.sft", "--smoke", "--out", str(tmp_path)]
   result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   data = json.loads((tmp_path / "sft.json").read_text())

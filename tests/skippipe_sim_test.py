@@ -243,7 +243,7 @@ def test_topology_presets_and_file(tmp_path):
 
 
 def test_bench_sim_smoke(tmp_path):
-  # bench/pipeline/skippipe.py --part sim (and sim-allreduce, timeline) --smoke: the iteration-time tables
+  # python -m bench.pipeline.skippipe --part sim (and sim-allreduce, timeline) --smoke: the iteration-time tables
   # on one small geo case, and the timeline figure
   import subprocess
   import sys
@@ -251,9 +251,9 @@ def test_bench_sim_smoke(tmp_path):
 
   repo = Path(__file__).resolve().parent.parent
   for part in ("sim", "sim-allreduce", "timeline"):
-    cmd = [sys.executable, str(repo / "bench" / "pipeline" / "skippipe.py"), "--part", part, "--smoke",
+    cmd = [sys.executable, "-m", "bench.pipeline.skippipe", "--part", part, "--smoke",
            "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
   data = json.loads((tmp_path / "skippipe_sim.json").read_text())
   assert data["benchmark"] == "skippipe_sim" and len(data["rows"]) == 4

@@ -15,14 +15,14 @@ Three measurements, each its own command:
 * ``--cost``: what quantizing costs in compute: CPU time of one ACCO / ZeRO-1 stage of the ``d8``
   model (8 simulated devices) with each mode, interleaved repetitions, medians, as a ratio to bf16;
   and, with the CUDA plugin, the kernels (fusions) the quantization adds to the compiled XLA:GPU
-  stage for 8 x H100 (compile only). The code: ``bench/dp/acco_quantized_cost.py``.
+  stage for 8 x H100 (compile only). The code: :mod:`bench.dp.acco_quantized_cost`.
 
 Usage::
 
-  python bench/dp/acco_quantized.py --jobs 2        # convergence, d8 + d32 x 6 variants x 3 seeds
-  python bench/dp/acco_quantized.py --collect       # tables and docs/figures/acco_quantized.png
-  python bench/dp/acco_quantized.py --bytes         # -> bench/results/acco_quantized_bytes.json
-  python bench/dp/acco_quantized.py --cost          # -> bench/results/acco_quantized_cost.json
+  python -m bench.dp.acco_quantized --jobs 2        # convergence, d8 + d32 x 6 variants x 3 seeds
+  python -m bench.dp.acco_quantized --collect       # tables and docs/figures/acco_quantized.png
+  python -m bench.dp.acco_quantized --bytes         # -> bench/results/acco_quantized_bytes.json
+  python -m bench.dp.acco_quantized --cost          # -> bench/results/acco_quantized_cost.json
 """
 
 from __future__ import annotations
@@ -33,11 +33,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.dp import convergence as conv  # noqa: E402
-from bench.dp import convergence_settings as cs  # noqa: E402
-from bench.dp.acco_quantized_cost import cost_report, cost_worker  # noqa: E402
+from bench import common
+from bench.dp import convergence as conv
+from bench.dp import convergence_settings as cs
+from bench.dp.acco_quantized_cost import cost_report
 
 LABELS = ("zero1", "zero1-int8", "zero1-int4", "acco", "acco-int8", "acco-int4")
 # Diagnostics, not in the default plan: -n<L> sets comm.node_size=L. n8 (one node of 8): the gradients
@@ -111,8 +110,11 @@ def collect(out: Path, seeds: list[int], settings=SETTINGS, recorded: dict | Non
         m["bytes_ratio"] = sent[label] / sent[base_of(label)]
         m["gap_to_bf16"] = {}
         for name, u in points.items():  # paired by seed: same init, data order and eval rows
-          rel = [100 * (conv.eval_at(r, u) / conv.eval_at(base[k], u) - 1)
-                 for k, r in by_seed.items() if k in base]  # fmt: skip
+          rel = [
+            100 * (conv.eval_at(r, u) / conv.eval_at(base[k], u) - 1)
+            for k, r in by_seed.items()
+            if k in base
+          ]
           m["gap_to_bf16"][name] = conv._mean_std(rel)
       summary[label] = m
     results["settings"][setting] = {
@@ -130,14 +132,21 @@ def print_tables(results: dict) -> None:
     rows = []
     for label, m in r["summary"].items():
       f = m["final_eval_loss"]
-      row = {"label": label, "final": f"{f['mean']:.4f} ± {f['std']:.4f} (n={f['n']})",
-             "bytes": f"{m['bytes_per_update']:,.0f}",
-             "ratio": f"{m['bytes_ratio']:.3f}" if "bytes_ratio" in m else "1"}  # fmt: skip
+      row = {
+        "label": label,
+        "final": f"{f['mean']:.4f} ± {f['std']:.4f} (n={f['n']})",
+        "bytes": f"{m['bytes_per_update']:,.0f}",
+        "ratio": f"{m['bytes_ratio']:.3f}" if "bytes_ratio" in m else "1",
+      }
       for name, g in m.get("gap_to_bf16", {}).items():
         row[name] = f"{g['mean']:+.2f} ± {g['std']:.2f}%"
       rows.append(row)
-    cols = [("label", "variant"), ("final", "final eval loss"), ("bytes", "B/update/device"),
-            ("ratio", "x bf16")] + [(p, f"gap@{p}") for p in r["points"]]  # fmt: skip
+    cols = [
+      ("label", "variant"),
+      ("final", "final eval loss"),
+      ("bytes", "B/update/device"),
+      ("ratio", "x bf16"),
+    ] + [(p, f"gap@{p}") for p in r["points"]]
     common.log(f"\n{setting}:\n" + common.format_table(rows, cols))
 
 
@@ -168,15 +177,23 @@ def figure(results: dict, path: Path) -> None:
         ref = np.asarray([base[k]["eval"]["loss"][:n] for k in by_seed if k in base])
         gap = 100 * (loss[: len(ref)] / ref - 1)
         axes[1, j].plot(tokens, gap.mean(0), style, color=colors[mode_of(label)], label=label)
-        axes[1, j].fill_between(tokens, gap.min(0), gap.max(0), color=colors[mode_of(label)],
-                                alpha=0.1)  # fmt: skip
-    axes[0, j].set(title=f"{setting}: eval loss (mean over seeds, band = min..max)",
-                   xlabel="tokens (thousands)", ylabel="eval loss (nats/token)", ylim=(4.0, 6.2))  # fmt: skip
+        axes[1, j].fill_between(
+          tokens, gap.min(0), gap.max(0), color=colors[mode_of(label)], alpha=0.1
+        )
+    axes[0, j].set(
+      title=f"{setting}: eval loss (mean over seeds, band = min..max)",
+      xlabel="tokens (thousands)",
+      ylabel="eval loss (nats/token)",
+      ylim=(4.0, 6.2),
+    )
     axes[1, j].axhline(0, color="k", lw=0.5)
     for lim in (0.5, -0.5):
       axes[1, j].axhline(lim, color="tab:blue", lw=0.5, ls=":")
-    axes[1, j].set(title=f"{setting}: gap to the bf16 run of the same method and seed",
-                   xlabel="tokens (thousands)", ylabel="eval loss gap (%)")  # fmt: skip
+    axes[1, j].set(
+      title=f"{setting}: gap to the bf16 run of the same method and seed",
+      xlabel="tokens (thousands)",
+      ylabel="eval loss gap (%)",
+    )
     for ax in axes[:, j]:
       ax.legend(fontsize=8)
       ax.grid(alpha=0.3)
@@ -213,24 +230,36 @@ def bytes_worker(args) -> dict:
       quant = {} if mode == "none" else {"quantize": mode, "block": 256, "node_size": 1}
       k = s["microbatches"] // (2 if method == "acco" else 1)
       tx = acco_jax.get_method(method, optax.adamw(1e-3), comm_dtype=jnp.bfloat16, **quant)
-      train = acco_jax.make_train_step(loss, tx, mesh, num_microbatches=k, params=shapes,
-                                       has_aux=True)  # fmt: skip
+      train = acco_jax.make_train_step(
+        loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True
+      )
       state = train.abstract_state(shapes)
       fn = train._jit("delayed" if train.plan.delayed else "sync", state)
       data = NamedSharding(train.mesh, P("data"))
-      batch = {key: jax.ShapeDtypeStruct((n * k, s["seq_len"]), jnp.int32, sharding=data)
-               for key in ("inputs", "targets")}  # fmt: skip
+      batch = {
+        key: jax.ShapeDtypeStruct((n * k, s["seq_len"]), jnp.int32, sharding=data)
+        for key in ("inputs", "targets")
+      }
       found = hlo.hlo_collectives(fn.lower(state, batch).compile().as_text())
       stages = 2 if method == "acco" else 1
       big = [c for c in found if c.bytes >= 4096]
       sent = stages * sum((c.group - 1) * c.bytes / c.group for c in big)
       small = stages * sum((c.group - 1) * c.bytes / c.group for c in found if c.bytes < 4096)
       theory = stages * metrics.comm_bytes_per_stage(train.plan, train.layout.padded_size, n)
-      rows.append({"setting": setting, "label": label, "N": n, "params": train.layout.num_params,
-                   "shard": train.layout.shard_size, "hlo": [f"{c.kind} {c.shape[0][0]}"
-                   f"[{c.bytes}] x{c.group}" for c in big], "hlo_update": sent,
-                   "small_update": small, "theory_update": theory,
-                   "in_loop": sum(c.in_loop for c in found)})  # fmt: skip
+      rows.append(
+        {
+          "setting": setting,
+          "label": label,
+          "N": n,
+          "params": train.layout.num_params,
+          "shard": train.layout.shard_size,
+          "hlo": [f"{c.kind} {c.shape[0][0]}[{c.bytes}] x{c.group}" for c in big],
+          "hlo_update": sent,
+          "small_update": small,
+          "theory_update": theory,
+          "in_loop": sum(c.in_loop for c in found),
+        }
+      )
       common.log(f"N={n} {setting} {label}: {rows[-1]['hlo']} {sent:,.0f} B/update")
   return {"rows": rows}
 
@@ -239,11 +268,14 @@ def bytes_report(args) -> int:
   rows = []
   for n in (8, 32):
     settings = ["d8", "d32"]
-    rows += common.run_worker(__file__, n, ["--bytes", "--settings", *settings], 1800)["rows"]
+    rows += common.run_worker(__spec__.name, n, ["--bytes", "--settings", *settings], 1800)["rows"]
   table, ok = [], True
   for r in rows:
-    bf16 = next(x for x in rows if x["setting"] == r["setting"] and x["N"] == r["N"]
-                and x["label"] == base_of(r["label"]))  # fmt: skip
+    bf16 = next(
+      x
+      for x in rows
+      if x["setting"] == r["setting"] and x["N"] == r["N"] and x["label"] == base_of(r["label"])
+    )
     # XLA:CPU moves bf16 collectives as f32: the bf16 reference is its theory (exact in f32 HLO,
     # bench/dp/comm_accounting.py); the quantized programs move int8, exactly what they ask for.
     ratio = r["hlo_update"] / bf16["theory_update"]
@@ -252,20 +284,41 @@ def bytes_report(args) -> int:
     mode = mode_of(r["label"])
     if mode != "none" and base_of(r["label"]) == "acco":
       ok &= ratio <= TARGETS[mode][1]
-    table.append({"setting": r["setting"], "N": r["N"], "label": r["label"],
-                  "S": f"{r['shard']:,}", "colls": " + ".join(r["hlo"]),
-                  "hlo": f"{r['hlo_update']:,.0f}", "theory": f"{r['theory_update']:,.0f}",
-                  "err": f"{100 * err:+.3f}%" if mode != "none" else "(f32 on CPU)",
-                  "ratio": f"{ratio:.3f}", "small": f"{r['small_update']:,.0f}"})  # fmt: skip
-  cols = [("setting", "setting"), ("N", "N"), ("label", "variant"), ("S", "shard S"),
-          ("colls", "large collectives (bytes x group)"), ("hlo", "HLO B/update"),
-          ("theory", "theory"), ("err", "err"), ("ratio", "x bf16 theory"),
-          ("small", "+ small")]  # fmt: skip
+    table.append(
+      {
+        "setting": r["setting"],
+        "N": r["N"],
+        "label": r["label"],
+        "S": f"{r['shard']:,}",
+        "colls": " + ".join(r["hlo"]),
+        "hlo": f"{r['hlo_update']:,.0f}",
+        "theory": f"{r['theory_update']:,.0f}",
+        "err": f"{100 * err:+.3f}%" if mode != "none" else "(f32 on CPU)",
+        "ratio": f"{ratio:.3f}",
+        "small": f"{r['small_update']:,.0f}",
+      }
+    )
+  cols = [
+    ("setting", "setting"),
+    ("N", "N"),
+    ("label", "variant"),
+    ("S", "shard S"),
+    ("colls", "large collectives (bytes x group)"),
+    ("hlo", "HLO B/update"),
+    ("theory", "theory"),
+    ("err", "err"),
+    ("ratio", "x bf16 theory"),
+    ("small", "+ small"),
+  ]
   print(common.format_table(table, cols))
-  print(f"\n{'PASS' if ok else 'FAIL'}: quantized HLO bytes = theory; ACCO int8 <= 0.55x and "
-        "int4 <= 0.30x of bf16 ACCO")  # fmt: skip
-  path = common.write_json(Path(args.out) / "acco_quantized_bytes.json",
-                           {"machine": common.machine(), "rows": rows, "table": table, "pass": ok})  # fmt: skip
+  print(
+    f"\n{'PASS' if ok else 'FAIL'}: quantized HLO bytes = theory; ACCO int8 <= 0.55x and "
+    "int4 <= 0.30x of bf16 ACCO"
+  )
+  path = common.write_json(
+    Path(args.out) / "acco_quantized_bytes.json",
+    {"machine": common.machine(), "rows": rows, "table": table, "pass": ok},
+  )
   print(f"wrote {path}")
   return 0 if ok else 1
 
@@ -288,8 +341,7 @@ def main(argv=None) -> int:
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
-    result = bytes_worker(args) if args.bytes else cost_worker(args)
-    Path(args.worker).write_text(json.dumps(result))
+    Path(args.worker).write_text(json.dumps(bytes_worker(args)))
     return 0
   if args.bytes:
     return bytes_report(args)

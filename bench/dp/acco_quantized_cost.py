@@ -1,25 +1,27 @@
-"""The ``--cost`` part of ``bench/dp/acco_quantized.py``: what quantizing the communication costs.
+"""The ``--cost`` part of ``python -m bench.dp.acco_quantized``: what quantizing the communication
+costs.
 
-:func:`cost_worker` (a ``--worker`` child of the script on 8 simulated devices) times one ACCO /
-ZeRO-1 stage of the ``d8`` model with each ``comm.quantize`` mode, interleaved repetitions;
-:func:`cost_report` prints the medians as a ratio to bf16 and, with the CUDA plugin, the kernels
-the quantization adds to the compiled XLA:GPU stage (:func:`gpu_kernels`), and writes
-``acco_quantized_cost.json``.
+:func:`cost_report` (what ``--cost`` runs) starts this module's :func:`main` as a worker: on 8
+simulated devices, :func:`cost_worker` times one ACCO / ZeRO-1 stage of the ``d8`` model with each
+``comm.quantize`` mode, interleaved repetitions; and, with the CUDA plugin, in a process of its own
+with XLA:GPU's flags, :func:`gpu_kernels_worker` lists the kernels the quantization adds to the
+compiled XLA:GPU stage. :func:`cost_report` prints the medians as a ratio to bf16 and the kernels,
+and writes ``acco_quantized_cost.json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.dp.convergence_settings import SETTINGS  # noqa: E402
-
-SCRIPT = str(Path(__file__).with_name("acco_quantized.py"))  # its --worker runs cost_worker
+from bench import common
+from bench.dp.convergence_settings import SETTINGS
 
 
 def cost_worker(args) -> dict:
@@ -49,8 +51,9 @@ def cost_worker(args) -> dict:
     for mode in ("none", "int8", "int4"):
       quant = {} if mode == "none" else {"quantize": mode, "block": 256, "node_size": 1}
       tx = acco_jax.get_method(method, optax.adamw(1e-3), comm_dtype=jnp.bfloat16, **quant)
-      train = acco_jax.make_train_step(loss, tx, mesh, num_microbatches=k, params=params,
-                                       has_aux=True)  # fmt: skip
+      train = acco_jax.make_train_step(
+        loss, tx, mesh, num_microbatches=k, params=params, has_aux=True
+      )
       first = jax.tree.map(lambda x: x[: n * s["microbatch_size"]], batch)
       state = train.init(params, first)
       for _ in range(2):  # compile, warm up
@@ -69,61 +72,94 @@ def cost_worker(args) -> dict:
   return {"times": out, "reps": args.reps, "devices": n}
 
 
-def gpu_kernels() -> dict:
+def gpu_kernels_worker() -> dict:
   """Kernels of the compiled XLA:GPU ACCO stage (GPT-2-shaped tiny model, 8 x H100, compile only):
-  entry-computation fusions and the ones that touch int8 (the quantize/dequantize fusions)."""
-  import os
-  import re
-  import subprocess
+  entry-computation fusions and the ones that touch int8 (the quantize/dequantize fusions). Runs
+  in a process started with XLA:GPU's flags (:func:`gpu_kernels`)."""
+  from acco_jax.analysis import hlo
+  from acco_jax.run import parallel
+  from bench.gpu import overlap_gpu
 
-  code = r"""
-import json, os, re, sys
-sys.path.insert(0, %r); sys.path.insert(0, %r)
-from bench.gpu import overlap_gpu  # noqa: E402
-from acco_jax.analysis import hlo
-from acco_jax.run import parallel
-devices = parallel.gpu_aot_devices(8, "h100")
-out = {}
-for label in ("acco", "acco-int8", "acco-int4"):
-  fn, args, _ = overlap_gpu.build_stage("tiny", devices, 2, 4, 64, label)
-  comps, entry = hlo.parse_hlo(fn.lower(*args).compile().as_text())
-  ins = comps[entry]
-  fusions = [i for i in ins if i.opcode == "fusion"]
-  s8 = [i.name for i in fusions if "s8[" in i.shape or "s8[" in i.rest.split("calls=")[0]]
-  out[label] = {"entry_instructions": len(ins), "fusions": len(fusions), "int8_fusions": s8}
-print("JSON" + json.dumps(out))
-""" % (str(common.REPO), str(Path(__file__).parent))  # noqa: UP031
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  devices = parallel.gpu_aot_devices(8, "h100")
+  out = {}
+  for label in ("acco", "acco-int8", "acco-int4"):
+    fn, args, _ = overlap_gpu.build_stage("tiny", devices, 2, 4, 64, label)
+    comps, entry = hlo.parse_hlo(fn.lower(*args).compile().as_text())
+    ins = comps[entry]
+    fusions = [i for i in ins if i.opcode == "fusion"]
+    s8 = [i.name for i in fusions if "s8[" in i.shape or "s8[" in i.rest.split("calls=")[0]]
+    out[label] = {"entry_instructions": len(ins), "fusions": len(fusions), "int8_fusions": s8}
+  return out
+
+
+def gpu_kernels() -> dict:
+  """:func:`gpu_kernels_worker` in a child process whose XLA flags are the GPU overlap flags."""
   from acco_jax.run import parallel
 
+  env = {k: v for k, v in common.child_env().items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(parallel.GPU_OVERLAP_FLAGS))
-  p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                     timeout=1800)  # fmt: skip
-  line = next((x for x in p.stdout.splitlines() if x.startswith("JSON")), None)
-  if line is None:
-    return {"error": (p.stdout + p.stderr)[-2000:]}
-  del re
-  return json.loads(line[4:])
+  with tempfile.TemporaryDirectory() as tmp:
+    out = Path(tmp) / "kernels.json"
+    cmd = common.module_command(__spec__.name, "--worker", str(out), "--part", "gpu_kernels")
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0 or not out.exists():
+      return {"error": (p.stdout + p.stderr)[-2000:]}
+    return json.loads(out.read_text())
 
 
 def cost_report(args) -> int:
-  res = common.run_worker(SCRIPT, 8, ["--cost", "--reps", str(args.reps)], 3600)
+  res = common.run_worker(__spec__.name, 8, ["--part", "times", "--reps", str(args.reps)], 3600)
   table = []
   for method, by_mode in res["times"].items():
     base = statistics.median(by_mode["none"])
     for mode, t in by_mode.items():
       med = statistics.median(t)
-      table.append({"method": method, "mode": mode, "median": f"{1e3 * med:.1f}",
-                    "spread": f"{1e3 * min(t):.1f}-{1e3 * max(t):.1f}",
-                    "ratio": f"{med / base:.3f}"})  # fmt: skip
-  print(common.format_table(table, [("method", "method"), ("mode", "quantize"),
-        ("median", "median ms/stage"), ("spread", "min-max ms"), ("ratio", "x bf16")]))  # fmt: skip
+      table.append(
+        {
+          "method": method,
+          "mode": mode,
+          "median": f"{1e3 * med:.1f}",
+          "spread": f"{1e3 * min(t):.1f}-{1e3 * max(t):.1f}",
+          "ratio": f"{med / base:.3f}",
+        }
+      )
+  print(
+    common.format_table(
+      table,
+      [
+        ("method", "method"),
+        ("mode", "quantize"),
+        ("median", "median ms/stage"),
+        ("spread", "min-max ms"),
+        ("ratio", "x bf16"),
+      ],
+    )
+  )
   from acco_jax.run.parallel import has_cuda_plugin
 
   kernels = gpu_kernels() if has_cuda_plugin() else {"skipped": "no CUDA PJRT plugin"}
   print(json.dumps(kernels, indent=1))
-  path = common.write_json(Path(args.out) / "acco_quantized_cost.json",
-                           {"machine": common.machine(), **res, "table": table,
-                            "gpu_kernels": kernels})  # fmt: skip
+  path = common.write_json(
+    Path(args.out) / "acco_quantized_cost.json",
+    {"machine": common.machine(), **res, "table": table, "gpu_kernels": kernels},
+  )
   print(f"wrote {path}")
   return 0
+
+
+def main(argv=None) -> int:
+  """The workers of :func:`cost_report` (``python -m bench.dp.acco_quantized --cost`` starts them)."""
+  ap = argparse.ArgumentParser(
+    description="the workers of python -m bench.dp.acco_quantized --cost"
+  )
+  ap.add_argument("--worker", required=True, help="the JSON file to write")
+  ap.add_argument("--part", choices=("times", "gpu_kernels"), default="times")
+  ap.add_argument("--reps", type=int, default=20, help="times: timed stages per mode")
+  args = ap.parse_args(argv)
+  result = cost_worker(args) if args.part == "times" else gpu_kernels_worker()
+  Path(args.worker).write_text(json.dumps(result))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

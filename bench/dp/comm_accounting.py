@@ -23,8 +23,8 @@ Two readings, because XLA:CPU computes bf16 collectives in f32:
 
 Usage::
 
-  python bench/dp/comm_accounting.py                      # tiny GPT, N = 2, 4, 8
-  python bench/dp/comm_accounting.py --model gpt2 --devices 8   # GPT-2 124M, compile only
+  python -m bench.dp.comm_accounting                      # tiny GPT, N = 2, 4, 8
+  python -m bench.dp.comm_accounting --model gpt2 --devices 8   # GPT-2 124M, compile only
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 METHODS = ("ddp", "zero1", "dpu", "wp", "acco")
 TARGET = 0.01  # measured within 1% of theory
@@ -96,8 +95,12 @@ def worker(args) -> dict:
       report = dataflow.dataflow_report(jax.make_jaxpr(fn)(state, batch))
       movers = [c for c in report.collectives if jaxpr_full_bytes(c, n) >= padded * item]
       row = {
-        "method": method, "N": n, "comm_dtype": dtype, "params": train.layout.num_params,
-        "padded": padded, "stages_per_update": stages,
+        "method": method,
+        "N": n,
+        "comm_dtype": dtype,
+        "params": train.layout.num_params,
+        "padded": padded,
+        "stages_per_update": stages,
         "hlo": [f"{c.kind} {','.join(f'{d}[{s}]' for d, s in c.shape)}" for c in big],
         "hlo_small": len(small),
         "hlo_in_loop": sum(c.in_loop for c in found),
@@ -108,7 +111,7 @@ def worker(args) -> dict:
         "theory_update": stages * theory_stage,
         "trainer_log_stage": theory_stage,
         "theory_f32_update": stages * 2 * (n - 1) * padded * 4 / n,
-      }  # fmt: skip
+      }
       rows.append(row)
       common.log(f"N={n} {method} {dtype}: {row['hlo']} jaxpr {row['jaxpr']}")
   return {"rows": rows, "model": args.model}
@@ -128,11 +131,19 @@ def main(argv=None) -> int:
     Path(args.worker).write_text(json.dumps(worker(args)))
     return 0
 
-  passthrough = ["--model", args.model, "--k", str(args.k), "--rows", str(args.rows),
-                 "--methods", *args.methods]  # fmt: skip
+  passthrough = [
+    "--model",
+    args.model,
+    "--k",
+    str(args.k),
+    "--rows",
+    str(args.rows),
+    "--methods",
+    *args.methods,
+  ]
   rows = []
   for n in args.devices:
-    rows += common.run_worker(__file__, n, passthrough, timeout=1800)["rows"]
+    rows += common.run_worker(__spec__.name, n, passthrough, timeout=1800)["rows"]
   table, ok = [], True
   for r in rows:
     if r["comm_dtype"] != "float32":
@@ -142,30 +153,55 @@ def main(argv=None) -> int:
     err16 = bf16["jaxpr_update"] / bf16["theory_update"] - 1
     ok &= abs(err) <= TARGET and abs(err16) <= TARGET
     ok &= bf16["trainer_log_stage"] * bf16["stages_per_update"] == bf16["theory_update"]
-    table.append({
-      "method": r["method"], "N": r["N"], "P": f"{r['padded']:,}",
-      "colls": " + ".join(h.split()[0] for h in r["hlo"]),
-      "hlo": f"{r['hlo_update']:,.0f}", "theory": f"{r['theory_update']:,.0f}",
-      "err": f"{100 * err:+.3f}%", "small": f"{r['hlo_small_update']:,.0f}",
-      "jaxpr16": f"{bf16['jaxpr_update']:,.0f}", "theory16": f"{bf16['theory_update']:,.0f}",
-      "err16": f"{100 * err16:+.3f}%",
-      "hlo16": f"{bf16['hlo_update']:,.0f}",
-      "log": f"{bf16['trainer_log_stage']:,} x {bf16['stages_per_update']}",
-      "ratio": f"{r['hlo_update'] / r['padded'] / 4:.3f}",
-    })  # fmt: skip
-  columns = [("method", "method"), ("N", "N"), ("P", "P (padded)"), ("colls", "large collectives"),
-             ("hlo", "HLO f32 B/update"), ("theory", "theory f32"), ("err", "err"),
-             ("small", "+ small colls B"), ("jaxpr16", "jaxpr bf16 B/update"),
-             ("theory16", "theory bf16"), ("err16", "err"), ("hlo16", "HLO of bf16 program"),
-             ("log", "trainer log bf16 (B/stage x stages)"),
-             ("ratio", "f32 B/update / 4P")]  # fmt: skip
+    table.append(
+      {
+        "method": r["method"],
+        "N": r["N"],
+        "P": f"{r['padded']:,}",
+        "colls": " + ".join(h.split()[0] for h in r["hlo"]),
+        "hlo": f"{r['hlo_update']:,.0f}",
+        "theory": f"{r['theory_update']:,.0f}",
+        "err": f"{100 * err:+.3f}%",
+        "small": f"{r['hlo_small_update']:,.0f}",
+        "jaxpr16": f"{bf16['jaxpr_update']:,.0f}",
+        "theory16": f"{bf16['theory_update']:,.0f}",
+        "err16": f"{100 * err16:+.3f}%",
+        "hlo16": f"{bf16['hlo_update']:,.0f}",
+        "log": f"{bf16['trainer_log_stage']:,} x {bf16['stages_per_update']}",
+        "ratio": f"{r['hlo_update'] / r['padded'] / 4:.3f}",
+      }
+    )
+  columns = [
+    ("method", "method"),
+    ("N", "N"),
+    ("P", "P (padded)"),
+    ("colls", "large collectives"),
+    ("hlo", "HLO f32 B/update"),
+    ("theory", "theory f32"),
+    ("err", "err"),
+    ("small", "+ small colls B"),
+    ("jaxpr16", "jaxpr bf16 B/update"),
+    ("theory16", "theory bf16"),
+    ("err16", "err"),
+    ("hlo16", "HLO of bf16 program"),
+    ("log", "trainer log bf16 (B/stage x stages)"),
+    ("ratio", "f32 B/update / 4P"),
+  ]
   print(f"Bytes sent per device per optimizer update (ring), model {args.model}\n")
   print(common.format_table(table, columns))
   verdict = "PASS" if ok else "FAIL"
-  print(f"\n{verdict}: HLO (f32) and jaxpr (bf16) within {100 * TARGET:.0f}% of theory, "
-        "trainer log = theory")  # fmt: skip
-  data = {"machine": common.machine(), "model": args.model, "k": args.k, "rows": rows,
-          "table": table, "pass": bool(ok)}  # fmt: skip
+  print(
+    f"\n{verdict}: HLO (f32) and jaxpr (bf16) within {100 * TARGET:.0f}% of theory, "
+    "trainer log = theory"
+  )
+  data = {
+    "machine": common.machine(),
+    "model": args.model,
+    "k": args.k,
+    "rows": rows,
+    "table": table,
+    "pass": bool(ok),
+  }
   print(f"wrote {common.write_json(Path(args.out), data)}")
   return 0 if ok else 1
 

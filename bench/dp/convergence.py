@@ -20,14 +20,14 @@ interrupted benchmark resumes where it stopped. At the end the runs are collecte
 
 Usage::
 
-  python bench/dp/convergence.py --jobs 2                 # the full benchmark (< 1 h on 2 cores)
-  python bench/dp/convergence.py --settings d8 --seeds 0  # a subset
-  python bench/dp/convergence.py --collect                # only rebuild convergence.json
-  python bench/dp/convergence.py --settings d8-lr5e-4 --seeds 0 --jobs 2 \
+  python -m bench.dp.convergence --jobs 2                 # the full benchmark (< 1 h on 2 cores)
+  python -m bench.dp.convergence --settings d8 --seeds 0  # a subset
+  python -m bench.dp.convergence --collect                # only rebuild convergence.json
+  python -m bench.dp.convergence --settings d8-lr5e-4 --seeds 0 --jobs 2 \
     --json convergence_diagnostics.json                # d8 at the paper's LR, one seed
-  python bench/dp/convergence.py --settings d8 --seeds 0 1 2 3 4 5 --methods zero1 acco --jobs 2 \
+  python -m bench.dp.convergence --settings d8 --seeds 0 1 2 3 4 5 --methods zero1 acco --jobs 2 \
     --json convergence_d8_6seeds.json                  # 3 more seeds of the headline pair
-  python bench/dp/convergence.py --smoke --out /tmp/conv  # CI: tiny model, 2 devices, 2 methods
+  python -m bench.dp.convergence --smoke --out /tmp/conv  # CI: tiny model, 2 devices, 2 methods
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.dp.convergence_settings import (  # noqa: E402
+from bench import common
+from bench.dp.convergence_settings import (
   FRACTIONS,
   LR,
   PAPER_UPDATES,
@@ -81,8 +80,18 @@ def launch(out: Path, setting: str, label: str, seed: int) -> subprocess.Popen:
   if d.exists():  # a partial run (no result.json): start it again from scratch
     shutil.rmtree(d)
   d.mkdir(parents=True)
-  cmd = [sys.executable, __file__, "--worker", "--workdir", str(d), "--setting", setting,
-         "--method", label, "--seed", str(seed)]  # fmt: skip
+  cmd = [
+    *common.module_command(__spec__.name),
+    "--worker",
+    "--workdir",
+    str(d),
+    "--setting",
+    setting,
+    "--method",
+    label,
+    "--seed",
+    str(seed),
+  ]
   log = open(d / "run.log", "w")
   env = common.cpu_env(SETTINGS[setting]["devices"])
   proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=common.REPO)

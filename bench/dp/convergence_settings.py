@@ -8,12 +8,6 @@ label, seed and setting. Other benchmarks run these settings too (``bench/dp/acc
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-
 # The paper's DPU warm-ups (40 = ZeRO-Offload's value, 500) are counted in updates of its TinyStories
 # run, whose length is not given. We assume the 2000 updates of configs/tinystories_acco.py:full, so
 # 40 and 500 are 2% and 25% of training; each setting scales them to its own num_updates.
@@ -25,25 +19,63 @@ PAPER_WARMUPS = (40, 500)
 # microbatch_size * seq_len.
 SETTINGS = {
   "d8": dict(
-    devices=8, D=128, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
-    microbatches=4, num_updates=160, eval_every=8, eval_batches=12,
+    devices=8,
+    D=128,
+    N=2,
+    H=4,
+    tokenizer="bpe:2048",
+    seq_len=64,
+    microbatch_size=1,
+    microbatches=4,
+    num_updates=160,
+    eval_every=8,
+    eval_batches=12,
     methods=("zero1", "acco", "dpu", "dpu-w40", "dpu-w500", "wp"),
   ),
   "d32": dict(
-    devices=32, D=64, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
-    microbatches=2, num_updates=160, eval_every=8, eval_batches=4,
+    devices=32,
+    D=64,
+    N=2,
+    H=4,
+    tokenizer="bpe:2048",
+    seq_len=64,
+    microbatch_size=1,
+    microbatches=2,
+    num_updates=160,
+    eval_every=8,
+    eval_batches=4,
     methods=("zero1", "acco", "dpu"),
   ),
   # Diagnostic (not in the default run): d8 at the paper's TinyStories learning rate.
   "d8-lr5e-4": dict(
-    devices=8, D=128, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
-    microbatches=4, num_updates=160, eval_every=8, eval_batches=12, lr=5e-4,
+    devices=8,
+    D=128,
+    N=2,
+    H=4,
+    tokenizer="bpe:2048",
+    seq_len=64,
+    microbatch_size=1,
+    microbatches=4,
+    num_updates=160,
+    eval_every=8,
+    eval_batches=12,
+    lr=5e-4,
     methods=("zero1", "acco", "dpu"),
   ),
   # Diagnostic: d32 at the same learning rate (bench/dp/acco_quantized.py's quantized ACCO at 32 devices).
   "d32-lr5e-4": dict(
-    devices=32, D=64, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
-    microbatches=2, num_updates=160, eval_every=8, eval_batches=4, lr=5e-4,
+    devices=32,
+    D=64,
+    N=2,
+    H=4,
+    tokenizer="bpe:2048",
+    seq_len=64,
+    microbatch_size=1,
+    microbatches=2,
+    num_updates=160,
+    eval_every=8,
+    eval_batches=4,
+    lr=5e-4,
     methods=("zero1", "acco", "dpu"),
   ),
   # Low-communication methods (bench/loco/loco.py): M workers of 8/M devices, the d8 model and batch
@@ -52,20 +84,51 @@ SETTINGS = {
   # a short sweep at this scale), streaming-h<H> (2 fragments, FP4, tau = 1, alpha = 0.5, the
   # paper's outer step). loco-m8's DDP baseline is loco-m4's (the same run).
   "loco-m4": dict(
-    devices=8, workers=4, D=128, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
-    microbatches=4, num_updates=400, eval_every=25, eval_batches=12,
+    devices=8,
+    workers=4,
+    D=128,
+    N=2,
+    H=4,
+    tokenizer="bpe:2048",
+    seq_len=64,
+    microbatch_size=1,
+    microbatches=4,
+    num_updates=400,
+    eval_every=25,
+    eval_batches=12,
     methods=("ddp", "diloco-h10", "diloco-h50", "diloco-h50-avg", "streaming-h50"),
   ),
   "loco-m8": dict(
-    devices=8, workers=8, D=128, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
-    microbatches=4, num_updates=400, eval_every=25, eval_batches=12, baseline="loco-m4",
+    devices=8,
+    workers=8,
+    D=128,
+    N=2,
+    H=4,
+    tokenizer="bpe:2048",
+    seq_len=64,
+    microbatch_size=1,
+    microbatches=4,
+    num_updates=400,
+    eval_every=25,
+    eval_batches=12,
+    baseline="loco-m4",
     methods=("diloco-h10", "diloco-h50", "diloco-h50-avg", "streaming-h50"),
   ),
   "smoke": dict(
-    devices=2, D=32, N=1, H=2, tokenizer="byte", seq_len=32, microbatch_size=1, microbatches=2,
-    num_updates=2, eval_every=1, eval_batches=2, methods=("zero1", "acco"),
+    devices=2,
+    D=32,
+    N=1,
+    H=2,
+    tokenizer="byte",
+    seq_len=32,
+    microbatch_size=1,
+    microbatches=2,
+    num_updates=2,
+    eval_every=1,
+    eval_batches=2,
+    methods=("zero1", "acco"),
   ),
-}  # fmt: skip
+}
 LR = 2e-3  # constant, no warm-up, no clipping (the config's CPU-shrink LR); a setting may override
 SEEDS = (0, 1, 2)
 FRACTIONS = (0.25, 0.5, 1.0)  # points of training at which gaps to zero1 are reported
@@ -91,7 +154,6 @@ def make_config(setting: str, label: str, seed: int):
 
   A label ``<method>-int8`` / ``<method>-int4`` quantizes the communication (``comm`` group; every
   simulated device its own node, blocks of 256: ``bench/dp/acco_quantized.py``)."""
-  sys.path.insert(0, str(common.REPO))
   from configs import tinystories_acco
 
   s = SETTINGS[setting]

@@ -19,8 +19,8 @@ zero1's update lasts ``k t_slow + X``, ACCO's ``2 max(M, X)`` with ``M`` the bal
 slowest worker, ``X`` the bf16 reduce-scatter + all-gather of GPT-2 124M, 8 GPUs per node on NVLink,
 nodes on 100 or 10 Gbit/s.
 
-  python bench/dp/heterogeneous.py                  # ~8 min on a 2-core machine
-  python bench/dp/heterogeneous.py --updates 20     # smoke
+  python -m bench.dp.heterogeneous                  # ~8 min on a 2-core machine
+  python -m bench.dp.heterogeneous --updates 20     # smoke
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench.common import REPO, RESULTS, format_table, log, machine, write_json  # noqa: E402
+from bench.common import REPO, RESULTS, format_table, log, machine, write_json
 
 RUNS_DIR = REPO / "bench" / "results" / "runs" / "heterogeneous"
 
@@ -51,13 +50,24 @@ def free_port() -> int:
 
 def overrides(args, method: str, updates: int, **extra) -> list[str]:
   base = {
-    "model.D": 128, "model.N": 2, "model.H": 4, "data.seq_len": 64,
-    "batch.microbatch_size": 4, "batch.microbatches": args.microbatches,
-    "train.num_updates": updates, "train.log_every": 2, "train.eval_every": 0,
-    "train.eval_batches": 4, "train.sample_tokens": 0, "opt.warmup_updates": 5,
-    "ckpt.every": 0, "ckpt.async_save": False, "mesh.cpu_devices": 1, "method": method,
+    "model.D": 128,
+    "model.N": 2,
+    "model.H": 4,
+    "data.seq_len": 64,
+    "batch.microbatch_size": 4,
+    "batch.microbatches": args.microbatches,
+    "train.num_updates": updates,
+    "train.log_every": 2,
+    "train.eval_every": 0,
+    "train.eval_batches": 4,
+    "train.sample_tokens": 0,
+    "opt.warmup_updates": 5,
+    "ckpt.every": 0,
+    "ckpt.async_save": False,
+    "mesh.cpu_devices": 1,
+    "method": method,
     **extra,
-  }  # fmt: skip
+  }
   return [f"--config.{k}={v}" for k, v in base.items()]
 
 
@@ -73,10 +83,16 @@ def launch(args, name: str, method: str, updates: int, **extra) -> Path:
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   procs = []
   for i in range(args.workers):
-    cmd = [sys.executable, str(REPO / "train.py"), f"--config={REPO}/configs/gpt2_{method}.py:cpu",
-           f"--workdir={workdir}", f"--config.dist.coordinator_address=127.0.0.1:{port}",
-           f"--config.dist.num_processes={args.workers}", f"--config.dist.process_id={i}",
-           *overrides(args, method, updates, **extra)]  # fmt: skip
+    cmd = [
+      sys.executable,
+      str(REPO / "train.py"),
+      f"--config={REPO}/configs/gpt2_{method}.py:cpu",
+      f"--workdir={workdir}",
+      f"--config.dist.coordinator_address=127.0.0.1:{port}",
+      f"--config.dist.num_processes={args.workers}",
+      f"--config.dist.process_id={i}",
+      *overrides(args, method, updates, **extra),
+    ]
     out = open(workdir / f"process{i}.log", "w")
     procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO))
   t0 = time.time()
@@ -153,8 +169,11 @@ def plot(runs: dict, target: float, path: Path) -> bool:
     ax_t.plot(r["wall_s"], r["smoothed_loss"], label=name)
     ax_n.plot(np.array(r["tokens_seen"]) / 1e6, r["smoothed_loss"], label=name)
   ax_t.axhline(target, color="grey", lw=0.8, ls="--")
-  ax_t.set(xlabel="wall-clock after compilation (s)", ylabel="training loss (smoothed)",
-           title="4 processes, worker 3 is 4x slower")  # fmt: skip
+  ax_t.set(
+    xlabel="wall-clock after compilation (s)",
+    ylabel="training loss (smoothed)",
+    title="4 processes, worker 3 is 4x slower",
+  )
   ax_n.set(xlabel="tokens trained (M)", title="per token")
   for ax in (ax_t, ax_n):
     ax.grid(alpha=0.3)
@@ -185,10 +204,20 @@ def model_part(args) -> list[dict]:
       budgets = hetero.plan_budgets(times, x, base=k // 2, k_max=4 * k, policy="balance")
       acco = 2 * max(hetero.makespan(budgets, times), x)
       homog = 2 * max(k // 2 * t, x)
-      rows.append({"gbit": gbit, "workers": n, "slow": slow, "comm_s": x, "zero1_s": zero1, "acco_s": acco,
-                   "acco_homog_s": homog, "ratio": acco / zero1,
-                   "slow_budget": int(budgets[:slow].min()),
-                   "fast_budget": int(budgets[slow:].max())})  # fmt: skip
+      rows.append(
+        {
+          "gbit": gbit,
+          "workers": n,
+          "slow": slow,
+          "comm_s": x,
+          "zero1_s": zero1,
+          "acco_s": acco,
+          "acco_homog_s": homog,
+          "ratio": acco / zero1,
+          "slow_budget": int(budgets[:slow].min()),
+          "fast_budget": int(budgets[slow:].max()),
+        }
+      )
   return rows
 
 
@@ -206,8 +235,9 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
 
   log("calibrating the microbatch time with the adaptive policy's probe")
-  cal = launch(args, "calibrate", "acco", 6, **{"hetero.adaptive": "balance",
-                                                 "hetero.adapt_every": 4})  # fmt: skip
+  cal = launch(
+    args, "calibrate", "acco", 6, **{"hetero.adaptive": "balance", "hetero.adapt_every": 4}
+  )
   t_mb = float(np.median(read_rows(cal)[1][-1]["mb_time_s"]))  # the processes' median
   sleep = (args.factor - 1) * t_mb
   log(
@@ -236,37 +266,79 @@ def main(argv=None) -> int:
     return "-" if v is None else f.format(v)
 
   table = [
-    {"run": k, "s/update": cell(r["s_per_update"], "{:.3f}"),
-     "loss": cell(r["final_loss"], "{:.3f}"), "eval": cell(r["eval_loss"], "{:.3f}"),
-     "mb": str(r["microbatches_per_stage"]), "t": cell(r.get("time_to_target_s"), "{:.1f}"),
-     "budgets": str(r.get("budgets", "equal"))}
+    {
+      "run": k,
+      "s/update": cell(r["s_per_update"], "{:.3f}"),
+      "loss": cell(r["final_loss"], "{:.3f}"),
+      "eval": cell(r["eval_loss"], "{:.3f}"),
+      "mb": str(r["microbatches_per_stage"]),
+      "t": cell(r.get("time_to_target_s"), "{:.1f}"),
+      "budgets": str(r.get("budgets", "equal")),
+    }
     for k, r in runs.items()
-  ]  # fmt: skip
-  print(format_table(table, [("run", "run"), ("s/update", "s per update"),
-                             ("loss", "final train loss"), ("eval", "final eval loss"),
-                             ("mb", "microbatches per stage"), ("t", "s to target"),
-                             ("budgets", "last budgets")]))  # fmt: skip
+  ]
+  print(
+    format_table(
+      table,
+      [
+        ("run", "run"),
+        ("s/update", "s per update"),
+        ("loss", "final train loss"),
+        ("eval", "final eval loss"),
+        ("mb", "microbatches per stage"),
+        ("t", "s to target"),
+        ("budgets", "last budgets"),
+      ],
+    )
+  )
   print(f"target loss {target:.4f}; acco/zero1 time to target: {cell(ratio, '{:.3f}')}")
   print(f"per token: acco-slow final eval loss vs acco-homog: {100 * per_token:+.2f}%")
   model = model_part(args)
   shown = [
-    {"gbit": r["gbit"], "workers": r["workers"], "slow": r["slow"],
-     "comm": f"{r['comm_s']:.3f}", "zero1": f"{r['zero1_s']:.2f}", "acco": f"{r['acco_s']:.2f}",
-     "homog": f"{r['acco_homog_s']:.2f}", "ratio": f"{r['ratio']:.2f}",
-     "budgets": f"{r['fast_budget']} / {r['slow_budget']}"}
+    {
+      "gbit": r["gbit"],
+      "workers": r["workers"],
+      "slow": r["slow"],
+      "comm": f"{r['comm_s']:.3f}",
+      "zero1": f"{r['zero1_s']:.2f}",
+      "acco": f"{r['acco_s']:.2f}",
+      "homog": f"{r['acco_homog_s']:.2f}",
+      "ratio": f"{r['ratio']:.2f}",
+      "budgets": f"{r['fast_budget']} / {r['slow_budget']}",
+    }
     for r in model
-  ]  # fmt: skip
-  print(format_table(shown, [("gbit", "Gbit/s"), ("workers", "workers"), ("slow", "slow"),
-                             ("comm", "comm s"), ("zero1", "zero1 s/update"),
-                             ("acco", "acco s/update"), ("homog", "acco, none slow"),
-                             ("ratio", "acco/zero1"),
-                             ("budgets", "budget fast / slow")]))  # fmt: skip
+  ]
+  print(
+    format_table(
+      shown,
+      [
+        ("gbit", "Gbit/s"),
+        ("workers", "workers"),
+        ("slow", "slow"),
+        ("comm", "comm s"),
+        ("zero1", "zero1 s/update"),
+        ("acco", "acco s/update"),
+        ("homog", "acco, none slow"),
+        ("ratio", "acco/zero1"),
+        ("budgets", "budget fast / slow"),
+      ],
+    )
+  )
   plot(runs, target, Path(args.figure))
-  write_json(Path(args.out), {
-    "machine": machine(), "args": vars(args), "fast_microbatch_s": t_mb, "sleep_s": sleep,
-    "target_loss": target, "acco_over_zero1_time_to_target": ratio,
-    "per_token_loss_change": per_token, "runs": runs, "model": model,
-  })  # fmt: skip
+  write_json(
+    Path(args.out),
+    {
+      "machine": machine(),
+      "args": vars(args),
+      "fast_microbatch_s": t_mb,
+      "sleep_s": sleep,
+      "target_loss": target,
+      "acco_over_zero1_time_to_target": ratio,
+      "per_token_loss_change": per_token,
+      "runs": runs,
+      "model": model,
+    },
+  )
   return 0
 
 

@@ -19,8 +19,8 @@ Each device count runs in its own process (``--xla_force_host_platform_device_co
 
 Usage::
 
-  python bench/dp/memory.py                 # GPT-2 124M, N = 8 and 64, all methods
-  python bench/dp/memory.py --smoke --out /tmp/memory.json   # 1-layer tiny model, N = 2 and 4 (CI)
+  python -m bench.dp.memory                 # GPT-2 124M, N = 8 and 64, all methods
+  python -m bench.dp.memory --smoke --out /tmp/memory.json   # 1-layer tiny model, N = 2 and 4 (CI)
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 METHODS = ("ddp", "zero1", "dpu", "wp", "acco")
 DELAYED = ("dpu", "wp", "acco")
@@ -138,8 +137,10 @@ def abstract_inputs(train, rows: int, seq: int):
   from jax.sharding import PartitionSpec as P
 
   n, data = train.num_devices, NamedSharding(train.mesh, P("data"))
-  batch = {k: jax.ShapeDtypeStruct((n * rows, seq), jnp.int32, sharding=data)
-           for k in ("inputs", "targets")}  # fmt: skip
+  batch = {
+    k: jax.ShapeDtypeStruct((n * rows, seq), jnp.int32, sharding=data)
+    for k in ("inputs", "targets")
+  }
   return batch
 
 
@@ -365,12 +366,12 @@ def main(argv=None) -> int:
   fwd += ["--methods", *args.methods, "--layers", str(args.layers)]
   fwd += [] if args.breakdown else ["--no-breakdown"]
   runs, failures = common.run_each(
-    __file__, "memory", args.devices, lambda n: fwd, lambda n: n, args.timeout
+    __spec__.name, "memory", args.devices, lambda n: fwd, lambda n: n, args.timeout
   )
   rows = [r for run in runs for r in run["rows"]]
   result = {
     "benchmark": "memory",
-    "command": "python bench/dp/memory.py" + (" --smoke" if args.smoke else ""),
+    "command": "python -m bench.dp.memory" + (" --smoke" if args.smoke else ""),
     "machine": common.machine() | {"loadavg_1m_at_start": load_start},
     "config": {
       "model": args.model,
@@ -385,9 +386,16 @@ def main(argv=None) -> int:
   }
   report = tables(rows) if rows else "no results"
   return common.finish_runs(
-    args.out, result, runs, failures, report, name_of=lambda run: f"N={run['N']}",
-    psi_of=lambda run: run["psi"], started=started, load_start=load_start,
-  )  # fmt: skip
+    args.out,
+    result,
+    runs,
+    failures,
+    report,
+    name_of=lambda run: f"N={run['N']}",
+    psi_of=lambda run: run["psi"],
+    started=started,
+    load_start=load_start,
+  )
 
 
 if __name__ == "__main__":

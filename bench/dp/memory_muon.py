@@ -24,8 +24,8 @@ Each preset runs in its own worker process (``--xla_force_host_platform_device_c
 
 Usage::
 
-  python bench/dp/memory_muon.py             # gpt2 (compiled) and gpt2-medium (state only), N = 8
-  python bench/dp/memory_muon.py --smoke --out /tmp/memory_muon.json   # tiny preset, state only (CI)
+  python -m bench.dp.memory_muon             # gpt2 (compiled) and gpt2-medium (state only), N = 8
+  python -m bench.dp.memory_muon --smoke --out /tmp/memory_muon.json   # tiny preset, state only (CI)
 """
 
 from __future__ import annotations
@@ -39,14 +39,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.dp import memory  # noqa: E402
+from bench import common
+from bench.dp import memory
 
 ROWS = (
-  ("ddp", "adamw"), ("ddp", "muon"), ("zero1", "adamw"), ("zero1", "muon"), ("acco", "adamw"),
+  ("ddp", "adamw"),
+  ("ddp", "muon"),
+  ("zero1", "adamw"),
+  ("zero1", "muon"),
+  ("acco", "adamw"),
   ("acco", "muon"),
-)  # fmt: skip
+)
 VOCAB = {"gpt2": 50257, "byte": 257}  # the presets' tokenizers (data.tokenizer), without the corpus
 MIB = 2**20
 
@@ -70,9 +73,15 @@ def build(preset: str, method: str, opt: str, n: int):
   tx, owned = dp_build.method(config, n, shapes)
   loss = lambda p, b: model.loss_fn(p, model_cfg, b)
   train = make_train_step(
-    loss, tx, mesh, num_microbatches=1, params=shapes, has_aux=True, owned=owned,
+    loss,
+    tx,
+    mesh,
+    num_microbatches=1,
+    params=shapes,
+    has_aux=True,
+    owned=owned,
     elementwise=dp_build.optimizer_is_elementwise(config),
-  )  # fmt: skip
+  )
   return config, model_cfg, shapes, train
 
 
@@ -130,10 +139,16 @@ def worker(args) -> dict:
     total = common.shard_bytes(state)
     assert total == sum(comp.values()), (total, comp)
     row = {
-      "preset": args.preset, "method": method, "opt": opt, "N": n, "psi": psi,
+      "preset": args.preset,
+      "method": method,
+      "opt": opt,
+      "N": n,
+      "psi": psi,
       "model": {k: getattr(model_cfg, k) for k in ("V", "D", "N", "H")},
-      "state_bytes": total, "state_components": comp, "build_s": round(time.perf_counter() - t0, 2),
-    } | layout_stats(train, psi)  # fmt: skip
+      "state_bytes": total,
+      "state_components": comp,
+      "build_s": round(time.perf_counter() - t0, 2),
+    } | layout_stats(train, psi)
     if args.compile:
       row |= compile_stats(train, state, args)
     rows.append(row)
@@ -302,12 +317,12 @@ def main(argv=None) -> int:
     return out + ["--only", *args.only]
 
   runs, failures = common.run_each(
-    __file__, "memory_muon", args.presets, fwd, lambda _: args.devices, args.timeout
+    __spec__.name, "memory_muon", args.presets, fwd, lambda _: args.devices, args.timeout
   )
   rows = [r for run in runs for r in run["rows"]]
   result = {
     "benchmark": "memory_muon",
-    "command": "python bench/dp/memory_muon.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    "command": "python -m bench.dp.memory_muon " + " ".join(sys.argv[1:] if argv is None else argv),
     "machine": common.machine() | {"loadavg_1m_at_start": load_start},
     "config": {
       "presets": args.presets,
@@ -321,9 +336,16 @@ def main(argv=None) -> int:
   }
   report = tables(rows) if rows else "no results"
   return common.finish_runs(
-    args.out, result, runs, failures, report, name_of=lambda run: run["preset"],
-    psi_of=lambda run: run["rows"][0]["psi"], started=started, load_start=load_start,
-  )  # fmt: skip
+    args.out,
+    result,
+    runs,
+    failures,
+    report,
+    name_of=lambda run: run["preset"],
+    psi_of=lambda run: run["rows"][0]["psi"],
+    started=started,
+    load_start=load_start,
+  )
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ must be equal across all runs: checked), mean ± std over seeds and paired per-s
 
 Usage::
 
-  python bench/dp/muon.py --jobs 2                            # tune, then 3 seeds x 2 x 2
-  python bench/dp/muon.py --collect                           # the JSON and table only
-  python bench/dp/muon.py --adamw-lr 2e-3 --muon-lr 0.02      # no tuning
-  python bench/dp/muon.py --smoke --out /tmp/muon             # CI: tiny model, 2 devices, 2 runs
+  python -m bench.dp.muon --jobs 2                            # tune, then 3 seeds x 2 x 2
+  python -m bench.dp.muon --collect                           # the JSON and table only
+  python -m bench.dp.muon --adamw-lr 2e-3 --muon-lr 0.02      # no tuning
+  python -m bench.dp.muon --smoke --out /tmp/muon             # CI: tiny model, 2 devices, 2 runs
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.dp import convergence  # noqa: E402
+from bench import common
+from bench.dp import convergence
 
 SETTINGS = {
   # configs' cpu preset; evaluation only at the end (eval_every=0) to save time
@@ -58,9 +57,9 @@ SEEDS = (0, 1, 2)
 TAIL = 10  # the final training loss is the mean over the last TAIL updates
 
 
-def make_config(setting: str, method: str, opt: str, lr: float, muon_lr: float, seed: int,
-                updates: int):  # fmt: skip
-  sys.path.insert(0, str(common.REPO))
+def make_config(
+  setting: str, method: str, opt: str, lr: float, muon_lr: float, seed: int, updates: int
+):
   from configs import gpt2_acco, gpt2_zero1
 
   s = SETTINGS[setting]
@@ -102,9 +101,26 @@ def launch(out, setting, updates, method, opt, lr, muon_lr, seed) -> subprocess.
   if d.exists():  # a partial run (no result.json): start again
     shutil.rmtree(d)
   d.mkdir(parents=True)
-  cmd = [sys.executable, __file__, "--worker", "--workdir", str(d), "--setting", setting,
-         "--method", method, "--opt", opt, "--lr", repr(lr), "--muon-lr", repr(muon_lr),
-         "--seed", str(seed), "--updates", str(updates)]  # fmt: skip
+  cmd = [
+    *common.module_command(__spec__.name),
+    "--worker",
+    "--workdir",
+    str(d),
+    "--setting",
+    setting,
+    "--method",
+    method,
+    "--opt",
+    opt,
+    "--lr",
+    repr(lr),
+    "--muon-lr",
+    repr(muon_lr),
+    "--seed",
+    str(seed),
+    "--updates",
+    str(updates),
+  ]
   log = open(d / "run.log", "w")
   env = common.cpu_env(SETTINGS[setting]["devices"])
   proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=common.REPO)
@@ -153,10 +169,20 @@ def best(out, setting, updates, runs) -> tuple[float, list[dict]]:
     d = run_dir(out, setting, updates, *r)
     if (d / "result.json").exists():
       x = read_run(d)
-      rows.append({"lr": r[2], "muon_lr": r[3] if r[1] == "muon" else None, "final_eval_loss": x["final_eval_loss"],
-                   "final_train_loss": x["final_train_loss"], "status": x["status"]})  # fmt: skip
-  ok = [row for row in rows if row["final_eval_loss"] is not None
-        and math.isfinite(row["final_eval_loss"])]  # fmt: skip
+      rows.append(
+        {
+          "lr": r[2],
+          "muon_lr": r[3] if r[1] == "muon" else None,
+          "final_eval_loss": x["final_eval_loss"],
+          "final_train_loss": x["final_train_loss"],
+          "status": x["status"],
+        }
+      )
+  ok = [
+    row
+    for row in rows
+    if row["final_eval_loss"] is not None and math.isfinite(row["final_eval_loss"])
+  ]
   if not ok:
     raise SystemExit(f"no finished tuning run among {runs}")
   return min(ok, key=lambda row: row["final_eval_loss"]), rows
@@ -167,8 +193,9 @@ def collect(out, setting, updates, seeds, lr, muon_lr, mlr_adamw, tuning) -> dic
   for method in METHODS:
     for opt in OPTS:
       for seed in seeds:
-        d = run_dir(out, setting, updates, method, opt, lr if opt == "adamw" else mlr_adamw,
-                    muon_lr, seed)  # fmt: skip
+        d = run_dir(
+          out, setting, updates, method, opt, lr if opt == "adamw" else mlr_adamw, muon_lr, seed
+        )
         if (d / "result.json").exists():
           runs.setdefault(f"{method}/{opt}", {})[seed] = read_run(d)
   ms = convergence._mean_std
@@ -183,8 +210,9 @@ def collect(out, setting, updates, seeds, lr, muon_lr, mlr_adamw, tuning) -> dic
 
   def paired(a: str, b: str) -> dict:  # 100 (a / b - 1) per seed, final eval loss
     ra, rb = runs.get(a, {}), runs.get(b, {})
-    pct = [100 * (ra[k]["final_eval_loss"] / rb[k]["final_eval_loss"] - 1)
-           for k in sorted(ra) if k in rb]  # fmt: skip
+    pct = [
+      100 * (ra[k]["final_eval_loss"] / rb[k]["final_eval_loss"] - 1) for k in sorted(ra) if k in rb
+    ]
     return {"per_seed_pct": pct, **{k: v for k, v in ms(pct).items() if k != "values"}}
 
   comparisons = {f"{m}: muon vs adamw": paired(f"{m}/muon", f"{m}/adamw") for m in METHODS}
@@ -205,23 +233,29 @@ def collect(out, setting, updates, seeds, lr, muon_lr, mlr_adamw, tuning) -> dic
 def table(results: dict) -> str:
   seeds = sorted({int(s) for by in results["runs"].values() for s in by})
   head = " | ".join(f"seed {s}" for s in seeds)
-  lines = [f"| method | optimizer | final eval loss | final train loss | {head} | s/run |",
-           "|---|---|---|---|" + "---|" * len(seeds) + "---|"]  # fmt: skip
+  lines = [
+    f"| method | optimizer | final eval loss | final train loss | {head} | s/run |",
+    "|---|---|---|---|" + "---|" * len(seeds) + "---|",
+  ]
   for key, m in results["summary"].items():
     method, opt = key.split("/")
     e, t, w = m["final_eval_loss"], m["final_train_loss"], m["wall_s"]
     each = [results["runs"][key].get(str(s), {}).get("final_eval_loss") for s in seeds]
     cells = [f"{x:.4f}" if x is not None else "" for x in each]
-    lines.append(f"| {method} | {opt} | {e['mean']:.4f} ± {e['std']:.4f} | "
-                 f"{t['mean']:.4f} ± {t['std']:.4f} | " + " | ".join(cells) + f" | {w['mean']:.0f} |")  # fmt: skip
+    lines.append(
+      f"| {method} | {opt} | {e['mean']:.4f} ± {e['std']:.4f} | "
+      f"{t['mean']:.4f} ± {t['std']:.4f} | " + " | ".join(cells) + f" | {w['mean']:.0f} |"
+    )
   lines.append("")
   for name_, c in results["comparisons"].items():
     if not c["per_seed_pct"]:
       continue
     each = ", ".join(f"{x:+.2f}" for x in c["per_seed_pct"])
     lines.append(f"- {name_}: {c['mean']:+.2f} ± {c['std']:.2f}% (per seed: {each})")
-  lines.append(f"- tokens_seen equal across runs: {results['tokens_equal']} "
-               f"({sorted(set(results['tokens_seen'].values()))})")  # fmt: skip
+  lines.append(
+    f"- tokens_seen equal across runs: {results['tokens_equal']} "
+    f"({sorted(set(results['tokens_seen'].values()))})"
+  )
   return "\n".join(lines)
 
 
@@ -233,8 +267,12 @@ def main(argv=None) -> int:
   p.add_argument("--muon-lrs", nargs="+", type=float, default=list(MUON_LRS))
   p.add_argument("--adamw-lr", type=float, help="fix AdamW's opt.lr (no AdamW tuning)")
   p.add_argument("--muon-lr", type=float, help="fix opt.muon_lr (no Muon tuning)")
-  p.add_argument("--muon-adamw-lr", type=float, default=MUON_ADAMW_LR,
-                 help="opt.lr of Muon runs: AdamW's on the non-matrix leaves")  # fmt: skip
+  p.add_argument(
+    "--muon-adamw-lr",
+    type=float,
+    default=MUON_ADAMW_LR,
+    help="opt.lr of Muon runs: AdamW's on the non-matrix leaves",
+  )
   p.add_argument("--updates", type=int, help="train.num_updates of every run")
   p.add_argument("--jobs", type=int, help="runs at a time (default 1; --smoke: 2)")
   p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
@@ -260,8 +298,9 @@ def main(argv=None) -> int:
   def go(runs):
     plan = [(setting, updates, *r) for r in runs]
     if not a.collect:
-      failed.extend(convergence.run_all(a.out, plan, a.jobs, a.timeout, launch=launch,
-                                        run_dir=run_dir))  # fmt: skip
+      failed.extend(
+        convergence.run_all(a.out, plan, a.jobs, a.timeout, launch=launch, run_dir=run_dir)
+      )
 
   lr, muon_lr, mlr_adamw = a.adamw_lr, a.muon_lr, a.muon_adamw_lr
   # One tuning phase (both grids at once, so that two runs at a time keep both slots busy)
@@ -278,8 +317,12 @@ def main(argv=None) -> int:
     muon_lr = won["muon_lr"]
     common.log(f"Muon: opt.muon_lr={muon_lr:g} (final eval loss {won['final_eval_loss']:.4f})")
   opts = ("muon",) if a.smoke else OPTS
-  final = [(m, o, lr if o == "adamw" else mlr_adamw, muon_lr, k)
-           for k in a.seeds for o in opts for m in METHODS]  # fmt: skip
+  final = [
+    (m, o, lr if o == "adamw" else mlr_adamw, muon_lr, k)
+    for k in a.seeds
+    for o in opts
+    for m in METHODS
+  ]
   go(final)  # seed-major: an interrupted benchmark has whole seeds
   results = collect(a.out, setting, updates, a.seeds, lr, muon_lr, mlr_adamw, tuning)
   results.update(machine=common.machine(), wall_s=None if a.collect else time.time() - t0)

@@ -20,8 +20,8 @@ compiled program's temp bytes and the number of ``copy`` instructions outside th
 
 Usage::
 
-  python bench/dp/overhead.py                 # D=256, 4 layers, V=2048, L=128, k=4 x B=4; 25 rounds x 1
-  python bench/dp/overhead.py --smoke --out /tmp/overhead.json   # tiny model, 2 rounds x 2 steps (CI)
+  python -m bench.dp.overhead                 # D=256, 4 layers, V=2048, L=128, k=4 x B=4; 25 rounds x 1
+  python -m bench.dp.overhead --smoke --out /tmp/overhead.json   # tiny model, 2 rounds x 2 steps (CI)
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 METHODS = ("acco", "zero1", "dpu", "ddp")
 DEFAULT_METHODS = ("acco", "zero1", "ddp")
@@ -226,7 +225,7 @@ def main(argv=None) -> int:
   fwd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--methods", *args.methods]
   common.log(f"overhead: plain vs {', '.join(args.methods)} on 1 CPU device ...")
   started, load_start = time.perf_counter(), common.loadavg()
-  run = common.run_worker(__file__, 1, fwd, args.timeout)
+  run = common.run_worker(__spec__.name, 1, fwd, args.timeout)
   wall = time.perf_counter() - started
 
   res = run["results"]
@@ -304,7 +303,7 @@ def main(argv=None) -> int:
   print(f"1-min load average: {load_start} at start, {common.loadavg()} at end")
   result = {
     "benchmark": "overhead",
-    "command": "python bench/dp/overhead.py" + (" --smoke" if args.smoke else ""),
+    "command": "python -m bench.dp.overhead" + (" --smoke" if args.smoke else ""),
     "machine": common.machine() | {"loadavg_1m_at_start": load_start},
     "config": {k: getattr(args, k) for k in ("microbatches", "rows", "rounds", "steps", "warmup")}
     | {"methods": args.methods, "optimizer": "adamw"},

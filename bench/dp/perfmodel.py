@@ -20,12 +20,12 @@ All hardware figures are nominal datasheet numbers times a stated link efficienc
 
 Usage::
 
-  python bench/dp/perfmodel.py            # table on stdout, bench/results/perfmodel.json,
+  python -m bench.dp.perfmodel            # table on stdout, bench/results/perfmodel.json,
                                        # docs/figures/perfmodel_speedup.png (needs matplotlib)
-  python bench/dp/perfmodel.py --quantized  # comm.quantize: time per update vs bandwidth on the
+  python -m bench.dp.perfmodel --quantized  # comm.quantize: time per update vs bandwidth on the
                                        # 4 x 8 A100 setting, the bandwidth below which ACCO stops
                                        # being compute-bound; perfmodel_quantized.{json,png}
-  python bench/dp/perfmodel.py --loco     # loco.outer_overlap none vs delayed / eager for DiLoCo,
+  python -m bench.dp.perfmodel --loco     # loco.outer_overlap none vs delayed / eager for DiLoCo,
                                        # Streaming DiLoCo and SparseLoCo, 0.1 .. 400 Gbit/s, the
                                        # bandwidth below which each stops being compute-bound;
                                        # perfmodel_loco.{json,md}
@@ -38,13 +38,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.dp import perfmodel_figures, perfmodel_loco  # noqa: E402
-
-sys.path.insert(0, str(common.REPO))
-from acco_jax.analysis import perfmodel as pm  # noqa: E402
-from acco_jax.analysis import perfmodel_quantized as pmq  # noqa: E402
+from acco_jax.analysis import perfmodel as pm
+from acco_jax.analysis import perfmodel_quantized as pmq
+from bench import common
+from bench.dp import perfmodel_figures, perfmodel_loco
 
 ASSUMPTIONS = {
   "mfu_A": 0.30,
@@ -69,17 +66,67 @@ ASSUMPTIONS = {
 MODELS = {"gpt-neo-125m": (12, 768, 50257, 1024), "gpt-neo-2.7b": (32, 2560, 50257, 2048)}
 
 ROWS = [  # paper Table 3 (acco-algorithm.md §9); times in seconds
-  dict(row="PT 125M 1x8 H100-PCIe", model="gpt-neo-125m", gpu="H100-PCIe", nodes=1, per_node=8,
-       tokens=6e9, k=2, rows=24, seq=1024, zero1_s=4 * 3600 + 41 * 60, acco_s=4 * 3600 + 25 * 60,
-       paper=5.7, cv=0.0),
-  dict(row="PT 125M 4x8 A100", model="gpt-neo-125m", gpu="A100", nodes=4, per_node=8, tokens=50e9,
-       k=2, rows=24, seq=1024, zero1_s=14 * 3600 + 41 * 60, acco_s=10 * 3600 + 55 * 60,
-       paper=25.7, cv=0.0),
-  dict(row="FT 2.7B 1x8 A100", model="gpt-neo-2.7b", gpu="A100", nodes=1, per_node=8, tokens=80e6,
-       k=4, rows=4, seq=512, zero1_s=43 * 60, acco_s=25 * 60, paper=42.0, cv=0.2),
-  dict(row="FT 2.7B 2x4 A100", model="gpt-neo-2.7b", gpu="A100", nodes=2, per_node=4, tokens=80e6,
-       k=4, rows=4, seq=512, zero1_s=3 * 3600 + 46 * 60, acco_s=29 * 60, paper=87.0, cv=0.2),
-]  # fmt: skip
+  dict(
+    row="PT 125M 1x8 H100-PCIe",
+    model="gpt-neo-125m",
+    gpu="H100-PCIe",
+    nodes=1,
+    per_node=8,
+    tokens=6e9,
+    k=2,
+    rows=24,
+    seq=1024,
+    zero1_s=4 * 3600 + 41 * 60,
+    acco_s=4 * 3600 + 25 * 60,
+    paper=5.7,
+    cv=0.0,
+  ),
+  dict(
+    row="PT 125M 4x8 A100",
+    model="gpt-neo-125m",
+    gpu="A100",
+    nodes=4,
+    per_node=8,
+    tokens=50e9,
+    k=2,
+    rows=24,
+    seq=1024,
+    zero1_s=14 * 3600 + 41 * 60,
+    acco_s=10 * 3600 + 55 * 60,
+    paper=25.7,
+    cv=0.0,
+  ),
+  dict(
+    row="FT 2.7B 1x8 A100",
+    model="gpt-neo-2.7b",
+    gpu="A100",
+    nodes=1,
+    per_node=8,
+    tokens=80e6,
+    k=4,
+    rows=4,
+    seq=512,
+    zero1_s=43 * 60,
+    acco_s=25 * 60,
+    paper=42.0,
+    cv=0.2,
+  ),
+  dict(
+    row="FT 2.7B 2x4 A100",
+    model="gpt-neo-2.7b",
+    gpu="A100",
+    nodes=2,
+    per_node=4,
+    tokens=80e6,
+    k=4,
+    rows=4,
+    seq=512,
+    zero1_s=3 * 3600 + 46 * 60,
+    acco_s=29 * 60,
+    paper=87.0,
+    cv=0.2,
+  ),
+]
 BASELINES = ("zero1", "ref_ddp", "ref_ddp_bwd", "ref_ddp_cv")
 
 
@@ -199,8 +246,13 @@ def quantized_point(label: str, work: pm.Workload, c: pm.Cluster, t_q: float) ->
     nodes = n // (size or per)
     a2a = (nodes - 1) / nodes if size != 1 else per * (n - per) / n
     link = (a2a * work.params + ring) * wire
-  return {"time": st.time, "chain": chain, "sent": st.bytes_sent, "exposed": st.exposed,
-          "link": stages * link}  # fmt: skip
+  return {
+    "time": st.time,
+    "chain": chain,
+    "sent": st.bytes_sent,
+    "exposed": st.exposed,
+    "link": stages * link,
+  }
 
 
 def compute_bound_below(label: str, r: dict, calibration: str, t_q: float) -> float:
@@ -226,33 +278,85 @@ def quantized(args) -> int:
   for cal in ("A", "B"):
     work, info = workload(r, cal)
     t_q = a["quant_bytes_per_param"] * info["params"] / a["hbm_Bps"][r["gpu"]]
-    curves = {label: [quantized_point(label, work, cluster(r, g), t_q)["time"] for g in gbits]
-              for label in QUANT_VARIANTS}  # fmt: skip
-    below = {label: compute_bound_below(label, r, cal, t_q)
-             for label in QUANT_VARIANTS if label.startswith("acco")}  # fmt: skip
-    out[cal] = {"info": info, "quant_time_s": t_q, "compute_s": work.microbatches
-                * work.microbatch_time, "curves": curves, "compute_bound_below_gbit": below}  # fmt: skip
+    curves = {
+      label: [quantized_point(label, work, cluster(r, g), t_q)["time"] for g in gbits]
+      for label in QUANT_VARIANTS
+    }
+    below = {
+      label: compute_bound_below(label, r, cal, t_q)
+      for label in QUANT_VARIANTS
+      if label.startswith("acco")
+    }
+    out[cal] = {
+      "info": info,
+      "quant_time_s": t_q,
+      "compute_s": work.microbatches * work.microbatch_time,
+      "curves": curves,
+      "compute_bound_below_gbit": below,
+    }
     for g in (100, 10):
       pts = {label: quantized_point(label, work, cluster(r, g), t_q) for label in QUANT_VARIANTS}
       base = pts["zero1"]["time"]
       for label, p in pts.items():
-        rows.append({"cal": cal, "gbit": g, "label": label, "t": f"{1e3 * p['time']:.0f}",
-                     "vs": f"{base / p['time']:.2f}", "chain": f"{1e3 * p['chain']:.0f}",
-                     "half": f"{1e3 * out[cal]['compute_s'] / 2:.0f}",
-                     "gb": f"{p['sent'] / 1e9:.3f}", "link": f"{p['link'] / 1e9:.3f}"})  # fmt: skip
+        rows.append(
+          {
+            "cal": cal,
+            "gbit": g,
+            "label": label,
+            "t": f"{1e3 * p['time']:.0f}",
+            "vs": f"{base / p['time']:.2f}",
+            "chain": f"{1e3 * p['chain']:.0f}",
+            "half": f"{1e3 * out[cal]['compute_s'] / 2:.0f}",
+            "gb": f"{p['sent'] / 1e9:.3f}",
+            "link": f"{p['link'] / 1e9:.3f}",
+          }
+        )
     for label, g in below.items():
-      thresholds.append({"cal": cal, "mfu": f"{100 * info['mfu']:.0f}%", "label": label,
-                         "gbit": f"{g:.1f}", "x": f"{below['acco'] / g:.2f}"})  # fmt: skip
-  print("GPT-Neo 125M pre-training on 4 x 8 A100 (NVLink inside, one inter-node link per node),"
-        " k = 2 x 24 x 1024 tokens per update; quantized: blocks of 256, two-level unless flat\n")  # fmt: skip
-  print(common.format_table(rows, [("cal", "cal."), ("gbit", "Gbit/s"), ("label", "variant"),
-        ("t", "ms/update"), ("vs", "speed-up vs ZeRO-1"), ("chain", "network chain X ms"),
-        ("half", "C/2 ms"), ("gb", "GB sent/device/update"),
-        ("link", "GB over a node's link/update")]))  # fmt: skip
-  print("\nBandwidth below which ACCO stops being compute-bound (X > C/2), and how much lower "
-        "quantization moves it\n")  # fmt: skip
-  print(common.format_table(thresholds, [("cal", "cal."), ("mfu", "MFU"), ("label", "variant"),
-        ("gbit", "compute-bound above, Gbit/s"), ("x", "x lower than bf16 ACCO")]))  # fmt: skip
+      thresholds.append(
+        {
+          "cal": cal,
+          "mfu": f"{100 * info['mfu']:.0f}%",
+          "label": label,
+          "gbit": f"{g:.1f}",
+          "x": f"{below['acco'] / g:.2f}",
+        }
+      )
+  print(
+    "GPT-Neo 125M pre-training on 4 x 8 A100 (NVLink inside, one inter-node link per node),"
+    " k = 2 x 24 x 1024 tokens per update; quantized: blocks of 256, two-level unless flat\n"
+  )
+  print(
+    common.format_table(
+      rows,
+      [
+        ("cal", "cal."),
+        ("gbit", "Gbit/s"),
+        ("label", "variant"),
+        ("t", "ms/update"),
+        ("vs", "speed-up vs ZeRO-1"),
+        ("chain", "network chain X ms"),
+        ("half", "C/2 ms"),
+        ("gb", "GB sent/device/update"),
+        ("link", "GB over a node's link/update"),
+      ],
+    )
+  )
+  print(
+    "\nBandwidth below which ACCO stops being compute-bound (X > C/2), and how much lower "
+    "quantization moves it\n"
+  )
+  print(
+    common.format_table(
+      thresholds,
+      [
+        ("cal", "cal."),
+        ("mfu", "MFU"),
+        ("label", "variant"),
+        ("gbit", "compute-bound above, Gbit/s"),
+        ("x", "x lower than bf16 ACCO"),
+      ],
+    )
+  )
   out["table"], out["thresholds"] = rows, thresholds
   drew = perfmodel_figures.plot_quantized(out, Path(args.figure))
   path = common.write_json(Path(args.out), out)
@@ -287,18 +391,30 @@ def main(argv=None) -> int:
   table_rows, hours_rows = [], []
   for p in results:
     r = next(x for x in ROWS if x["row"] == p["row"])
-    row = {"cal": p["calibration"], "row": p["row"], "mfu": f"{100 * p['mfu']:.0f}%",
-           "paper": fmt(p["paper"]), "ours": fmt(p["ours_acco_vs_zero1"]),
-           "ours1": fmt(p["ours_acco_single_loop_vs_zero1"])}  # fmt: skip
+    row = {
+      "cal": p["calibration"],
+      "row": p["row"],
+      "mfu": f"{100 * p['mfu']:.0f}%",
+      "paper": fmt(p["paper"]),
+      "ours": fmt(p["ours_acco_vs_zero1"]),
+      "ours1": fmt(p["ours_acco_single_loop_vs_zero1"]),
+    }
     for b in BASELINES:
       row[b] = fmt(p[f"{b}_reduction"]) + ("" if p["agree"][b] else " ✗")
     table_rows.append(row)
     if p["calibration"] == "B":
       h = lambda x: f"{x:.2f}"
-      hours_rows.append({"row": p["row"], "paper_zero1": h(r["zero1_s"] / 3600),
-                         "paper_acco": h(r["acco_s"] / 3600), "zero1": h(p["zero1_h"]),
-                         "ref_ddp": h(p["ref_ddp_h"]), "ref_ddp_bwd": h(p["ref_ddp_bwd_h"]),
-                         "ref_ddp_cv": h(p["ref_ddp_cv_h"])})  # fmt: skip
+      hours_rows.append(
+        {
+          "row": p["row"],
+          "paper_zero1": h(r["zero1_s"] / 3600),
+          "paper_acco": h(r["acco_s"] / 3600),
+          "zero1": h(p["zero1_h"]),
+          "ref_ddp": h(p["ref_ddp_h"]),
+          "ref_ddp_bwd": h(p["ref_ddp_bwd_h"]),
+          "ref_ddp_cv": h(p["ref_ddp_cv_h"]),
+        }
+      )
   columns = [
     ("cal", "cal."),
     ("row", "Table 3 row"),
@@ -318,16 +434,33 @@ def main(argv=None) -> int:
   print(
     "\nBaseline wall-clock, hours: paper vs model (calibration B: compute = paper's ACCO time)\n"
   )
-  print(common.format_table(hours_rows, [("row", "Table 3 row"), ("paper_acco", "paper ACCO"),
-        ("paper_zero1", "paper baseline"), ("zero1", "ZeRO-1"), ("ref_ddp", "ref DDP"),
-        ("ref_ddp_bwd", "+bwd overlap"), ("ref_ddp_cv", "+stragglers")]))  # fmt: skip
+  print(
+    common.format_table(
+      hours_rows,
+      [
+        ("row", "Table 3 row"),
+        ("paper_acco", "paper ACCO"),
+        ("paper_zero1", "paper baseline"),
+        ("zero1", "ZeRO-1"),
+        ("ref_ddp", "ref DDP"),
+        ("ref_ddp_bwd", "+bwd overlap"),
+        ("ref_ddp_cv", "+stragglers"),
+      ],
+    )
+  )
 
   gbits = [round(10 ** (e / 32), 3) for e in range(0, 97)]  # 1 .. 1000 Gbit/s
   sw = sweep(gbits)
   drew = perfmodel_figures.plot(sw, Path(args.figure))
-  data = {"machine": common.machine(), "assumptions": ASSUMPTIONS, "rows": ROWS,
-          "predictions": results, "agreement": score, "sweep": sw,
-          "figure": args.figure if drew else None}  # fmt: skip
+  data = {
+    "machine": common.machine(),
+    "assumptions": ASSUMPTIONS,
+    "rows": ROWS,
+    "predictions": results,
+    "agreement": score,
+    "sweep": sw,
+    "figure": args.figure if drew else None,
+  }
   path = common.write_json(Path(args.out), data)
   print(f"\nwrote {path}" + (f" and {args.figure}" if drew else ""))
   return 0

@@ -4,11 +4,9 @@ Each returns False, with a log line, where matplotlib is not installed."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 
 def plot(sw: dict, path: Path) -> bool:
@@ -26,10 +24,17 @@ def plot(sw: dict, path: Path) -> bool:
   for ax, (title, curves) in zip(axes, sw["panels"].items(), strict=True):
     for color, (n, c) in zip(colors, curves.items(), strict=False):
       ax.plot(sw["gbit"], c["acco"], color=color, label=f"ACCO fixed k, N={n}")
-      ax.plot(sw["gbit"], c["acco_adaptive"], color=color, ls="--", lw=1,
-              label=f"ACCO adaptive, N={n}")  # fmt: skip
-    ax.plot(sw["gbit"], curves[8]["acco_single_loop"], color="black", ls=":", lw=1.5,
-            label="ACCO one loop/stage, N=8")  # fmt: skip
+      ax.plot(
+        sw["gbit"], c["acco_adaptive"], color=color, ls="--", lw=1, label=f"ACCO adaptive, N={n}"
+      )
+    ax.plot(
+      sw["gbit"],
+      curves[8]["acco_single_loop"],
+      color="black",
+      ls=":",
+      lw=1.5,
+      label="ACCO one loop/stage, N=8",
+    )
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.axvline(100, color="gray", ls="-.", lw=0.8)
     ax.set_xscale("log")
@@ -60,9 +65,14 @@ def plot_quantized(out: dict, path: Path) -> bool:
   except ImportError:
     common.log("matplotlib is not installed: no figure (pip install matplotlib)")
     return False
-  styles = {"zero1": ("gray", "--"), "acco": ("k", "-"), "zero1-int8": ("tab:blue", "--"),
-            "acco-int8": ("tab:blue", "-"), "acco-int4": ("tab:red", "-"),
-            "acco-int8-flat": ("tab:blue", ":")}  # fmt: skip
+  styles = {
+    "zero1": ("gray", "--"),
+    "acco": ("k", "-"),
+    "zero1-int8": ("tab:blue", "--"),
+    "acco-int8": ("tab:blue", "-"),
+    "acco-int4": ("tab:red", "-"),
+    "acco-int8-flat": ("tab:blue", ":"),
+  }
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
   for ax, cal in zip(axes, ("A", "B"), strict=True):
     d = out[cal]
@@ -72,8 +82,12 @@ def plot_quantized(out: dict, path: Path) -> bool:
     ax.axhline(d["compute_s"], color="gray", lw=0.6)
     for label in ("acco", "acco-int8", "acco-int4"):
       ax.axvline(d["compute_bound_below_gbit"][label], color=styles[label][0], lw=0.6, ls="-.")
-    ax.set(xscale="log", yscale="log", xlabel="inter-node bandwidth (Gbit/s, nominal; 80% usable)",
-           title=f"calibration {cal} ({100 * d['info']['mfu']:.0f}% MFU)")  # fmt: skip
+    ax.set(
+      xscale="log",
+      yscale="log",
+      xlabel="inter-node bandwidth (Gbit/s, nominal; 80% usable)",
+      title=f"calibration {cal} ({100 * d['info']['mfu']:.0f}% MFU)",
+    )
     ax.grid(True, which="both", alpha=0.3)
   axes[0].set_ylabel("time per update (s)")
   axes[1].legend(fontsize=8)

@@ -2,7 +2,7 @@
 
 For DiLoCo, Streaming DiLoCo and SparseLoCo (:data:`LOCO_VARIANTS`) at 0.1 .. 400 Gbit/s between
 workers, the time per inner step from the recorded accounting of ``bench/results/loco_compare.json``
-(``loco_compare.project``), and the bandwidth below which each stops being compute-bound;
+(``traffic_cost.project``), and the bandwidth below which each stops being compute-bound;
 :func:`loco` prints the table and writes ``perfmodel_loco.{json,md}``.
 """
 
@@ -11,12 +11,10 @@ from __future__ import annotations
 import copy
 import json
 import math
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.loco import loco_compare  # noqa: E402
+from bench import common
+from bench.loco import traffic_cost
 
 LOCO_GBITS = (0.1, 1.0, 10.0, 100.0, 400.0)
 # label -> (loco_compare method, H, loco.outer_overlap, tau[, loco.inner]). delayed times like eager:
@@ -56,7 +54,7 @@ LOCO_SLACK = 0.1  # "within 10% of compute": the exposed sync time at most this 
 
 def loco_program(programs: dict, method: str, h: int, tau: int) -> dict:
   """The recorded accounting of ``method`` (bench/results/loco_compare.json: bytes per sync of the
-  CPU model, scaled to GPT-2 by ``loco_compare.project``) at ``H = h`` and ``τ = tau``."""
+  CPU model, scaled to GPT-2 by ``traffic_cost.project``) at ``H = h`` and ``τ = tau``."""
   prog = copy.deepcopy(programs[method])
   prog["accounting"].update(sync_every=h, overlap_steps=tau)
   return prog
@@ -66,7 +64,7 @@ def loco_point(label: str, prog: dict, gbit: float) -> dict:
   """Time per inner step at ``gbit`` Gbit/s between workers: total, the inner step's (compute and
   what it waits for its own collectives), the sync's exposed part."""
   method, _, overlap, _, *inner = LOCO_VARIANTS[label]
-  p = loco_compare.project(method, prog, 1.0, gbit, overlap, *inner)
+  p = traffic_cost.project(method, prog, 1.0, gbit, overlap, *inner)
   return {
     "step_s": p["step_s"],
     "exposed_s": p["exposed_s"],
@@ -90,7 +88,7 @@ def loco_below(label: str, prog: dict, slack: float) -> float:
 
 def loco(args) -> int:
   recorded = json.loads((common.RESULTS / "loco_compare.json").read_text())
-  a = loco_compare.PROJECTION
+  a = traffic_cost.PROJECTION
   rows, data = [], {}
   for label, (method, h, overlap, tau, *inner) in LOCO_VARIANTS.items():
     prog = loco_program(recorded["programs"], method, h, tau)
@@ -99,31 +97,55 @@ def loco(args) -> int:
     parts = len(prog["accounting"]["sync_wire"])
     window = tau if overlap == "none" else h // parts
     own = points[str(LOCO_GBITS[0])]["inner_exposed_s"]
-    data[label] = {"method": method, "H": h, "outer_overlap": overlap, "tau": tau,
-                   "inner": (inner or ["zero1"])[0], "hidden_behind_steps": window,
-                   "hidden_above_gbit": hidden, "within_slack_above_gbit": slack,
-                   "inner_waits_s": own, "points": points}  # fmt: skip
+    data[label] = {
+      "method": method,
+      "H": h,
+      "outer_overlap": overlap,
+      "tau": tau,
+      "inner": (inner or ["zero1"])[0],
+      "hidden_behind_steps": window,
+      "hidden_above_gbit": hidden,
+      "within_slack_above_gbit": slack,
+      "inner_waits_s": own,
+      "points": points,
+    }
     gb = lambda g: "never" if not math.isfinite(g) else f"{g:.2f}"
-    row = {"label": label, "window": str(window), "hidden": gb(hidden), "slack": gb(slack),
-           "own": f"{1e3 * own:.1f}"}  # fmt: skip
+    row = {
+      "label": label,
+      "window": str(window),
+      "hidden": gb(hidden),
+      "slack": gb(slack),
+      "own": f"{1e3 * own:.1f}",
+    }
     for g, q in points.items():
       row[g] = f"{q['step_s'] / q['inner_s']:.2f}"
     rows.append(row)
   first = lambda inner: next(d for d in data.values() if d["inner"] == inner)
   step_ms = lambda inner: 1e3 * first(inner)["points"][str(LOCO_GBITS[0])]["inner_s"]
-  head = (f"{a['model']} on {a['workers']} workers of {a['gpus_per_worker']} H100 (inner step over "
-          f"NVLink: ZeRO-1 {step_ms('zero1'):.1f} ms, ACCO {step_ms('acco'):.1f} ms); a sync: hops x "
-          f"{1e6 * a['latency_inter_s']:.0f} us + its bytes at {100 * a['link_efficiency']:.0f}% of "
-          "the link between workers")  # fmt: skip
-  columns = [("label", "variant"), ("window", "sync hidden behind (inner steps)"),
-             ("hidden", "compute-bound above (Gbit/s)"),
-             ("slack", f"within {100 * LOCO_SLACK:.0f}% above (Gbit/s)"),
-             ("own", "inner step waits for its own collectives (ms)"),
-             *((str(g), f"x inner step at {g:g} Gbit/s") for g in LOCO_GBITS)]  # fmt: skip
+  head = (
+    f"{a['model']} on {a['workers']} workers of {a['gpus_per_worker']} H100 (inner step over "
+    f"NVLink: ZeRO-1 {step_ms('zero1'):.1f} ms, ACCO {step_ms('acco'):.1f} ms); a sync: hops x "
+    f"{1e6 * a['latency_inter_s']:.0f} us + its bytes at {100 * a['link_efficiency']:.0f}% of "
+    "the link between workers"
+  )
+  columns = [
+    ("label", "variant"),
+    ("window", "sync hidden behind (inner steps)"),
+    ("hidden", "compute-bound above (Gbit/s)"),
+    ("slack", f"within {100 * LOCO_SLACK:.0f}% above (Gbit/s)"),
+    ("own", "inner step waits for its own collectives (ms)"),
+    *((str(g), f"x inner step at {g:g} Gbit/s") for g in LOCO_GBITS),
+  ]
   text = common.format_table(rows, columns)
   print(head + "\n\n" + text)
-  out = {"machine": common.machine(), "projection": a, "gbit": LOCO_GBITS,
-         "slack": LOCO_SLACK, "variants": data, "table": text}  # fmt: skip
+  out = {
+    "machine": common.machine(),
+    "projection": a,
+    "gbit": LOCO_GBITS,
+    "slack": LOCO_SLACK,
+    "variants": data,
+    "table": text,
+  }
   path = common.write_json(Path(args.out), out)
   Path(args.out).with_suffix(".md").write_text(text + "\n")
   print(f"\nwrote {path}")

@@ -28,8 +28,8 @@ Two checks:
 
 Usage::
 
-  python bench/dp/quadratic.py                    # full sweep; writes bench/results/quadratic.json
-  python bench/dp/quadratic.py --small --out /tmp/q.json   # seconds (CI)
+  python -m bench.dp.quadratic                    # full sweep; writes bench/results/quadratic.json
+  python -m bench.dp.quadratic --small --out /tmp/q.json   # seconds (CI)
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ dpu (warm-up 0 and 50), 3 seeds, from one model this project pre-trained and exp
 
 Runs are resumable (a finished run's ``metrics.jsonl`` is read, not rerun). Usage::
 
-  python bench/dp/sft.py --jobs 2                       # about an hour on 2 cores
-  python bench/dp/sft.py --smoke --out /tmp/sft         # one 2-update run of the fixtures (tests)
+  python -m bench.dp.sft --jobs 2                       # about an hour on 2 cores
+  python -m bench.dp.sft --smoke --out /tmp/sft         # one 2-update run of the fixtures (tests)
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 VARIANTS = {  # name -> train.py overrides
   # the pretrained model before fine-tuning: one update at a negligible learning rate
@@ -66,9 +65,17 @@ def pretrain(root: Path, env: dict, updates: int) -> Path:
   """The quick start's run and its export (skipped when present)."""
   run, out = root / "pretrain", root / "pretrain-hf"
   if not (out / "config.json").exists():
-    cmd = [sys.executable, "train.py", "--config", "configs/gpt2_acco.py", "--workdir", str(run),
-           f"--config.train.num_updates={updates}", "--config.train.sample_tokens=0",
-           f"--config.opt.warmup_updates={min(20, updates // 5)}"]  # fmt: skip
+    cmd = [
+      sys.executable,
+      "train.py",
+      "--config",
+      "configs/gpt2_acco.py",
+      "--workdir",
+      str(run),
+      f"--config.train.num_updates={updates}",
+      "--config.train.sample_tokens=0",
+      f"--config.opt.warmup_updates={min(20, updates // 5)}",
+    ]
     common.log(f"pre-training {run} ({updates} updates) ...")
     _run(cmd, root / "pretrain.log", env)
     _run([sys.executable, "-m", "acco_jax.export", str(run), str(out)], root / "export.log", env)
@@ -82,15 +89,22 @@ def finetune(root: Path, init: Path, variant: str, seed: int, args, env: dict) -
     if args.source.startswith("jsonl:"):
       source.append("--config.data.format=prompt_completion")
     cmd = [
-      sys.executable, "train.py", "--config", f"configs/sft_acco.py:{args.preset}",
-      "--workdir", str(workdir), *source,
-      f"--config.model.init=hf:{init}", f"--config.train.seed={seed}",
+      sys.executable,
+      "train.py",
+      "--config",
+      f"configs/sft_acco.py:{args.preset}",
+      "--workdir",
+      str(workdir),
+      *source,
+      f"--config.model.init=hf:{init}",
+      f"--config.train.seed={seed}",
       f"--config.train.num_updates={args.updates}",
       f"--config.train.eval_every={1 if variant == 'start' else args.eval_every}",
-      "--config.train.exact_match=every", f"--config.batch.microbatch_size={args.rows}",
+      "--config.train.exact_match=every",
+      f"--config.batch.microbatch_size={args.rows}",
       f"--config.opt.warmup_updates={min(10, args.updates // 5)}",
       *VARIANTS[variant],
-    ]  # fmt: skip
+    ]
     common.log(f"fine-tuning {workdir.name} ...")
     start = time.perf_counter()
     _run(cmd, root / f"{workdir.name}.log", env)
@@ -105,10 +119,12 @@ def finetune(root: Path, init: Path, variant: str, seed: int, args, env: dict) -
   start = next(r for r in rows if r.get("event") == "pretrained")
   throughput = next((r for r in rows if r.get("event") == "throughput"), {})
   return {
-    "variant": variant, "seed": seed,
+    "variant": variant,
+    "seed": seed,
     "curve": [{"update": u, **v} for u, v in sorted(curve.items())],
-    "tokens_per_s": throughput.get("tokens_per_s"), "init": start.get("init"),
-  }  # fmt: skip
+    "tokens_per_s": throughput.get("tokens_per_s"),
+    "init": start.get("init"),
+  }
 
 
 def _stats(values):
@@ -122,15 +138,17 @@ def table(runs: list[dict]) -> str:
   lines = [
     "| method | final response loss | final exact match | exact match at the first evaluation | runs |",
     "|---|---:|---:|---:|---:|",
-  ]  # fmt: skip
+  ]
   for variant in VARIANTS:
     mine = [r for r in runs if r["variant"] == variant]
     if not mine:
       continue
     last = [r["curve"][-1] for r in mine]
     first = [r["curve"][0] for r in mine]
-    loss, em, em0 = (_stats(x.get(k) for x in xs) for xs, k in
-                     ((last, "eval_loss"), (last, "exact_match"), (first, "exact_match")))  # fmt: skip
+    loss, em, em0 = (
+      _stats(x.get(k) for x in xs)
+      for xs, k in ((last, "eval_loss"), (last, "exact_match"), (first, "exact_match"))
+    )
     lines.append(
       f"| {variant} | {loss[0]:.3f} ± {loss[1]:.3f} | {em[0]:.1%} ± {em[1]:.1%} | "
       f"{em0[0]:.1%} ± {em0[1]:.1%} | {len(mine)} |"
@@ -192,10 +210,16 @@ def main(argv=None) -> int:
     runs = list(pool.map(lambda job: finetune(root, init, *job, args, env), jobs))
   text = table(runs)
   print(text)
-  common.write_json(args.out / "sft.json", {
-    "runs": runs, "table": text, "machine": common.machine(), "args": vars(args) | {"out": str(args.out)},
-    "wall_s": round(time.perf_counter() - started, 1),
-  })  # fmt: skip
+  common.write_json(
+    args.out / "sft.json",
+    {
+      "runs": runs,
+      "table": text,
+      "machine": common.machine(),
+      "args": vars(args) | {"out": str(args.out)},
+      "wall_s": round(time.perf_counter() - started, 1),
+    },
+  )
   (args.out / "sft.md").write_text(text + "\n")
   if not args.smoke:
     figure(runs, common.REPO / "docs" / "figures" / "sft.png")

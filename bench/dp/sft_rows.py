@@ -16,8 +16,8 @@ and *tokens/s* counts computed positions, *loss tokens/s* the weighted ones (wha
 
 Usage::
 
-  python bench/dp/sft_rows.py                 # about 10 min on 2 cores
-  python bench/dp/sft_rows.py --smoke --out /tmp/rows.json
+  python -m bench.dp.sft_rows                 # about 10 min on 2 cores
+  python -m bench.dp.sft_rows --smoke --out /tmp/rows.json
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 
 def alpaca_like(path: Path, n: int, seed: int = 0) -> str:
@@ -75,8 +74,9 @@ def measure(name: str, source: str, fmt: str, seq_len: int, packing: bool, stage
   computed = sum(b["weights"].size for b in batches)
   weighted = sum(float(b["weights"].sum()) for b in batches)
   # a packed row's segments are 1..k: its examples are its largest segment id
-  examples = sum(int(b["segments"].max(axis=1).sum()) if "segments" in b else len(b["inputs"])
-                 for b in batches)  # fmt: skip
+  examples = sum(
+    int(b["segments"].max(axis=1).sum()) if "segments" in b else len(b["inputs"]) for b in batches
+  )
   params = start._initializer(run.mesh)(run.model_cfg, 0)
   state = run.train.init(params, build.prime_batch(run, config))
   placed = [parallel.global_batch(b, run.mesh, run.batch_axis) for b in batches]
@@ -93,18 +93,24 @@ def measure(name: str, source: str, fmt: str, seq_len: int, packing: bool, stage
   jax.block_until_ready(m["loss"])
   elapsed = time.perf_counter() - t0
   return {
-    "data": name, "packing": packing, "seq_len": seq_len, "stages": stages,
-    "loss_share": weighted / computed, "examples_per_stage": examples / stages,
-    "widths": sorted(widths), "tokens_per_s": computed / elapsed,
-    "loss_tokens_per_s": weighted / elapsed, "s": elapsed,
-  }  # fmt: skip
+    "data": name,
+    "packing": packing,
+    "seq_len": seq_len,
+    "stages": stages,
+    "loss_share": weighted / computed,
+    "examples_per_stage": examples / stages,
+    "widths": sorted(widths),
+    "tokens_per_s": computed / elapsed,
+    "loss_tokens_per_s": weighted / elapsed,
+    "s": elapsed,
+  }
 
 
 def table(rows: list[dict]) -> str:
   lines = [
     "| data | rows | seq_len | widths | loss share | examples per stage | tokens/s | loss tokens/s |",
     "|---|---|---:|---|---:|---:|---:|---:|",
-  ]  # fmt: skip
+  ]
   for r in rows:
     mode = "packed" if r["packing"] else "buckets of 64"
     lines.append(

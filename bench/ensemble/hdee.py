@@ -1,8 +1,8 @@
 """HDEE at CPU scale: three ensembles at one FLOP budget, three mixing rules, a dense reference.
 
-  python bench/ensemble/hdee.py                    # configs/hdee.py:cpu, 3 training seeds
-  python bench/ensemble/hdee.py --seeds 0 --smoke  # the tiny preset, one seed (a minute)
-  python bench/ensemble/hdee.py --compare bench/results/hdee.json bench/results/hdee_measured.json
+  python -m bench.ensemble.hdee                    # configs/hdee.py:cpu, 3 training seeds
+  python -m bench.ensemble.hdee --seeds 0 --smoke  # the tiny preset, one seed (a minute)
+  python -m bench.ensemble.hdee --compare bench/results/hdee.json bench/results/hdee_measured.json
 
 For each training seed, runs the whole recipe (acco_jax.ensemble.recipe) with ``hdee.dense=True``
 in ``<workdir>/seed<s>``: seed models, then M_Ho-I_Ho, M_Ho-I_He and M_He-I_Ho (3 experts x 3
@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 LABELS = ("M_Ho-I_Ho", "M_Ho-I_He", "M_He-I_Ho")
 HETERO = ("M_Ho-I_He", "M_He-I_Ho")
@@ -57,8 +55,13 @@ def summarize(per_seed: list[dict]) -> dict:
       )  # noqa: E501
       row["seeds_hetero_lowest"][r] = sum(per)
     rows.append(row)
-  return {"rules": rules, "rows": rows, "hetero_lowest": wins, "ensemble_beats_dense": dense_wins,
-          "domains": len(rows)}  # fmt: skip
+  return {
+    "rules": rules,
+    "rows": rows,
+    "hetero_lowest": wins,
+    "ensemble_beats_dense": dense_wins,
+    "domains": len(rows),
+  }
 
 
 def table(summary: dict, rule: str) -> str:
@@ -95,8 +98,9 @@ def figure(summary: dict, path: Path) -> str:
   fig, ax = plt.subplots(figsize=(12, 4.2))
   width = 0.8 / len(series)
   for i, (lab, vals) in enumerate(series):
-    ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(rows))], vals, width,
-           label=lab)  # fmt: skip
+    ax.bar(
+      [x + (i - (len(series) - 1) / 2) * width for x in range(len(rows))], vals, width, label=lab
+    )
   ax.set_xticks(range(len(rows)), names, rotation=35, ha="right")
   ax.set_ylabel("perplexity (bytes), median over seeds")
   lo = min(min(v) for _, v in series)
@@ -117,8 +121,10 @@ def compare(base: dict, other: dict) -> str:
   def best(result: dict, domain: str) -> float:
     return min(v[domain] for lab in LABELS for v in result["ppl"][lab].values())
 
-  lines = ["| domain | group -> other's group (iteration) | base | other | change | per seed |",
-           "|---|---|---|---|---|---|"]  # fmt: skip
+  lines = [
+    "| domain | group -> other's group (iteration) | base | other | change | per seed |",
+    "|---|---|---|---|---|---|",
+  ]
   a_seeds, b_seeds = base["per_seed"], other["per_seed"]
   for name in a_seeds[0]["domains"]:
     a = [best(r, name) for r in a_seeds]
@@ -142,8 +148,12 @@ def main():
   ap.add_argument("--out", default=str(common.RESULTS / "hdee.json"))
   ap.add_argument("--figure", default=str(common.REPO / "docs" / "figures" / "hdee.png"))
   ap.add_argument("--set", action="append", default=[], help="config override key=value")
-  ap.add_argument("--compare", nargs=2, metavar=("BASE", "OTHER"),
-                  help="print the per-domain comparison of two result files and exit")  # fmt: skip
+  ap.add_argument(
+    "--compare",
+    nargs=2,
+    metavar=("BASE", "OTHER"),
+    help="print the per-domain comparison of two result files and exit",
+  )
   args = ap.parse_args()
   if args.compare:
     import json
@@ -179,10 +189,17 @@ def main():
   print(f"figure: {fig}")
   common.write_json(
     Path(args.out),
-    {"benchmark": "hdee", "machine": common.machine(), "seconds": time.time() - start,
-     "seeds": args.seeds, "overrides": args.set, "summary": summary, "per_seed": per_seed,
-     "tables": tables},
-  )  # fmt: skip
+    {
+      "benchmark": "hdee",
+      "machine": common.machine(),
+      "seconds": time.time() - start,
+      "seeds": args.seeds,
+      "overrides": args.set,
+      "summary": summary,
+      "per_seed": per_seed,
+      "tables": tables,
+    },
+  )
 
 
 if __name__ == "__main__":

@@ -31,11 +31,11 @@ process, so the peak memory is that row's. Writes a markdown table and JSON.
 
 Usage::
 
-  python bench/gpu/gpu_throughput.py                    # the full table (one GPU; ~10 min)
-  python bench/gpu/gpu_throughput.py --only step:zero1,torch:V50304
-  python bench/gpu/gpu_throughput.py --only adamw --append   # add rows to the JSON of an earlier run
-  python bench/gpu/gpu_throughput.py --smoke            # tiny shapes on CPU, seconds (CI)
-  python bench/gpu/gpu_throughput.py --profile --only trainer:zero1,step:zero1,trainer:acco,step:acco
+  python -m bench.gpu.gpu_throughput                    # the full table (one GPU; ~10 min)
+  python -m bench.gpu.gpu_throughput --only step:zero1,torch:V50304
+  python -m bench.gpu.gpu_throughput --only adamw --append   # add rows to the JSON of an earlier run
+  python -m bench.gpu.gpu_throughput --smoke            # tiny shapes on CPU, seconds (CI)
+  python -m bench.gpu.gpu_throughput --profile --only trainer:zero1,step:zero1,trainer:acco,step:acco
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.gpu import throughput_rows  # noqa: E402
+from bench import common
+from bench.gpu import throughput_rows
 
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 
@@ -60,8 +59,7 @@ def _child(name: str, args, env: dict | None = None) -> dict:
   with tempfile.TemporaryDirectory() as tmp:
     out = Path(tmp) / "row.json"
     cmd = [
-      sys.executable,
-      __file__,
+      *common.module_command(__spec__.name),
       "--row",
       name,
       "--worker",
@@ -73,7 +71,7 @@ def _child(name: str, args, env: dict | None = None) -> dict:
       "--warmup",
       str(args.warmup),
     ] + ["--smoke"] * args.smoke
-    cmd += ["--profile"] * args.profile  # fmt: skip
+    cmd += ["--profile"] * args.profile
     env = {**os.environ, **(env or {})}
     if name.endswith("+cb"):  # the user's XLA_FLAGS win over configure_platform's defaults
       env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), COMMAND_BUFFERS]).strip()
@@ -124,15 +122,17 @@ def table(rows: list[dict]) -> str:
   fmt = []
   for r in rows:
     tps = r.get("tokens_per_s")
-    fmt.append({
-      "name": r["name"],
-      "rows": r.get("rows", ""),
-      "tok/s": f"{tps / 1e3:,.1f}k" if tps else r.get("skipped", r.get("error", "")[:40]) or "",
-      "MFU": f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "",
-      "ms/update": f"{1e3 * r['seconds_per_update']:.1f}" if "seconds_per_update" in r else "",
-      "peak GiB": _peak_gib(r),
-      "f32xf32 GEMMs": _f32_gemms(r),
-    })  # fmt: skip
+    fmt.append(
+      {
+        "name": r["name"],
+        "rows": r.get("rows", ""),
+        "tok/s": f"{tps / 1e3:,.1f}k" if tps else r.get("skipped", r.get("error", "")[:40]) or "",
+        "MFU": f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "",
+        "ms/update": f"{1e3 * r['seconds_per_update']:.1f}" if "seconds_per_update" in r else "",
+        "peak GiB": _peak_gib(r),
+        "f32xf32 GEMMs": _f32_gemms(r),
+      }
+    )
   cols = [
     (c, c) for c in ("name", "rows", "tok/s", "MFU", "ms/update", "peak GiB", "f32xf32 GEMMs")
   ]
@@ -146,11 +146,17 @@ def main() -> None:
   p.add_argument("--steps", type=int, default=None, help="timed updates (default 20; smoke 2)")
   p.add_argument("--warmup", type=int, default=None, help="untimed updates (default 3; smoke 1)")
   p.add_argument("--out", default=str(common.RESULTS / "gpu_throughput.json"))
-  p.add_argument("--append", action="store_true",
-                 help="keep the rows already in --out (same shapes, device and versions); "
-                      "re-measured rows replace theirs")  # fmt: skip
-  p.add_argument("--profile", action="store_true",
-                 help="trace 4 stages of each step: row and add its profile table")  # fmt: skip
+  p.add_argument(
+    "--append",
+    action="store_true",
+    help="keep the rows already in --out (same shapes, device and versions); "
+    "re-measured rows replace theirs",
+  )
+  p.add_argument(
+    "--profile",
+    action="store_true",
+    help="trace 4 stages of each step: row and add its profile table",
+  )
   p.add_argument("--row", help=argparse.SUPPRESS)
   p.add_argument("--worker", help=argparse.SUPPRESS)
   args = p.parse_args()
@@ -158,7 +164,6 @@ def main() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
   args.steps = args.steps or (2 if args.smoke else 20)
   args.warmup = args.warmup or (1 if args.smoke else 3)
-  sys.path.insert(0, str(common.REPO))  # configs/
   from acco_jax.run import parallel
 
   parallel.configure_platform()  # train.py's XLA:GPU flags, for every row (before JAX starts)
@@ -216,7 +221,7 @@ def _result(rows: list[dict], args) -> dict:
 
 
 def _command() -> str:
-  return " ".join(["python", "bench/gpu/gpu_throughput.py", *sys.argv[1:]])
+  return " ".join(["python", "-m", "bench.gpu.gpu_throughput", *sys.argv[1:]])
 
 
 def _setup(args) -> dict:

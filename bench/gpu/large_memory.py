@@ -8,7 +8,7 @@ parameters and the train state as shapes, nothing allocated) is compiled by XLA:
 (``remat=True``) and the vocabulary padded to 128. Reported per device, from
 ``compiled.memory_analysis()``: arguments (the state and the batch), temporaries, and the program's
 total (arguments + outputs − aliased + temporaries), against the device's 80 GB and beside the state
-this layout's formula predicts (docs/benchmarks.md, "Core: memory": ZeRO-1 ``(2 + 12/N) Ψ``, ACCO
+this layout's formula predicts (docs/benchmarks/dp.md, "Core: memory": ZeRO-1 ``(2 + 12/N) Ψ``, ACCO
 ``(2 + 2 + 16/N) Ψ`` bytes). Attention is XLA's (cuDNN's fused kernel does not compile without a
 GPU): its scores are materialised, so the temporaries are an upper bound of a GPU run's.
 
@@ -16,9 +16,9 @@ The batches are the settings the presets are for: GPT-Neo 2.7B as the ACCO paper
 (Table 5: 4 rows of at most 512 tokens per device; ACCO 2 microbatches per stage, ZeRO-1 4 per
 update), the Llama with 4 rows of 1,024 tokens. Usage::
 
-  PYTHONPATH=. python bench/gpu/large_memory.py                 # both presets, acco and zero1
-  python bench/gpu/large_memory.py --smoke --out /tmp/m.json    # tiny presets, 2 devices
-  python bench/gpu/large_memory.py --smoke --presets llama-tiny --methods acco   # one (tests)
+  PYTHONPATH=. python -m bench.gpu.large_memory                 # both presets, acco and zero1
+  python -m bench.gpu.large_memory --smoke --out /tmp/m.json    # tiny presets, 2 devices
+  python -m bench.gpu.large_memory --smoke --presets llama-tiny --methods acco   # one (tests)
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 GB = 1e9
 # (arch, size, rows per device, tokens per row, microbatches per stage of acco / zero1)
@@ -45,7 +44,7 @@ SMOKE = {
 
 
 def state_formula(method: str, n: int) -> float:
-  """Bytes per parameter per device of this layout's state (docs/benchmarks.md, Core: memory)."""
+  """Bytes per parameter per device of this layout's state (docs/benchmarks/dp.md, "Core: memory")."""
   return 2 + 2 + 16 / n if method == "acco" else 2 + 12 / n
 
 

@@ -13,8 +13,8 @@ sync program, whose all-reduce has no inner step to hide behind (``none`` expect
 
 Usage::
 
-  python bench/gpu/loco_overlap_gpu.py                     # GPT-2 124M, 2 workers x 4 H100, tau = 1
-  python bench/gpu/loco_overlap_gpu.py --model tiny --layers 4 --overlap 2 --out /tmp/x.json   # CI
+  python -m bench.gpu.loco_overlap_gpu                     # GPT-2 124M, 2 workers x 4 H100, tau = 1
+  python -m bench.gpu.loco_overlap_gpu --model tiny --layers 4 --overlap 2 --out /tmp/x.json   # CI
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 
 def worker_pairs(text: str, per_worker: int) -> list[dict]:
@@ -68,9 +67,12 @@ def compile_program(args, overlap: int) -> dict:
   shapes = jax.eval_shape(lambda: model.init_params(cfg, 0))
   mesh = loco_step.worker_mesh(args.workers, devices)
   method = loco.streaming_diloco(
-    sync_every=args.fragments * (args.overlap + 1), fragments=args.fragments, overlap_steps=overlap,
-    alpha=0.5, quantize="fp4",
-  )  # fmt: skip
+    sync_every=args.fragments * (args.overlap + 1),
+    fragments=args.fragments,
+    overlap_steps=overlap,
+    alpha=0.5,
+    quantize="fp4",
+  )
   inner = acco_jax.zero1(
     optax.adamw(4e-4, b1=0.9, b2=0.95, weight_decay=0.1), comm_dtype="bfloat16"
   )
@@ -139,8 +141,13 @@ def main() -> int:
   import jax
 
   results = [compile_program(args, args.overlap), compile_program(args, 0)]
-  data = {"machine": common.machine(), "jax": jax.__version__, "args": vars(args),
-          "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": results}  # fmt: skip
+  data = {
+    "machine": common.machine(),
+    "jax": jax.__version__,
+    "args": vars(args),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "results": results,
+  }
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   Path(args.out).write_text(json.dumps(data, indent=1))
   for r in results:
@@ -148,8 +155,10 @@ def main() -> int:
       f"{p['start']}->{p['done']} ({p['bytes']:,} B{' sync' if p['is_sync'] else ''})"
       for p in r["worker_all_reduces"]
     )
-    print(f"{r['program']:6s} tau={r['overlap_steps']}: verdict {r['verdict']}; whiles at "
-          f"{r['whiles']}; all-reduces over workers: {pairs or 'none'}")  # fmt: skip
+    print(
+      f"{r['program']:6s} tau={r['overlap_steps']}: verdict {r['verdict']}; whiles at "
+      f"{r['whiles']}; all-reduces over workers: {pairs or 'none'}"
+    )
   return 0
 
 

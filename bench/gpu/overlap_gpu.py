@@ -29,8 +29,8 @@ checker needs ``--k`` >= 4: the loops have static trip counts, and XLA inlines a
 microbatch, which leaves no ``while`` to find). ``--ablation`` also compiles with each overlap flag removed, with XLA's defaults, and
 ZeRO-1 (a control: its collectives cannot overlap). Usage::
 
-  python bench/gpu/overlap_gpu.py              # verdict on stdout, JSON in bench/results/overlap_gpu.json
-  python bench/gpu/overlap_gpu.py --ablation --target a100
+  python -m bench.gpu.overlap_gpu              # verdict on stdout, JSON in bench/results/overlap_gpu.json
+  python -m bench.gpu.overlap_gpu --ablation --target a100
 """
 
 from __future__ import annotations
@@ -43,21 +43,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.gpu import overlap_report  # noqa: E402
+from bench import common
+from bench.gpu import overlap_report
 
 TIMEOUT_S = 1200
 
 
 def probe() -> dict:
   """Backend, local device count and versions, from a child process (the parent stays clean)."""
-  code = ("import json, jax; print(json.dumps({'backend': jax.default_backend(), "
-          "'devices': jax.local_device_count(), 'kind': jax.devices()[0].device_kind, "
-          "'jax': jax.__version__}))")  # fmt: skip
+  code = (
+    "import json, jax; print(json.dumps({'backend': jax.default_backend(), "
+    "'devices': jax.local_device_count(), 'kind': jax.devices()[0].device_kind, "
+    "'jax': jax.__version__}))"
+  )
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
+  out = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+  )
   if out.returncode != 0:
     return {"backend": "unknown", "error": out.stderr[-2000:]}
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -110,7 +112,7 @@ def cpu_checks(args) -> dict:
       "comm_feeds_loop": report.comm_feeds_loop,
       "collectives_in_loop": len(report.collectives_in_loop),
       "large_psums": len(report.large_psums),
-    },  # fmt: skip
+    },
     "cpu_hlo_chain": facts,
   }
 
@@ -134,8 +136,12 @@ def gpu_schedule(args) -> dict:
   text = fn.lower(*fargs).compile().as_text()
   if args.dump:
     Path(args.dump).write_text(text)
-  return {"params": train.layout.num_params, "device_kind": devices[0].device_kind,
-          "device_count": len(devices), **overlap_report.schedule_report(text)}  # fmt: skip
+  return {
+    "params": train.layout.num_params,
+    "device_kind": devices[0].device_kind,
+    "device_count": len(devices),
+    **overlap_report.schedule_report(text),
+  }
 
 
 # Flag sets compiled by --ablation: (name, flags, method). "main" is what train.py uses.
@@ -167,9 +173,14 @@ def variants(names: str) -> list[tuple[str, tuple[str, ...], str]]:
 def worker(args) -> int:
   import jax
 
-  out = {"jax": jax.__version__, "mode": args.mode, "backend": jax.default_backend(),
-         "xla_flags": os.environ.get("XLA_FLAGS", ""), "method": args.method,
-         "mock": args.mock or None}  # fmt: skip
+  out = {
+    "jax": jax.__version__,
+    "mode": args.mode,
+    "backend": jax.default_backend(),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "method": args.method,
+    "mock": args.mock or None,
+  }
   if args.mode == "aot":
     out["target"] = args.target
   out.update(cpu_checks(args) if args.mode == "cpu" else gpu_schedule(args))
@@ -177,12 +188,38 @@ def worker(args) -> int:
   return 0
 
 
-def run_worker(args, env: dict, out: Path, method: str = "acco", mode: str | None = None,
-               target: str | None = None, mock: str = "") -> tuple[dict | None, str]:  # fmt: skip
-  cmd = [sys.executable, __file__, "--worker", str(out), "--model", args.model,
-         "--devices", str(args.devices), "--k", str(args.k), "--rows", str(args.rows),
-         "--seq", str(args.seq), "--mode", mode or args.mode, "--target", target or args.target,
-         "--method", method, "--mock", mock] + (["--dump", args.dump] if args.dump else [])  # fmt: skip
+def run_worker(
+  args,
+  env: dict,
+  out: Path,
+  method: str = "acco",
+  mode: str | None = None,
+  target: str | None = None,
+  mock: str = "",
+) -> tuple[dict | None, str]:
+  cmd = [
+    *common.module_command(__spec__.name),
+    "--worker",
+    str(out),
+    "--model",
+    args.model,
+    "--devices",
+    str(args.devices),
+    "--k",
+    str(args.k),
+    "--rows",
+    str(args.rows),
+    "--seq",
+    str(args.seq),
+    "--mode",
+    mode or args.mode,
+    "--target",
+    target or args.target,
+    "--method",
+    method,
+    "--mock",
+    mock,
+  ] + (["--dump", args.dump] if args.dump else [])
   try:
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
   except subprocess.TimeoutExpired:
@@ -215,8 +252,10 @@ def compile_variant(args, info: dict, flags, method: str, tmp: Path) -> tuple[di
   elif int(info.get("devices", 0)) < args.devices:
     local = int(info["devices"])
     procs = math.ceil(args.devices / local)
-    tries = [{"mock": f"jax_mock_gpu_topology=1x{procs}x{local}"},
-             {"mock": f"mock_num_gpu_processes={procs}"}]  # fmt: skip
+    tries = [
+      {"mock": f"jax_mock_gpu_topology=1x{procs}x{local}"},
+      {"mock": f"mock_num_gpu_processes={procs}"},
+    ]
     target = gpu_target_of(info.get("kind", ""))
     if target:
       tries.append({"mode": "aot", "target": target})
@@ -231,8 +270,10 @@ def compile_variant(args, info: dict, flags, method: str, tmp: Path) -> tuple[di
 
 
 def print_schedule(name: str, r: dict) -> None:
-  spans = "  ".join(f"{k} {p['start']}->{p['done']}{' sync' if p['is_sync'] else ''}"
-                    for k, p in r["flat_pairs"].items())  # fmt: skip
+  spans = "  ".join(
+    f"{k} {p['start']}->{p['done']}{' sync' if p['is_sync'] else ''}"
+    for k, p in r["flat_pairs"].items()
+  )
   print(f"{name:17s} {r['method']:12s} {r['verdict']:8s} whiles at {r['whiles']}  {spans}")
 
 
@@ -240,17 +281,22 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   ap.add_argument("--mode", choices=["auto", "gpu", "aot", "cpu"], default="auto")
-  ap.add_argument("--target", choices=["h100", "h200", "a100"], default="h100",
-                  help="GPU for --mode aot")  # fmt: skip
+  ap.add_argument(
+    "--target", choices=["h100", "h200", "a100"], default="h100", help="GPU for --mode aot"
+  )
   ap.add_argument("--method", default="acco", help=argparse.SUPPRESS)
   ap.add_argument("--variants", default="main", help="comma list of flag sets, or 'all'")
   ap.add_argument("--ablation", action="store_true", help="same as --variants all")
   ap.add_argument("--model", default="gpt2")
   ap.add_argument("--devices", type=int, default=8)
-  ap.add_argument("--k", type=int, default=4,
-                  help="microbatches per device per stage (ACCO: two loops of k/2; with one "
-                       "microbatch each XLA inlines the loop bodies and the checker finds no "
-                       "loop)")  # fmt: skip
+  ap.add_argument(
+    "--k",
+    type=int,
+    default=4,
+    help="microbatches per device per stage (ACCO: two loops of k/2; with one "
+    "microbatch each XLA inlines the loop bodies and the checker finds no "
+    "loop)",
+  )
   ap.add_argument("--rows", type=int, default=4, help="rows per microbatch")
   ap.add_argument("--seq", type=int, default=1024)
   ap.add_argument("--out", default=str(common.RESULTS / "overlap_gpu.json"))
@@ -265,8 +311,10 @@ def main(argv=None) -> int:
   info = probe()
   if args.mode == "auto":
     args.mode = "gpu" if info.get("backend") == "gpu" else "aot" if has_cuda_plugin() else "cpu"
-  print(f"backend {info.get('backend')} x{info.get('devices')} ({info.get('kind')}), "
-        f"jax {info.get('jax')}; mode {args.mode}")  # fmt: skip
+  print(
+    f"backend {info.get('backend')} x{info.get('devices')} ({info.get('kind')}), "
+    f"jax {info.get('jax')}; mode {args.mode}"
+  )
   tmp = Path(args.out).with_suffix(".worker.tmp")
   data = {"machine": common.machine(), "probe": info, "mode": args.mode}
   if args.mode == "cpu":
@@ -286,8 +334,9 @@ def main(argv=None) -> int:
   rows = []
   for name, flags, method in variants("all" if args.ablation else args.variants):
     result, attempts = compile_variant(args, info, flags, method, tmp)
-    rows.append({"name": name, "flags": list(flags), "method": method, "result": result,
-                 "attempts": attempts})  # fmt: skip
+    rows.append(
+      {"name": name, "flags": list(flags), "method": method, "result": result, "attempts": attempts}
+    )
     if result:
       print_schedule(name, result)
     else:
@@ -298,15 +347,19 @@ def main(argv=None) -> int:
   status = result["verdict"] if result else "error"
   if not result and args.mode == "gpu":  # too few GPUs, and neither mock nor abstract target worked
     last_line = lambda text: ([x for x in text.splitlines() if x.strip()] or [""])[-1].strip()
-    reasons = "; ".join(f"{a.get('mock') or a.get('target')}: {last_line(a['error'])}"
-                        for a in main_row["attempts"])  # fmt: skip
+    reasons = "; ".join(
+      f"{a.get('mock') or a.get('target')}: {last_line(a['error'])}" for a in main_row["attempts"]
+    )
     status = f"skipped: {info.get('devices')} GPU(s) visible, {args.devices} needed ({reasons})"
-  data.update(target=result.get("target") if result else None, status=status,
-              variants=rows, result=result)  # fmt: skip
+  data.update(
+    target=result.get("target") if result else None, status=status, variants=rows, result=result
+  )
   if result:
-    where = (f"abstract {args.devices} x {result['device_kind']} (compile only, --mode aot)"
-             if result["mode"] == "aot" else
-             f"{result['device_kind']} x{result['device_count']} (mock: {result['mock'] or 'no'})")  # fmt: skip
+    where = (
+      f"abstract {args.devices} x {result['device_kind']} (compile only, --mode aot)"
+      if result["mode"] == "aot"
+      else f"{result['device_kind']} x{result['device_count']} (mock: {result['mock'] or 'no'})"
+    )
     print(f"device: {where}; jax {result['jax']}")
     print(f"XLA_FLAGS ({main_row['name']}): {result['xla_flags']}")
     print(f"excerpt of the scheduled entry computation ({main_row['name']}):")
@@ -328,9 +381,11 @@ def report_cpu(args, result: dict) -> None:
     f"loop->comm={d['loop_feeds_comm']}, comm->loop={d['comm_feeds_loop']}, "
     f"collectives in loop={d['collectives_in_loop']}, gradient psums={d['large_psums']})"
   )
-  print(f"compiled CPU module (tiny model): all-gather depends on reduce-scatter="
-        f"{c['all_gather_depends_on_reduce_scatter']}, loop independent={independent}, "
-        f"whiles in entry={c['entry_whiles']}")  # fmt: skip
+  print(
+    f"compiled CPU module (tiny model): all-gather depends on reduce-scatter="
+    f"{c['all_gather_depends_on_reduce_scatter']}, loop independent={independent}, "
+    f"whiles in entry={c['entry_whiles']}"
+  )
   print("VERDICT: pending: needs a GPU or the CUDA plugin")
 
 

@@ -4,8 +4,8 @@ the host's gaps per stage.
 Usage::
 
   python train.py --config configs/gpt2_acco.py:gpt2 --workdir runs/p --config.train.profile_stages=20:24
-  python bench/gpu/profile_table.py runs/p/profile/plugins/profile/<time>/perfetto_trace.json.gz
-  python bench/gpu/profile_table.py TRACE --top 30 --json out.json
+  python -m bench.gpu.profile_table runs/p/profile/plugins/profile/<time>/perfetto_trace.json.gz
+  python -m bench.gpu.profile_table TRACE --top 30 --json out.json
 
 Stages are the trainer's ``stage`` annotations (``train.profile_stages``), or in a trace without
 them (a bare step's) the calls of its most frequent jitted function. A trace taken on CPU has no GPU
@@ -20,8 +20,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-
 from acco_jax.analysis import trace
 
 
@@ -35,11 +33,13 @@ def report(path: str, top: int = 20) -> dict:
     start, end = kernels[0].start, max(k.start + k.dur for k in kernels)
     frac, gaps = trace.busy(kernels, start, end)
     out.update(
-      span_ms=(end - start) / 1e3, kernel_ms=sum(kinds.values()) / 1e3, gpu_busy=frac,
+      span_ms=(end - start) / 1e3,
+      kernel_ms=sum(kinds.values()) / 1e3,
+      gpu_busy=frac,
       by_kind_ms={k: v / 1e3 for k, v in kinds.items()},
       top=[{"kernel": n, "ms": t / 1e3, "count": c} for n, t, c in names[:top]],
       largest_gaps_ms=[g / 1e3 for _, g in gaps[:10]],
-    )  # fmt: skip
+    )
   return out
 
 
@@ -63,16 +63,22 @@ def render(r: dict) -> str:
       "",
       "| ms | count | share | kernel |",
       "|---:|---:|---:|---|",
-      *(f"| {t['ms']:.1f} | {t['count']} | {t['ms'] / total:.1%} | `{t['kernel'][:100]}` |"
-        for t in r["top"]),
-    ]  # fmt: skip
-  lines += ["", "| stage | dispatch ms | window ms | GPU busy | largest gap ms | D2H copies |",
-            "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+      *(
+        f"| {t['ms']:.1f} | {t['count']} | {t['ms'] / total:.1%} | `{t['kernel'][:100]}` |"
+        for t in r["top"]
+      ),
+    ]
+  lines += [
+    "",
+    "| stage | dispatch ms | window ms | GPU busy | largest gap ms | D2H copies |",
+    "|---:|---:|---:|---:|---:|---:|",
+  ]
   for s in r["stages"]:
     gpu = (
       f"{s['gpu_busy']:.1%} | {s['largest_gap_ms']:.2f} | {s['d2h_copies']}"
-      if s["gpu_busy"] is not None else "- | - | -"
-    )  # fmt: skip
+      if s["gpu_busy"] is not None
+      else "- | - | -"
+    )
     lines.append(f"| {s['stage']} | {s['dispatch_ms']:.1f} | {s['window_ms']:.1f} | {gpu} |")
   if not r["stages"]:
     lines.append("| (no stage annotations or jitted calls in this trace) | | | | | |")

@@ -11,11 +11,33 @@ from pathlib import Path
 
 from bench import common
 
-ROWS = ("trainer:zero1", "trainer:ddp", "trainer:acco", "step:zero1", "step:acco",
-        "fwdbwd:V50257", "fwdbwd:V50304", "fwdbwd:xla", "adamw", "torch:V50257", "torch:V50304",
-        "hlo:zero1", "hlo:acco")  # fmt: skip
-SMOKE_ROWS = ("trainer:zero1", "trainer:acco", "step:zero1", "step:acco", "fwdbwd:V1000",
-              "fwdbwd:V1024", "fwdbwd:xla", "adamw", "torch:V1000", "hlo:zero1")  # fmt: skip
+ROWS = (
+  "trainer:zero1",
+  "trainer:ddp",
+  "trainer:acco",
+  "step:zero1",
+  "step:acco",
+  "fwdbwd:V50257",
+  "fwdbwd:V50304",
+  "fwdbwd:xla",
+  "adamw",
+  "torch:V50257",
+  "torch:V50304",
+  "hlo:zero1",
+  "hlo:acco",
+)
+SMOKE_ROWS = (
+  "trainer:zero1",
+  "trainer:acco",
+  "step:zero1",
+  "step:acco",
+  "fwdbwd:V1000",
+  "fwdbwd:V1024",
+  "fwdbwd:xla",
+  "adamw",
+  "torch:V1000",
+  "hlo:zero1",
+)
 
 
 def shapes(args) -> dict:
@@ -29,9 +51,15 @@ def _model_cfg(s: dict, *, padded=True, attention="auto"):
   from acco_jax import model
 
   return model.get_config(
-    s["size"], V=s["V"], L=s["L"], D=s["D"], H=s["H"], N=s["N"], attention=attention,
+    s["size"],
+    V=s["V"],
+    L=s["L"],
+    D=s["D"],
+    H=s["H"],
+    N=s["N"],
+    attention=attention,
     vocab_multiple=s["multiple"] if padded else 1,
-  )  # fmt: skip
+  )
 
 
 def _peak_bytes():
@@ -190,11 +218,25 @@ def run_torch(variant: str, s: dict, args) -> dict:
     return {"skipped": f"torch is not installed ({e})"}
   rows = int(variant.removeprefix("V"))
   out = torch_gpt.run(
-    rows=rows, V=s["V"], L=s["L"], D=s["D"], H=s["H"], N=s["N"], B=s["B"], k=s["k"],
-    steps=args.steps, warmup=args.warmup, compile=not args.smoke,
-  )  # fmt: skip
-  return {"seconds_per_update": out["step_s"], "tokens_per_update": s["k"] * s["B"] * s["L"],
-          "peak_bytes": out["peak_bytes"], "torch": out["torch"], "rows": rows}  # fmt: skip
+    rows=rows,
+    V=s["V"],
+    L=s["L"],
+    D=s["D"],
+    H=s["H"],
+    N=s["N"],
+    B=s["B"],
+    k=s["k"],
+    steps=args.steps,
+    warmup=args.warmup,
+    compile=not args.smoke,
+  )
+  return {
+    "seconds_per_update": out["step_s"],
+    "tokens_per_update": s["k"] * s["B"] * s["L"],
+    "peak_bytes": out["peak_bytes"],
+    "torch": out["torch"],
+    "rows": rows,
+  }
 
 
 def run_hlo(method: str, s: dict, args) -> dict:

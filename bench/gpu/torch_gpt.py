@@ -103,8 +103,21 @@ def make_optimizer(net: nn.Module, lr: float = 6e-4, fused: bool | None = None):
   return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
-def run(*, rows: int, L: int, D: int, H: int, N: int, B: int, k: int, steps: int, warmup: int,
-        compile: bool = True, seed: int = 0, V: int | None = None) -> dict:  # fmt: skip
+def run(
+  *,
+  rows: int,
+  L: int,
+  D: int,
+  H: int,
+  N: int,
+  B: int,
+  k: int,
+  steps: int,
+  warmup: int,
+  compile: bool = True,
+  seed: int = 0,
+  V: int | None = None,
+) -> dict:
   """Trains on fixed random batches; returns tokens/s over ``steps`` updates after ``warmup``."""
   device = "cuda" if torch.cuda.is_available() else "cpu"
   torch.manual_seed(seed)

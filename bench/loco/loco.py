@@ -18,10 +18,10 @@ Two parts, both written to ``bench/results/loco.json``:
 
 Usage::
 
-  python bench/loco/loco.py --jobs 2          # convergence (about 1 h on 2 cores) + comm + figure
-  python bench/loco/loco.py --collect         # rebuild the JSON, the table and the figure
-  python bench/loco/loco.py --comm-only       # only the HLO accounting
-  python bench/loco/loco.py --sweep           # outer lr / momentum sweep, M = 4, 150 steps, seed 0
+  python -m bench.loco.loco --jobs 2          # convergence (about 1 h on 2 cores) + comm + figure
+  python -m bench.loco.loco --collect         # rebuild the JSON, the table and the figure
+  python -m bench.loco.loco --comm-only       # only the HLO accounting
+  python -m bench.loco.loco --sweep           # outer lr / momentum sweep, M = 4, 150 steps, seed 0
 """
 
 from __future__ import annotations
@@ -29,19 +29,25 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.dp import convergence  # noqa: E402
+from bench import common
+from bench.dp import convergence
 
 SETTINGS = ("loco-m4", "loco-m8")
 FIGURE = common.REPO / "docs" / "figures" / "loco_convergence.png"
 
 
-SWEEP = (("ddp", 0.7, 0.9), ("diloco-h10", 0.7, 0.9), ("diloco-h10", 1.0, 0.0),
-         ("diloco-h10", 0.7, 0.5), ("diloco-h10", 0.3, 0.9), ("diloco-h10", 1.0, 0.5),
-         ("diloco-h10", 1.4, 0.0), ("diloco-h50", 0.7, 0.9), ("diloco-h50", 1.0, 0.0))  # fmt: skip
+SWEEP = (
+  ("ddp", 0.7, 0.9),
+  ("diloco-h10", 0.7, 0.9),
+  ("diloco-h10", 1.0, 0.0),
+  ("diloco-h10", 0.7, 0.5),
+  ("diloco-h10", 0.3, 0.9),
+  ("diloco-h10", 1.0, 0.5),
+  ("diloco-h10", 1.4, 0.0),
+  ("diloco-h50", 0.7, 0.9),
+  ("diloco-h50", 1.0, 0.0),
+)
 
 
 def sweep_worker(args) -> None:
@@ -57,9 +63,15 @@ def sweep_worker(args) -> None:
   c.train.log_every = 50
   with tempfile.TemporaryDirectory() as tmp:
     summary = trainer.train_and_evaluate(c, tmp)
-  common.write_json(args.worker_out, {"label": label, "outer_lr": float(lr),
-                                      "outer_momentum": float(momentum),
-                                      "eval_loss": summary["eval_loss"]})  # fmt: skip
+  common.write_json(
+    args.worker_out,
+    {
+      "label": label,
+      "outer_lr": float(lr),
+      "outer_momentum": float(momentum),
+      "eval_loss": summary["eval_loss"],
+    },
+  )
 
 
 def run_sweep() -> list[dict]:
@@ -71,8 +83,18 @@ def run_sweep() -> list[dict]:
   for label, lr, mom in SWEEP:
     with tempfile.TemporaryDirectory() as tmp:
       out = Path(tmp) / "point.json"
-      subprocess.run([sys.executable, __file__, "--worker-out", str(out), "--sweep-point",
-                      f"{label},{lr},{mom}"], env=common.cpu_env(8), check=True, cwd=common.REPO)  # fmt: skip
+      subprocess.run(
+        [
+          *common.module_command(__spec__.name),
+          "--worker-out",
+          str(out),
+          "--sweep-point",
+          f"{label},{lr},{mom}",
+        ],
+        env=common.cpu_env(8),
+        check=True,
+        cwd=common.REPO,
+      )
       rows.append(json.loads(out.read_text()))
       common.log(
         f"{label:12s} outer lr {lr:.1f} momentum {mom:.1f}: eval {rows[-1]['eval_loss']:.4f}"
@@ -98,15 +120,23 @@ def comm_worker(args) -> None:
       if not run.loco:  # DDP: the stage's all-reduce over every device, every step
         state = run.train.abstract_state(params)
         fn = run.train._jit("sync", state)
-        batch = {k: jax.ShapeDtypeStruct((tokens // s["seq_len"], s["seq_len"]), "int32",
-                                         sharding=run.train._sharding(jax.P("data")))
-                 for k in ("inputs", "targets")}  # fmt: skip
+        batch = {
+          k: jax.ShapeDtypeStruct(
+            (tokens // s["seq_len"], s["seq_len"]),
+            "int32",
+            sharding=run.train._sharding(jax.P("data")),
+          )
+          for k in ("inputs", "targets")
+        }
         text = fn.lower(state, batch).compile().as_text()
         found = [c for c in hlo.hlo_collectives(text) if c.kind == "all-reduce"]
         per_step = max(c.bytes for c in found)
-        out[label] = {"hlo_bytes_per_sync": per_step, "syncs_per_step": 1.0,
-                      "params": run.train.layout.num_params,
-                      "padded": run.train.layout.padded_size}  # fmt: skip
+        out[label] = {
+          "hlo_bytes_per_sync": per_step,
+          "syncs_per_step": 1.0,
+          "params": run.train.layout.num_params,
+          "padded": run.train.layout.padded_size,
+        }
         continue
       train, m = run.train, run.train.method
       state = train.abstract_state(params)
@@ -133,8 +163,14 @@ def comm_table(raw: dict, tokens_per_step: int) -> dict:
   ring = lambda m: 2 * (m - 1) / m  # a ring all-reduce sends 2 (M-1)/M of the payload
   p_pad = ddp["padded"]
   ddp_fp32 = ring(8) * 4 * p_pad / tokens_per_step  # DDP's fp32 all-reduce over 8 devices
-  rows = {"ddp": {"bytes_per_token": ddp_fp32, "peak_per_sync": ring(8) * 4 * p_pad,
-                  "hlo_bytes_per_sync": ddp["hlo_bytes_per_sync"], "ratio_to_ddp_fp32": 1.0}}  # fmt: skip
+  rows = {
+    "ddp": {
+      "bytes_per_token": ddp_fp32,
+      "peak_per_sync": ring(8) * 4 * p_pad,
+      "hlo_bytes_per_sync": ddp["hlo_bytes_per_sync"],
+      "ratio_to_ddp_fp32": 1.0,
+    }
+  }
   for key, r in raw.items():
     if key == "ddp":
       continue
@@ -202,16 +238,25 @@ def main() -> int:
     return 0
   if args.sweep:
     rows = run_sweep()
-    path = common.write_json(common.RESULTS / "loco_outer_sweep.json",
-                             {"machine": common.machine(), "setting": "loco-m4, 150 steps, seed 0",
-                              "points": rows})  # fmt: skip
+    path = common.write_json(
+      common.RESULTS / "loco_outer_sweep.json",
+      {"machine": common.machine(), "setting": "loco-m4, 150 steps, seed 0", "points": rows},
+    )
     common.log(f"wrote {path}")
     return 0
   path = common.RESULTS / "loco.json"
   failed = 0
   if not args.comm_only:
-    conv = ["--settings", *SETTINGS, "--seeds", *map(str, args.seeds), "--jobs", str(args.jobs),
-            "--json", "loco_convergence.json"] + (["--collect"] if args.collect else [])  # fmt: skip
+    conv = [
+      "--settings",
+      *SETTINGS,
+      "--seeds",
+      *map(str, args.seeds),
+      "--jobs",
+      str(args.jobs),
+      "--json",
+      "loco_convergence.json",
+    ] + (["--collect"] if args.collect else [])
     failed = convergence.main(conv)
   conv_file = common.RESULTS / "loco_convergence.json"
   conv_results = json.loads(conv_file.read_text()) if conv_file.exists() else None
@@ -227,8 +272,10 @@ def main() -> int:
   if conv_results:
     figure(conv_results)
   for key, r in results["comm"].items():
-    common.log(f"{key:28s} bytes/token {r['bytes_per_token']:10.2f}  x DDP fp32 "
-               f"{r['ratio_to_ddp_fp32']:.4f}  peak/sync {r['peak_per_sync']:,.0f}")  # fmt: skip
+    common.log(
+      f"{key:28s} bytes/token {r['bytes_per_token']:10.2f}  x DDP fp32 "
+      f"{r['ratio_to_ddp_fp32']:.4f}  peak/sync {r['peak_per_sync']:,.0f}"
+    )
   common.log(f"wrote {path}" + (f" and {FIGURE}" if conv_results else ""))
   return 1 if failed else 0
 
@@ -240,8 +287,12 @@ def _comm() -> dict:
 
   with tempfile.TemporaryDirectory() as tmp:
     out = Path(tmp) / "comm.json"
-    subprocess.run([sys.executable, __file__, "--worker-out", str(out)], env=common.cpu_env(8),
-                   check=True, cwd=common.REPO)  # fmt: skip
+    subprocess.run(
+      common.module_command(__spec__.name, "--worker-out", str(out)),
+      env=common.cpu_env(8),
+      check=True,
+      cwd=common.REPO,
+    )
     return json.loads(out.read_text())
 
 

@@ -15,17 +15,17 @@ Reported, per method (mean ± std over seeds):
 * the final eval loss, and the eval curves (``docs/figures/loco_compare.png``);
 * bytes sent per worker per token and per sync, **read from the compiled programs**, beside the
   packed bytes of the accounting, and the optimizer and communication state per device
-  (``bench/loco/programs.py``: ring algorithms; XLA:CPU computes bf16 collectives and the emulated
+  (:mod:`bench.loco.traffic_cost`: ring algorithms; XLA:CPU computes bf16 collectives and the emulated
   FP4 in f32, so for those the HLO shows f32 and the accounting the bytes as sent);
 * the modelled time to reach a target eval loss with 8 x H100 per worker and 1, 10 or 100 Gbit/s
-  between workers (:func:`bench.loco.programs.project`; the assumptions in ``PROJECTION``).
+  between workers (:func:`bench.loco.traffic_cost.project`; the assumptions in its ``PROJECTION``).
 
 Usage::
 
-  python bench/loco/loco_compare.py --jobs 2              # 8 methods x 3 seeds, then collect
-  python bench/loco/loco_compare.py --collect             # rebuild the JSON, table and figure only
-  python bench/loco/loco_compare.py --smoke --out /tmp/lc # CI-size: tiny model, 2 steps
-  python bench/loco/loco_compare.py --setting long --methods ddp   # LONG: 2,000 byte-level steps
+  python -m bench.loco.loco_compare --jobs 2              # 8 methods x 3 seeds, then collect
+  python -m bench.loco.loco_compare --collect             # rebuild the JSON, table and figure only
+  python -m bench.loco.loco_compare --smoke --out /tmp/lc # CI-size: tiny model, 2 steps
+  python -m bench.loco.loco_compare --setting long --methods ddp   # LONG: 2,000 byte-level steps
 """
 
 from __future__ import annotations
@@ -40,26 +40,58 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.dp import convergence  # noqa: E402
-from bench.loco.programs import PROJECTION, programs_worker, project  # noqa: E402, F401
+from bench import common
+from bench.dp import convergence
+from bench.loco.traffic_cost import programs_worker, project
 
 FIGURES = common.REPO / "docs" / "figures"
 
 SETTING = dict(
-  devices=8, workers=8, D=128, N=2, H=4, tokenizer="bpe:2048", seq_len=64, microbatch_size=1,
-  microbatches=4, num_updates=400, eval_every=25, eval_batches=12, lr=2e-3,
-)  # fmt: skip
+  devices=8,
+  workers=8,
+  D=128,
+  N=2,
+  H=4,
+  tokenizer="bpe:2048",
+  seq_len=64,
+  microbatch_size=1,
+  microbatches=4,
+  num_updates=400,
+  eval_every=25,
+  eval_batches=12,
+  lr=2e-3,
+)
 SMOKE = dict(
-  devices=8, workers=8, D=32, N=2, H=2, tokenizer="byte", seq_len=32, microbatch_size=1,
-  microbatches=2, num_updates=4, eval_every=2, eval_batches=2, lr=2e-3,
-)  # fmt: skip
+  devices=8,
+  workers=8,
+  D=32,
+  N=2,
+  H=2,
+  tokenizer="byte",
+  seq_len=32,
+  microbatch_size=1,
+  microbatches=2,
+  num_updates=4,
+  eval_every=2,
+  eval_batches=2,
+  lr=2e-3,
+)
 # the long runs (loco_overlap.py --setting long): 2,000 steps of a byte-level model, 66 syncs at H = 30
 LONG = dict(
-  devices=8, workers=8, D=64, N=2, H=4, tokenizer="byte", seq_len=64, microbatch_size=1,
-  microbatches=2, num_updates=2000, eval_every=50, eval_batches=4, lr=2e-3,
-)  # fmt: skip
+  devices=8,
+  workers=8,
+  D=64,
+  N=2,
+  H=4,
+  tokenizer="byte",
+  seq_len=64,
+  microbatch_size=1,
+  microbatches=2,
+  num_updates=2000,
+  eval_every=50,
+  eval_batches=4,
+  lr=2e-3,
+)
 SETTINGS = {"d8": SETTING, "long": LONG, "smoke": SMOKE}
 SYNC_EVERY = 50
 DEMO_LR = 1e-3  # DeMo's sign step (constant, like the others' AdamW lr)
@@ -125,7 +157,6 @@ def parse_label(label: str) -> tuple[str, dict]:
 
 def make_config(label: str, seed: int, name: str = "d8"):
   """The trainer config: the method's config file, shrunk to setting ``name`` (d8: convergence.py's)."""
-  sys.path.insert(0, str(common.REPO))
   import importlib
 
   base, sweep = parse_label(label)
@@ -184,8 +215,18 @@ def launch(out: Path, label: str, seed: int, name: str) -> subprocess.Popen:
   if d.exists():
     shutil.rmtree(d)
   d.mkdir(parents=True)
-  cmd = [sys.executable, __file__, "--train-worker", "--workdir", str(d), "--method", label,
-         "--seed", str(seed), "--setting", name]  # fmt: skip
+  cmd = [
+    *common.module_command(__spec__.name),
+    "--train-worker",
+    "--workdir",
+    str(d),
+    "--method",
+    label,
+    "--seed",
+    str(seed),
+    "--setting",
+    name,
+  ]
   log = open(d / "run.log", "w")
   env = common.cpu_env(setting(name)["devices"])
   env["XLA_FLAGS"] += " " + QUIET_COLLECTIVES
@@ -277,7 +318,7 @@ def _hlo_bytes_per_step(label: str, prog: dict) -> float:
 
 
 def table(results: dict) -> str:
-  """The markdown table of docs/benchmarks.md's "LoCo comparison"."""
+  """The markdown table of docs/benchmarks/loco.md's "LoCo comparison"."""
   g = " / ".join(f"{x:g}" for x in GBITS)
   lines = [
     f"| method | eval loss | bytes/worker/token (HLO) | peak bytes/sync | state bytes/device "
@@ -330,8 +371,11 @@ def figure(results: dict, path: Path) -> Path | None:
   ax.set(xlabel="tokens (thousands)", ylabel="eval loss", title="eval loss (mean over seeds)")
   ax.legend(fontsize=8)
   bx.set_xscale("log")
-  bx.set(xlabel="bytes sent per worker per token (compiled HLO)", ylabel="final eval loss",
-         title="loss against communication")  # fmt: skip
+  bx.set(
+    xlabel="bytes sent per worker per token (compiled HLO)",
+    ylabel="final eval loss",
+    title="loss against communication",
+  )
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
@@ -381,7 +425,7 @@ def main(argv=None) -> int:
   failed = [] if args.collect else run_all(args.out, plan, args.jobs, args.timeout, args.setting)
   wall = None if args.collect else time.time() - t0
   extra = ["--methods", *args.methods, "--setting", args.setting]
-  programs = common.run_worker(__file__, setting(args.setting)["devices"], extra, timeout=3600)
+  programs = common.run_worker(__spec__.name, setting(args.setting)["devices"], extra, timeout=3600)
   name = "loco_compare_smoke" if args.smoke else Path(args.json).stem
   path = args.out / f"{name}.json"
   # the runs an earlier JSON recorded are kept where their directories are gone

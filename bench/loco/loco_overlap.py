@@ -38,16 +38,16 @@ per-seed difference to ``none`` in percent.
 
 Usage::
 
-  python bench/loco/loco_overlap.py --jobs 2 --updates 200    # 4 cases x 3 modes x 3 seeds
-  python bench/loco/loco_overlap.py --collect --updates 200   # the JSON and table only
-  python bench/loco/loco_overlap.py --jobs 1 --updates 200 --seeds 1 2 --json loco_overlap_seeds12.json
-  python bench/loco/loco_overlap.py --collect --updates 200 --seeds 0 1 2 \
+  python -m bench.loco.loco_overlap --jobs 2 --updates 200    # 4 cases x 3 modes x 3 seeds
+  python -m bench.loco.loco_overlap --collect --updates 200   # the JSON and table only
+  python -m bench.loco.loco_overlap --jobs 1 --updates 200 --seeds 1 2 --json loco_overlap_seeds12.json
+  python -m bench.loco.loco_overlap --collect --updates 200 --seeds 0 1 2 \
     --merge bench/results/loco_overlap_seed0.json      # seed 0's runs from an earlier JSON
-  python bench/loco/loco_overlap.py --smoke --out /tmp/lo     # CI-size: tiny model, 4 steps, 1 seed
-  python bench/loco/loco_overlap.py --jobs 1 --updates 200 --modes none eager --json loco_acco_inner.json \
+  python -m bench.loco.loco_overlap --smoke --out /tmp/lo     # CI-size: tiny model, 4 steps, 1 seed
+  python -m bench.loco.loco_overlap --jobs 1 --updates 200 --modes none eager --json loco_acco_inner.json \
     --cases "diloco H=15 4x2 zero1 inside" "diloco H=15 4x2 acco inside"   # ACCO inside workers
-  python bench/loco/loco_overlap.py --setting long --jobs 2   # 16 runs x 3 seeds, 2,000 steps each
-  python bench/loco/loco_overlap.py --setting long --smoke --out /tmp/ll   # CI-size, the long grid
+  python -m bench.loco.loco_overlap --setting long --jobs 2   # 16 runs x 3 seeds, 2,000 steps each
+  python -m bench.loco.loco_overlap --setting long --smoke --out /tmp/ll   # CI-size, the long grid
 """
 
 from __future__ import annotations
@@ -60,10 +60,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.dp import convergence  # noqa: E402
-from bench.loco import loco_compare  # noqa: E402
+from bench import common
+from bench.dp import convergence
+from bench.loco import loco_compare
 
 MODES = ("none", "delayed", "eager")
 # case -> the loco_compare label of its blocking run (the mode is appended); setting d8, 200 steps
@@ -180,9 +179,13 @@ def collect(
         row["gap"] = gap_curve(runs[case][mode], runs[case]["none"], h)
     summary.setdefault(case, {})[mode] = row
   return {
-    "runs": runs, "summary": summary, "setting": s, "grid": grid,
-    "updates": updates or s["num_updates"], "unigram_baseline": baseline,
-  }  # fmt: skip
+    "runs": runs,
+    "summary": summary,
+    "setting": s,
+    "grid": grid,
+    "updates": updates or s["num_updates"],
+    "unigram_baseline": baseline,
+  }
 
 
 def paired(loss: dict, ref: dict) -> tuple[list[float], float]:
@@ -195,9 +198,15 @@ def gap_curve(runs: dict, base: dict, sync_every: int) -> dict:
   """The gap of ``runs`` to the blocking ``base`` at every evaluation both have on every seed:
   the mean over seeds of ``100 (loss / loss_none - 1)``, with the syncs done by then."""
   seeds = [k for k in runs if k in base]
-  common_updates = sorted(
-    set.intersection(*(set(runs[k]["eval"]["update"]) & set(base[k]["eval"]["update"]) for k in seeds))
-  ) if seeds else []  # fmt: skip
+  common_updates = (
+    sorted(
+      set.intersection(
+        *(set(runs[k]["eval"]["update"]) & set(base[k]["eval"]["update"]) for k in seeds)
+      )
+    )
+    if seeds
+    else []
+  )
   at = lambda r, u: r["eval"]["loss"][r["eval"]["update"].index(u)]
   pct = [
     statistics.fmean(100 * (at(runs[k], u) / at(base[k], u) - 1) for k in seeds)
@@ -207,7 +216,7 @@ def gap_curve(runs: dict, base: dict, sync_every: int) -> dict:
 
 
 def table(results: dict) -> str:
-  """The markdown table of docs/benchmarks.md's "Outer overlap: loss at equal tokens"."""
+  """The markdown table of docs/benchmarks/loco.md's "Outer overlap: loss at equal tokens"."""
   head = " | ".join(f"{m} (mean ± std)" for m in MODES)
   lines = [
     f"| case | {head} | delayed vs none, per seed | eager vs none, per seed |",
@@ -232,9 +241,10 @@ def table(results: dict) -> str:
 def long_table(results: dict) -> str:
   """The long grid's tables: final eval loss against the references, and the gap's trend."""
   pct = lambda row, col: (
-    "" if not row.get(f"vs_{col}_pct")
+    ""
+    if not row.get(f"vs_{col}_pct")
     else f"{row[f'vs_{col}_pct_mean']:+.1f}% ({', '.join(f'{x:+.1f}' for x in row[f'vs_{col}_pct'])})"
-  )  # fmt: skip
+  )
   lines = [
     "| case | mode | final eval loss (mean ± std; per seed) | vs its blocking run | "
     f"vs blocking {REFERENCES['blocking']} | vs DDP |",
@@ -251,8 +261,11 @@ def long_table(results: dict) -> str:
   total = results["updates"]
   marks = [total // 8, total // 4, total // 2, total]
   head = " | ".join(f"by step {u}" for u in marks)
-  lines += ["", f"| gap to its blocking run (mean over seeds; at the last common evaluation) | {head} |",
-            "|---|" + "---|" * len(marks)]  # fmt: skip
+  lines += [
+    "",
+    f"| gap to its blocking run (mean over seeds; at the last common evaluation) | {head} |",
+    "|---|" + "---|" * len(marks),
+  ]
   for case, by_mode in results["summary"].items():
     for mode, row in by_mode.items():
       gap = row.get("gap")
@@ -334,8 +347,11 @@ def figures(results: dict, where: Path) -> list[Path]:
         ax.plot(row["gap"]["syncs"], row["gap"]["pct"], marker=".", label=f"{case} {mode}")
   ax.axhline(0, color="grey", lw=0.8)
   ax.set_yscale("symlog", linthresh=10)  # linear to 10%, then logarithmic: diverged runs fit
-  ax.set(xlabel="syncs done", ylabel="eval loss above blocking (%)",
-         title="gap to the blocking run, mean over seeds")  # fmt: skip
+  ax.set(
+    xlabel="syncs done",
+    ylabel="eval loss above blocking (%)",
+    title="gap to the blocking run, mean over seeds",
+  )
   ax.legend(fontsize=8)
   fig.tight_layout()
   written.append(where / "loco_long_gap.png")

@@ -25,8 +25,8 @@ exit; leftovers of a crashed run are removed at start.
 
 Usage::
 
-  sudo python bench/net/netns.py                # 2 and 4 hosts; 100, 400, 1000 Mbit + unshaped; 5 reps
-  sudo python bench/net/netns.py --hosts 2 --mbit 400 --sizes-mb 1 4 --reps 2   # quick check
+  sudo python -m bench.net.netns                # 2 and 4 hosts; 100, 400, 1000 Mbit + unshaped; 5 reps
+  sudo python -m bench.net.netns --hosts 2 --mbit 400 --sizes-mb 1 4 --reps 2   # quick check
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 PREFIX = "acco_"
 SUBNET = "10.77.0"
@@ -129,24 +128,54 @@ def shape(shaped: list[tuple[str, str]], mbit: float, burst: str = "32kb") -> No
   for ns, dev in shaped:
     sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
     if mbit > 0:
-      sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-         "rate", f"{mbit}mbit", "burst", burst, "latency", "50ms")  # fmt: skip
+      sh(
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        f"{mbit}mbit",
+        "burst",
+        burst,
+        "latency",
+        "50ms",
+      )
 
 
 def run_hosts(hosts: int, args, timeout: float) -> dict:
   """Starts one worker per host namespace; returns process 0's measurements."""
   with tempfile.TemporaryDirectory(prefix=PREFIX) as tmp:
     out = Path(tmp) / "result.json"
-    env = common.cpu_env(1)
-    env["PYTHONPATH"] = str(common.REPO)
+    env = common.cpu_env(1)  # this checkout first on PYTHONPATH
     procs, logs = [], []
     try:
       for i in range(hosts):
         log = open(Path(tmp) / f"h{i}.log", "w+")
         logs.append(log)
-        cmd = ["ip", "netns", "exec", f"{PREFIX}h{i}", sys.executable, __file__, "--worker",
-               str(out), "--process-id", str(i), "--num-processes", str(hosts),
-               "--sizes-mb", *map(str, args.sizes_mb), "--reps", str(args.reps)]  # fmt: skip
+        cmd = [
+          "ip",
+          "netns",
+          "exec",
+          f"{PREFIX}h{i}",
+          *common.module_command(__spec__.name),
+          "--worker",
+          str(out),
+          "--process-id",
+          str(i),
+          "--num-processes",
+          str(hosts),
+          "--sizes-mb",
+          *map(str, args.sizes_mb),
+          "--reps",
+          str(args.reps),
+        ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
       deadline = time.monotonic() + timeout
       for p in procs:
@@ -175,9 +204,11 @@ def worker(args) -> int:
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
-    coordinator_address=f"{SUBNET}.1:{PORT}", num_processes=args.num_processes,
-    process_id=args.process_id, initialization_timeout=60,
-  )  # fmt: skip
+    coordinator_address=f"{SUBNET}.1:{PORT}",
+    num_processes=args.num_processes,
+    process_id=args.process_id,
+    initialization_timeout=60,
+  )
   import jax.numpy as jnp
   import numpy as np
   from jax import lax
@@ -237,9 +268,14 @@ def fit(points: list[dict]) -> dict:
   """t = (n−1) α + (n−1)/n · M / β: α ≥ 0 and β by least squares on relative errors."""
   X = [[p["n"] - 1, (p["n"] - 1) / p["n"] * p["bytes"]] for p in points]
   coef, r2, worst, med = _nnls_fit(X, [p["t"] for p in points])
-  return {"alpha_s": float(coef[0]), "beta_Bps": float(1 / coef[1]) if coef[1] > 0 else None,
-          "r2": r2, "max_rel_residual": worst, "median_rel_residual": med,
-          "points": len(points)}  # fmt: skip
+  return {
+    "alpha_s": float(coef[0]),
+    "beta_Bps": float(1 / coef[1]) if coef[1] > 0 else None,
+    "r2": r2,
+    "max_rel_residual": worst,
+    "median_rel_residual": med,
+    "points": len(points),
+  }
 
 
 def fit_link_and_cpu(points: list[dict]) -> dict:
@@ -254,9 +290,15 @@ def fit_link_and_cpu(points: list[dict]) -> dict:
     rate = p["mbit"] * 1e6 / 8 if p["mbit"] else float("inf")  # unshaped: no link term
     X.append([p["n"] - 1, sent / rate, sent])
   coef, r2, worst, med = _nnls_fit(X, [p["t"] for p in points])
-  return {"alpha_s": float(coef[0]), "efficiency": float(1 / coef[1]) if coef[1] > 0 else None,
-          "cpu_Bps": float(1 / coef[2]) if coef[2] > 0 else None, "r2": r2,
-          "max_rel_residual": worst, "median_rel_residual": med, "points": len(points)}  # fmt: skip
+  return {
+    "alpha_s": float(coef[0]),
+    "efficiency": float(1 / coef[1]) if coef[1] > 0 else None,
+    "cpu_Bps": float(1 / coef[2]) if coef[2] > 0 else None,
+    "r2": r2,
+    "max_rel_residual": worst,
+    "median_rel_residual": med,
+    "points": len(points),
+  }
 
 
 def report(runs: list[dict], rates) -> dict:
@@ -264,13 +306,31 @@ def report(runs: list[dict], rates) -> dict:
   table, fits, rows = [], {}, []
   for r in runs:
     sent = (r["n"] - 1) / r["n"] * r["bytes"]
-    table.append({"n": r["n"], "rate": f"{r['mbit']:g}" if r["mbit"] else "unshaped",
-                  "kind": r["kind"], "MB": f"{r['bytes'] / 2**20:g}", "t": f"{r['t']:.3f}",
-                  "spread": f"{max(r['times']) / min(r['times']):.2f}",
-                  "goodput": f"{sent * 8 / r['t'] / 1e6:.0f}"})  # fmt: skip
-  print(common.format_table(table, [("n", "hosts"), ("rate", "Mbit/s"), ("kind", "collective"),
-        ("MB", "buffer MiB"), ("t", "min s"), ("spread", "max/min"),
-        ("goodput", "sent Mbit/s")]))  # fmt: skip
+    table.append(
+      {
+        "n": r["n"],
+        "rate": f"{r['mbit']:g}" if r["mbit"] else "unshaped",
+        "kind": r["kind"],
+        "MB": f"{r['bytes'] / 2**20:g}",
+        "t": f"{r['t']:.3f}",
+        "spread": f"{max(r['times']) / min(r['times']):.2f}",
+        "goodput": f"{sent * 8 / r['t'] / 1e6:.0f}",
+      }
+    )
+  print(
+    common.format_table(
+      table,
+      [
+        ("n", "hosts"),
+        ("rate", "Mbit/s"),
+        ("kind", "collective"),
+        ("MB", "buffer MiB"),
+        ("t", "min s"),
+        ("spread", "max/min"),
+        ("goodput", "sent Mbit/s"),
+      ],
+    )
+  )
   pct = lambda x: f"{100 * x:.0f}%"
   for kind in ("reduce_scatter", "all_gather", "both"):
     for mbit in rates:
@@ -280,32 +340,71 @@ def report(runs: list[dict], rates) -> dict:
       f = fit(pts)
       fits[f"{kind}@{mbit:g}"] = f
       eff = f["beta_Bps"] * 8 / (mbit * 1e6) if mbit and f["beta_Bps"] else None
-      rows.append({"kind": kind, "rate": f"{mbit:g}" if mbit else "unshaped",
-                   "alpha": f"{1e3 * f['alpha_s']:.2f}",
-                   "beta": f"{f['beta_Bps'] * 8 / 1e6:.0f}" if f["beta_Bps"] else "-",
-                   "eff": f"{eff:.2f}" if eff else "-", "r2": f"{f['r2']:.3f}",
-                   "med": pct(f["median_rel_residual"]), "res": pct(f["max_rel_residual"]),
-                   "pts": f["points"]})  # fmt: skip
+      rows.append(
+        {
+          "kind": kind,
+          "rate": f"{mbit:g}" if mbit else "unshaped",
+          "alpha": f"{1e3 * f['alpha_s']:.2f}",
+          "beta": f"{f['beta_Bps'] * 8 / 1e6:.0f}" if f["beta_Bps"] else "-",
+          "eff": f"{eff:.2f}" if eff else "-",
+          "r2": f"{f['r2']:.3f}",
+          "med": pct(f["median_rel_residual"]),
+          "res": pct(f["max_rel_residual"]),
+          "pts": f["points"],
+        }
+      )
   print(
     "\nFitted T = (n-1) α + (n-1)/n · M / β per rate (least squares on relative error, α ≥ 0)\n"
   )
-  print(common.format_table(rows, [("kind", "collective"), ("rate", "rate Mbit/s"),
-        ("alpha", "α ms/hop"), ("beta", "β Mbit/s"), ("eff", "β/rate"), ("r2", "R²"),
-        ("med", "median |resid|"), ("res", "max |resid|"), ("pts", "points")]))  # fmt: skip
+  print(
+    common.format_table(
+      rows,
+      [
+        ("kind", "collective"),
+        ("rate", "rate Mbit/s"),
+        ("alpha", "α ms/hop"),
+        ("beta", "β Mbit/s"),
+        ("eff", "β/rate"),
+        ("r2", "R²"),
+        ("med", "median |resid|"),
+        ("res", "max |resid|"),
+        ("pts", "points"),
+      ],
+    )
+  )
   rows = []
   for kind in ("reduce_scatter", "all_gather", "both"):
     pts = [r for r in runs if kind in (r["kind"], "both")]
     g = fit_link_and_cpu(pts)
     fits[f"{kind}@link+cpu"] = g
-    rows.append({"kind": kind, "alpha": f"{1e3 * g['alpha_s']:.2f}",
-                 "eff": f"{g['efficiency']:.2f}" if g["efficiency"] else "-",
-                 "cpu": f"{g['cpu_Bps'] * 8 / 1e6:.0f}" if g["cpu_Bps"] else "∞",
-                 "r2": f"{g['r2']:.3f}", "med": pct(g["median_rel_residual"]),
-                 "res": pct(g["max_rel_residual"]), "pts": g["points"]})  # fmt: skip
+    rows.append(
+      {
+        "kind": kind,
+        "alpha": f"{1e3 * g['alpha_s']:.2f}",
+        "eff": f"{g['efficiency']:.2f}" if g["efficiency"] else "-",
+        "cpu": f"{g['cpu_Bps'] * 8 / 1e6:.0f}" if g["cpu_Bps"] else "∞",
+        "r2": f"{g['r2']:.3f}",
+        "med": pct(g["median_rel_residual"]),
+        "res": pct(g["max_rel_residual"]),
+        "pts": g["points"],
+      }
+    )
   print("\nOne fit over all rates: T = (n-1) α + (n-1)/n · M · (1/(η·rate) + 1/β_cpu)\n")
-  print(common.format_table(rows, [("kind", "collective"), ("alpha", "α ms/hop"),
-        ("eff", "η"), ("cpu", "β_cpu Mbit/s"), ("r2", "R²"), ("med", "median |resid|"),
-        ("res", "max |resid|"), ("pts", "points")]))  # fmt: skip
+  print(
+    common.format_table(
+      rows,
+      [
+        ("kind", "collective"),
+        ("alpha", "α ms/hop"),
+        ("eff", "η"),
+        ("cpu", "β_cpu Mbit/s"),
+        ("r2", "R²"),
+        ("med", "median |resid|"),
+        ("res", "max |resid|"),
+        ("pts", "points"),
+      ],
+    )
+  )
   return fits
 
 
@@ -315,8 +414,13 @@ def main(argv=None) -> int:
   ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
   ap.add_argument("--num-processes", type=int, default=2, help=argparse.SUPPRESS)
   ap.add_argument("--hosts", type=int, nargs="+", default=[2, 4])
-  ap.add_argument("--mbit", type=float, nargs="+", default=[100, 400, 1000, 0],
-                  help="link rates in Mbit/s; 0 = unshaped (reported, not fitted)")  # fmt: skip
+  ap.add_argument(
+    "--mbit",
+    type=float,
+    nargs="+",
+    default=[100, 400, 1000, 0],
+    help="link rates in Mbit/s; 0 = unshaped (reported, not fitted)",
+  )
   ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64])
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--burst", default="32kb", help="tbf bucket (environment.md §9: 256kb)")
@@ -348,8 +452,16 @@ def main(argv=None) -> int:
           t0 = time.perf_counter()
           res = run_hosts(hosts, args, args.timeout)
           for r in res["results"]:
-            runs.append({"n": hosts, "mbit": mbit, "kind": r["kind"], "bytes": r["bytes"],
-                         "t": min(r["times"]), "times": r["times"]})  # fmt: skip
+            runs.append(
+              {
+                "n": hosts,
+                "mbit": mbit,
+                "kind": r["kind"],
+                "bytes": r["bytes"],
+                "t": min(r["times"]),
+                "times": r["times"],
+              }
+            )
           common.log(f"{hosts} hosts @ {mbit or 'unshaped'} Mbit: {time.perf_counter() - t0:.0f} s")
       finally:
         cleanup()
@@ -357,8 +469,13 @@ def main(argv=None) -> int:
     cleanup()
 
   fits = report(runs, args.mbit)
-  data = {"machine": common.machine(), "args": vars(args), "runs": runs, "fits": fits,
-          "elapsed_s": time.perf_counter() - t_start}  # fmt: skip
+  data = {
+    "machine": common.machine(),
+    "args": vars(args),
+    "runs": runs,
+    "fits": fits,
+    "elapsed_s": time.perf_counter() - t_start,
+  }
   print(f"\nwrote {common.write_json(Path(args.out), data)}")
   return 0
 

@@ -15,11 +15,11 @@ in one invocation: the machine is shared and noisy, so compare ratios.
 
 Usage (root)::
 
-  python bench/net/netns_train.py                      # 100 and 1000 Mbit/s, 60 updates each
-  python bench/net/netns_train.py --mbit 100 --steps 30 --methods ddp diloco
-  python bench/net/netns_train.py --mbit 10 100 --methods ddp zero1 acco acco-int8 acco-int4
-  python bench/net/netns_train.py --mbit 100 --methods diloco diloco-eager --steps 60 --skip 20
-  python bench/net/netns_train.py --mbit 100 1000 --methods sft-ddp sft-zero1 sft-acco --steps 40
+  python -m bench.net.netns_train                      # 100 and 1000 Mbit/s, 60 updates each
+  python -m bench.net.netns_train --mbit 100 --steps 30 --methods ddp diloco
+  python -m bench.net.netns_train --mbit 10 100 --methods ddp zero1 acco acco-int8 acco-int4
+  python -m bench.net.netns_train --mbit 100 --methods diloco diloco-eager --steps 60 --skip 20
+  python -m bench.net.netns_train --mbit 100 1000 --methods sft-ddp sft-zero1 sft-acco --steps 40
 
 The ``sft-*`` methods fine-tune on instructions (``configs/sft_acco.py``) the model ``--sft-init``
 names, ``bench/dp/sft.py``'s export of the quick start's run by default.
@@ -36,9 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.net import netns  # noqa: E402
+from bench import common
+from bench.net import netns
 
 RUNS = common.RESULTS / "runs" / "netns_train"
 METHODS = {
@@ -67,19 +66,39 @@ METHODS = {
 def overrides(method: str, steps: int, sft_init: str = "") -> list[str]:
   if method.startswith("sft-"):  # the pretrained model's own sizes, its tokenizer
     base = {
-      "model.init": f"hf:{sft_init}", "batch.microbatch_size": 2, "batch.microbatches": 4,
-      "train.num_updates": steps, "train.log_every": 2, "train.eval_every": 0,
-      "train.eval_batches": 2, "train.exact_match": "off", "opt.warmup_updates": 5,
-      "ckpt.every": 0, "ckpt.async_save": False, "mesh.cpu_devices": 1, **METHODS[method][1],
-    }  # fmt: skip
+      "model.init": f"hf:{sft_init}",
+      "batch.microbatch_size": 2,
+      "batch.microbatches": 4,
+      "train.num_updates": steps,
+      "train.log_every": 2,
+      "train.eval_every": 0,
+      "train.eval_batches": 2,
+      "train.exact_match": "off",
+      "opt.warmup_updates": 5,
+      "ckpt.every": 0,
+      "ckpt.async_save": False,
+      "mesh.cpu_devices": 1,
+      **METHODS[method][1],
+    }
     return [f"--config.{k}={v}" for k, v in base.items()]
   base = {
-    "model.D": 128, "model.N": 2, "model.H": 4, "data.seq_len": 64,
-    "batch.microbatch_size": 4, "batch.microbatches": 4, "train.num_updates": steps,
-    "train.log_every": 2, "train.eval_every": 0, "train.eval_batches": 2,
-    "train.sample_tokens": 0, "opt.warmup_updates": 5, "ckpt.every": 0,
-    "ckpt.async_save": False, "mesh.cpu_devices": 1, **METHODS[method][1],
-  }  # fmt: skip
+    "model.D": 128,
+    "model.N": 2,
+    "model.H": 4,
+    "data.seq_len": 64,
+    "batch.microbatch_size": 4,
+    "batch.microbatches": 4,
+    "train.num_updates": steps,
+    "train.log_every": 2,
+    "train.eval_every": 0,
+    "train.eval_batches": 2,
+    "train.sample_tokens": 0,
+    "opt.warmup_updates": 5,
+    "ckpt.every": 0,
+    "ckpt.async_save": False,
+    "mesh.cpu_devices": 1,
+    **METHODS[method][1],
+  }
   return [f"--config.{k}={v}" for k, v in base.items()]
 
 
@@ -114,11 +133,20 @@ def run(method: str, mbit: float, args) -> dict:
   address = f"{netns.SUBNET}.1:{netns.PORT}"
   procs = []
   for i in range(2):
-    cmd = ["ip", "netns", "exec", f"{netns.PREFIX}h{i}", sys.executable,
-           str(common.REPO / "train.py"), f"--config={common.REPO}/configs/{METHODS[method][0]}.py:cpu",
-           f"--workdir={workdir}", f"--config.dist.coordinator_address={address}",
-           "--config.dist.num_processes=2", f"--config.dist.process_id={i}",
-           *overrides(method, args.steps, args.sft_init)]  # fmt: skip
+    cmd = [
+      "ip",
+      "netns",
+      "exec",
+      f"{netns.PREFIX}h{i}",
+      sys.executable,
+      str(common.REPO / "train.py"),
+      f"--config={common.REPO}/configs/{METHODS[method][0]}.py:cpu",
+      f"--workdir={workdir}",
+      f"--config.dist.coordinator_address={address}",
+      "--config.dist.num_processes=2",
+      f"--config.dist.process_id={i}",
+      *overrides(method, args.steps, args.sft_init),
+    ]
     log = open(workdir / f"process{i}.log", "w")
     procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
   t0 = time.time()
@@ -195,8 +223,15 @@ def main() -> int:
         r["ratio_to_ddp"] = r["s_per_update"] / ddp["s_per_update"]
         table.setdefault(f"{int(mbit)} Mbit/s", {})[r["method"]] = round(r["ratio_to_ddp"], 3)
   table["relative_to"] = args.methods[0]
-  common.write_json(args.out, {"machine": common.machine(), "runs": results, "ratio_to_ddp": table,
-                               "args": {k: str(v) for k, v in vars(args).items()}})  # fmt: skip
+  common.write_json(
+    args.out,
+    {
+      "machine": common.machine(),
+      "runs": results,
+      "ratio_to_ddp": table,
+      "args": {k: str(v) for k, v in vars(args).items()},
+    },
+  )
   common.log(json.dumps(table, indent=1))
   return 0
 

@@ -43,26 +43,24 @@ removed at start (leftovers of a crashed run), after the runs and on failure.
 
 Usage (root)::
 
-  python bench/net/skippipe_netns.py                                 # 3 schedules, 24 updates each
-  python bench/net/skippipe_netns.py --schedules 1f1b --updates 12   # quick check
-  python bench/net/skippipe_netns.py --dry-run                       # tc commands and predictions only
+  python -m bench.net.skippipe_netns                                 # 3 schedules, 24 updates each
+  python -m bench.net.skippipe_netns --schedules 1f1b --updates 12   # quick check
+  python -m bench.net.skippipe_netns --dry-run                       # tc commands and predictions only
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
 from acco_jax.skippipe import topology as topology_lib
-from bench import common  # noqa: E402
-from bench.net import netns, skippipe_prediction  # noqa: E402
+from bench import common
+from bench.net import netns, skippipe_prediction
 
 TOPOLOGY = common.REPO / "bench" / "topologies" / "two_regions_4.json"
 RUNS = common.RESULTS / "runs" / "skippipe_netns"
@@ -83,9 +81,12 @@ SCHEDULES = {
   "1f1b": {"pipeline.schedule": "1f1b"},
   "skippipe": {"pipeline.schedule": "skippipe", "pipeline.paths": "random"},
   # the path scheduler's plan for this topology (pipeline.topology: the same JSON file)
-  "scheduled": {"pipeline.schedule": "skippipe", "pipeline.paths": "scheduled",
-                "pipeline.topology": str(TOPOLOGY)},
-}  # fmt: skip
+  "scheduled": {
+    "pipeline.schedule": "skippipe",
+    "pipeline.paths": "scheduled",
+    "pipeline.topology": str(TOPOLOGY),
+  },
+}
 
 
 def tc_commands(
@@ -111,14 +112,68 @@ def tc_commands(
   for j in off:
     rate = f"{topo.bandwidth_MxM[node, j] * 8 / 1e6:g}mbit"
     cls = f"1:{j + 1}"
-    cmds.append(["tc", "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate",
-                 rate, "ceil", rate, "burst", BURST])  # fmt: skip
+    cmds.append(
+      [
+        "tc",
+        "class",
+        "add",
+        "dev",
+        dev,
+        "parent",
+        "1:",
+        "classid",
+        cls,
+        "htb",
+        "rate",
+        rate,
+        "ceil",
+        rate,
+        "burst",
+        BURST,
+      ]
+    )
     if netem:
       delay = f"{topo.latency_MxM[node, j] * 1e3:g}ms"
-      cmds.append(["tc", "qdisc", "add", "dev", dev, "parent", cls, "handle", f"{j + 10}:",
-                   "netem", "delay", delay, "limit", "10000"])  # fmt: skip
-    cmds.append(["tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
-                 "u32", "match", "ip", "dst", f"{address(j)}/32", "flowid", cls])  # fmt: skip
+      cmds.append(
+        [
+          "tc",
+          "qdisc",
+          "add",
+          "dev",
+          dev,
+          "parent",
+          cls,
+          "handle",
+          f"{j + 10}:",
+          "netem",
+          "delay",
+          delay,
+          "limit",
+          "10000",
+        ]
+      )
+    cmds.append(
+      [
+        "tc",
+        "filter",
+        "add",
+        "dev",
+        dev,
+        "parent",
+        "1:",
+        "protocol",
+        "ip",
+        "prio",
+        "1",
+        "u32",
+        "match",
+        "ip",
+        "dst",
+        f"{address(j)}/32",
+        "flowid",
+        cls,
+      ]
+    )
   return cmds
 
 
@@ -188,42 +243,79 @@ def probe_client(host: str, num_bytes: int) -> dict:
 
 def check_pair(topo, src: int, dst: int, num_bytes: int = 1 << 20) -> dict:
   """Measured vs expected round trip and 1 MiB send from ``src`` to ``dst``."""
-  me = [sys.executable, __file__]
-  server = subprocess.Popen(["ip", "netns", "exec", f"{netns.PREFIX}h{dst}", *me, "--probe-server",
-                             str(num_bytes)])  # fmt: skip
+  me, env = common.module_command(__spec__.name), common.child_env()
+  server = subprocess.Popen(
+    ["ip", "netns", "exec", f"{netns.PREFIX}h{dst}", *me, "--probe-server", str(num_bytes)], env=env
+  )
   try:
-    out = subprocess.run(["ip", "netns", "exec", f"{netns.PREFIX}h{src}", *me, "--probe-client",
-                          address(dst), str(num_bytes)], check=True, capture_output=True,
-                         text=True, timeout=60).stdout  # fmt: skip
+    out = subprocess.run(
+      [
+        "ip",
+        "netns",
+        "exec",
+        f"{netns.PREFIX}h{src}",
+        *me,
+        "--probe-client",
+        address(dst),
+        str(num_bytes),
+      ],
+      check=True,
+      capture_output=True,
+      text=True,
+      timeout=60,
+      env=env,
+    ).stdout
   finally:
     server.wait(timeout=10)
   got = json.loads(out)
   rtt = topo.latency_MxM[src, dst] + topo.latency_MxM[dst, src]
   send = topo.latency_MxM[src, dst] + num_bytes / topo.bandwidth_MxM[src, dst]
   send += topo.latency_MxM[dst, src]  # the one-byte answer
-  return {"pair": [src, dst], **got, "rtt_expected_s": rtt, "send_expected_s": send,
-          "goodput_mbit": num_bytes * 8 / 1e6 / max(got["send_s"] - got["rtt_s"], 1e-9)}  # fmt: skip
+  return {
+    "pair": [src, dst],
+    **got,
+    "rtt_expected_s": rtt,
+    "send_expected_s": send,
+    "goodput_mbit": num_bytes * 8 / 1e6 / max(got["send_s"] - got["rtt_s"], 1e-9),
+  }
 
 
 # -- runs -----------------------------------------------------------------------------------------
 
 
 def worker_env() -> dict:
-  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS, PYTHONUNBUFFERED="1",
-              PYTHONPATH=str(common.REPO))  # fmt: skip
+  return dict(common.child_env(), JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS, PYTHONUNBUFFERED="1")
 
 
 def train_command(name: str, node: int, nodes: int, workdir: Path, args) -> list[str]:
   settings = {
-    **skippipe_prediction.MODEL, **SCHEDULES[name], "data.cache_dir": str(args.cache),
-    "mesh.cpu_devices": 1, "dist.coordinator_address": f"{address(0)}:{netns.PORT}",
-    "dist.num_processes": nodes, "dist.process_id": node, "train.num_updates": args.updates,
-    "train.log_every": 1, "train.eval_every": 0, "train.eval_batches": 1, "train.sample_tokens": 0,
-    "ckpt.every": 0, "ckpt.async_save": False, "opt.warmup_updates": 2,
-  }  # fmt: skip
-  return ["ip", "netns", "exec", f"{netns.PREFIX}h{node}", sys.executable,
-          str(common.REPO / "train.py"), f"--config={common.REPO}/configs/gpt2_pipeline.py:tiny",
-          f"--workdir={workdir}", *[f"--config.{k}={v}" for k, v in settings.items()]]  # fmt: skip
+    **skippipe_prediction.MODEL,
+    **SCHEDULES[name],
+    "data.cache_dir": str(args.cache),
+    "mesh.cpu_devices": 1,
+    "dist.coordinator_address": f"{address(0)}:{netns.PORT}",
+    "dist.num_processes": nodes,
+    "dist.process_id": node,
+    "train.num_updates": args.updates,
+    "train.log_every": 1,
+    "train.eval_every": 0,
+    "train.eval_batches": 1,
+    "train.sample_tokens": 0,
+    "ckpt.every": 0,
+    "ckpt.async_save": False,
+    "opt.warmup_updates": 2,
+  }
+  return [
+    "ip",
+    "netns",
+    "exec",
+    f"{netns.PREFIX}h{node}",
+    sys.executable,
+    str(common.REPO / "train.py"),
+    f"--config={common.REPO}/configs/gpt2_pipeline.py:tiny",
+    f"--workdir={workdir}",
+    *[f"--config.{k}={v}" for k, v in settings.items()],
+  ]
 
 
 def seconds_per_update(metrics: Path, skip: int) -> tuple[float, list[float]]:
@@ -254,8 +346,14 @@ def run_schedule(name: str, network: str, nodes: int, args) -> dict:
   try:
     for i in range(nodes):
       log = open(workdir / f"process{i}.log", "w")
-      procs.append(subprocess.Popen(train_command(name, i, nodes, workdir, args), env=worker_env(),
-                                    stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+      procs.append(
+        subprocess.Popen(
+          train_command(name, i, nodes, workdir, args),
+          env=worker_env(),
+          stdout=log,
+          stderr=subprocess.STDOUT,
+        )
+      )
     codes = [p.wait(timeout=args.timeout) for p in procs]
   finally:
     for p in procs:  # only the processes started here
@@ -275,8 +373,13 @@ def main(argv=None) -> int:
   ap.add_argument("--costs-only", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--topology", type=Path, default=TOPOLOGY)
   ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
-  ap.add_argument("--networks", nargs="+", default=["shaped", "unshaped"],
-                  choices=["shaped", "unshaped"], help="unshaped: the control, no tc")  # fmt: skip
+  ap.add_argument(
+    "--networks",
+    nargs="+",
+    default=["shaped", "unshaped"],
+    choices=["shaped", "unshaped"],
+    help="unshaped: the control, no tc",
+  )
   ap.add_argument("--updates", type=int, default=24)
   ap.add_argument("--skip", type=int, default=4, help="updates left out of the timing")
   ap.add_argument("--cost-reps", type=int, default=50)
@@ -298,7 +401,7 @@ def main(argv=None) -> int:
   nodes = int(skippipe_prediction.MODEL["pipeline.stages"])
   if topo.num_nodes != nodes:
     raise SystemExit(f"{args.topology} has {topo.num_nodes} nodes; this benchmark needs {nodes}")
-  cmd = [sys.executable, __file__, "--costs-only", "--cost-reps", str(args.cost_reps)]
+  cmd = common.module_command(__spec__.name, "--costs-only", "--cost-reps", str(args.cost_reps))
   run = subprocess.run(cmd, env=worker_env(), check=True, capture_output=True, text=True)
   measured = json.loads(run.stdout)
   common.log(f"stage costs (s): {json.dumps(measured['op_s'])}")
@@ -328,13 +431,26 @@ def main(argv=None) -> int:
     for pair in ((0, near), (0, far)):
       checks.append(check_pair(topo, *pair))
       c = checks[-1]
-      common.log(f"link {pair}: rtt {c['rtt_s'] * 1e3:.1f} ms (expected {c['rtt_expected_s'] * 1e3:.1f}),"
-                 f" 1 MiB {c['send_s'] * 1e3:.0f} ms (expected {c['send_expected_s'] * 1e3:.0f})")  # fmt: skip
+      common.log(
+        f"link {pair}: rtt {c['rtt_s'] * 1e3:.1f} ms (expected {c['rtt_expected_s'] * 1e3:.1f}),"
+        f" 1 MiB {c['send_s'] * 1e3:.0f} ms (expected {c['send_expected_s'] * 1e3:.0f})"
+      )
     for net in args.networks:
       for i in range(nodes):  # the control: shaping removed
         if net == "unshaped":
-          netns.sh("ip", "netns", "exec", f"{netns.PREFIX}h{i}", "tc", "qdisc", "del", "dev",
-                   f"{netns.PREFIX}e{i}", "root", check=False)  # fmt: skip
+          netns.sh(
+            "ip",
+            "netns",
+            "exec",
+            f"{netns.PREFIX}h{i}",
+            "tc",
+            "qdisc",
+            "del",
+            "dev",
+            f"{netns.PREFIX}e{i}",
+            "root",
+            check=False,
+          )
       for name in args.schedules:
         r = {"schedule": name, "network": net, **run_schedule(name, net, nodes, args)}
         results[f"{name}@{net}"] = {**r, **preds[name, net]}
@@ -345,15 +461,42 @@ def main(argv=None) -> int:
   for r in results.values():
     r["measured_over_sim"] = r["s_per_update"] / r["sim_s"]
     r["measured_over_replay"] = r["s_per_update"] / r["replay_s"]
-    rows.append({"name": r["schedule"], "net": r["network"], "meas": f"{r['s_per_update']:.3f}", "sim": f"{r['sim_s']:.3f}",
-                 "rs": f"{r['measured_over_sim']:.2f}", "rep": f"{r['replay_s']:.3f}",
-                 "rr": f"{r['measured_over_replay']:.2f}", "sync": f"{r['sync_s']:.3f}"})  # fmt: skip
-  print(common.format_table(rows, [("name", "schedule"), ("net", "network"), ("meas", "measured s/update"),
-        ("sim", "simulated s"), ("rs", "measured/sim"), ("rep", "replayed ticks s"),
-        ("rr", "measured/replay"), ("sync", "of which sync s")]))  # fmt: skip
-  data = {"machine": common.machine(), "topology": str(args.topology),
-          "model": skippipe_prediction.MODEL, "costs": measured, "link_checks": checks,
-          "runs": results, "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
+    rows.append(
+      {
+        "name": r["schedule"],
+        "net": r["network"],
+        "meas": f"{r['s_per_update']:.3f}",
+        "sim": f"{r['sim_s']:.3f}",
+        "rs": f"{r['measured_over_sim']:.2f}",
+        "rep": f"{r['replay_s']:.3f}",
+        "rr": f"{r['measured_over_replay']:.2f}",
+        "sync": f"{r['sync_s']:.3f}",
+      }
+    )
+  print(
+    common.format_table(
+      rows,
+      [
+        ("name", "schedule"),
+        ("net", "network"),
+        ("meas", "measured s/update"),
+        ("sim", "simulated s"),
+        ("rs", "measured/sim"),
+        ("rep", "replayed ticks s"),
+        ("rr", "measured/replay"),
+        ("sync", "of which sync s"),
+      ],
+    )
+  )
+  data = {
+    "machine": common.machine(),
+    "topology": str(args.topology),
+    "model": skippipe_prediction.MODEL,
+    "costs": measured,
+    "link_checks": checks,
+    "runs": results,
+    "args": {k: str(v) for k, v in vars(args).items()},
+  }
   print(f"wrote {common.write_json(args.out, data)}")
   return 0
 

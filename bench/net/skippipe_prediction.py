@@ -14,10 +14,17 @@ from acco_jax.skippipe import simulate
 
 # The model and batch: 4 one-block stages of width 256, 4 microbatches of 4 x 128 tokens.
 MODEL = {
-  "model.D": 256, "model.N": 4, "model.H": 4, "data.seq_len": 128, "batch.microbatch_size": 4,
-  "batch.microbatches": 4, "pipeline.stages": 4, "pipeline.skip": 0.25, "pipeline.swap": True,
+  "model.D": 256,
+  "model.N": 4,
+  "model.H": 4,
+  "data.seq_len": 128,
+  "batch.microbatch_size": 4,
+  "batch.microbatches": 4,
+  "pipeline.stages": 4,
+  "pipeline.skip": 0.25,
+  "pipeline.swap": True,
   "pipeline.seed": 0,
-}  # fmt: skip
+}
 
 
 # -- per-stage costs ------------------------------------------------------------------------------
@@ -60,8 +67,13 @@ def measure_costs(overrides: dict, reps: int) -> dict:
     out, pull = jax.vjp(first, bl, sh)
     return pull(jnp.ones_like(out))
 
-  ops = {"F0": (first, (blocks, shared)), "F": (run, (blocks, x)), "H": (head, (shared, x)),
-         "B": (back, (blocks, x)), "B0": (back0, (blocks, shared))}  # fmt: skip
+  ops = {
+    "F0": (first, (blocks, shared)),
+    "F": (run, (blocks, x)),
+    "H": (head, (shared, x)),
+    "B": (back, (blocks, x)),
+    "B0": (back0, (blocks, shared)),
+  }
   out = {}
   for name, (fn, args) in ops.items():
     f = jax.jit(fn)
@@ -73,8 +85,12 @@ def measure_costs(overrides: dict, reps: int) -> dict:
       times.append(time.perf_counter() - t0)
     out[name] = statistics.median(times)
   shared_values = sum(int(v.size) for v in jax.tree.leaves(shared))
-  return {"op_s": out, "stages": S, "act_bytes": 2.0 * B * L * cfg.D,
-          "shared_grad_bytes": 4.0 * shared_values}  # fmt: skip
+  return {
+    "op_s": out,
+    "stages": S,
+    "act_bytes": 2.0 * B * L * cfg.D,
+    "shared_grad_bytes": 4.0 * shared_values,
+  }
 
 
 def costs_of(measured: dict) -> simulate.Costs:
@@ -135,8 +151,13 @@ def predict(topo, measured: dict, overrides: dict) -> dict:
   routes = [simulate.Route(0, tuple(path), tuple(path)) for path in paths]  # node s holds stage s
   sim = simulate.simulate(topo, costs, routes, policy).makespan
   replay = simulate.replay(topo, costs, routes, runtime_order(schedule)).makespan
-  return {"policy": policy, "ticks": schedule.num_ticks, "sim_s": sim + sync,
-          "replay_s": replay + sync, "sync_s": sync}  # fmt: skip
+  return {
+    "policy": policy,
+    "ticks": schedule.num_ticks,
+    "sim_s": sim + sync,
+    "replay_s": replay + sync,
+    "sync_s": sync,
+  }
 
 
 def predict_plan(topo, costs: simulate.Costs, config) -> dict:
@@ -152,6 +173,10 @@ def predict_plan(topo, costs: simulate.Costs, config) -> dict:
   plan = planned.plan
   sim = simulate.simulate(topo, costs, plan.routes(), "fifo").makespan
   replay = simulate.replay(topo, costs, plan.routes(), plan.order).makespan
-  return {"policy": "plan", "partition": [list(x) for x in planned.partition],
-          "paths": [list(r.path) for r in plan.routes()], "sim_s": sim,
-          "replay_s": replay}  # fmt: skip
+  return {
+    "policy": "plan",
+    "partition": [list(x) for x in planned.partition],
+    "paths": [list(r.path) for r in plan.routes()],
+    "sim_s": sim,
+    "replay_s": replay,
+  }

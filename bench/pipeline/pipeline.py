@@ -1,8 +1,8 @@
 r"""Pipelines over a ``stage`` axis: bubbles, CPU time per iteration, and memory per device on GPUs.
 
-  python bench/pipeline/pipeline.py --parts bubbles,cpu  # the host parts (a few minutes on 2 cores)
-  python bench/pipeline/pipeline.py --parts bubbles      # the host-only tick table
-  PYTHONPATH=.:<dir with jax_plugins> python bench/pipeline/pipeline.py --parts aot   # ~10 min on 2 cores
+  python -m bench.pipeline.pipeline --parts bubbles,cpu  # the host parts (a few minutes on 2 cores)
+  python -m bench.pipeline.pipeline --parts bubbles      # the host-only tick table
+  PYTHONPATH=.:<dir with jax_plugins> python -m bench.pipeline.pipeline --parts aot   # ~10 min on 2 cores
 
 1. **Bubbles** (host only): for the same M microbatches, the tick count, the idle share of
    (tick, stage) cells and the activation slots per device of GPipe and 1F1B on full paths and of
@@ -30,8 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 
 def _schedules(S: int, M: int, seed: int = 0):
@@ -57,14 +56,32 @@ def bubbles(args) -> dict:
     for M in (8, 16):
       for name, paths, s in _schedules(S, M):
         busy = int((s.kind != 0).sum())
-        rows.append({
-          "S": S, "M": M, "schedule": name, "paths": paths, "ticks": s.num_ticks,
-          "busy_ops": busy, "idle": f"{s.idle_fraction():.3f}", "slots": s.slots,
-          "rounds": s.perm.shape[1], "perms": len(s.perms) - 1,
-        })  # fmt: skip
-  cols = [("S", "S"), ("M", "M"), ("schedule", "schedule"), ("paths", "paths"), ("ticks", "ticks"),
-          ("busy_ops", "ops"), ("idle", "idle share"), ("slots", "act. slots/device"),
-          ("rounds", "rounds/tick"), ("perms", "distinct perms")]  # fmt: skip
+        rows.append(
+          {
+            "S": S,
+            "M": M,
+            "schedule": name,
+            "paths": paths,
+            "ticks": s.num_ticks,
+            "busy_ops": busy,
+            "idle": f"{s.idle_fraction():.3f}",
+            "slots": s.slots,
+            "rounds": s.perm.shape[1],
+            "perms": len(s.perms) - 1,
+          }
+        )
+  cols = [
+    ("S", "S"),
+    ("M", "M"),
+    ("schedule", "schedule"),
+    ("paths", "paths"),
+    ("ticks", "ticks"),
+    ("busy_ops", "ops"),
+    ("idle", "idle share"),
+    ("slots", "act. slots/device"),
+    ("rounds", "rounds/tick"),
+    ("perms", "distinct perms"),
+  ]
   return {"rows": rows, "table": common.format_table(rows, cols)}
 
 
@@ -96,14 +113,27 @@ def cpu_worker(args) -> dict:
       t0 = time.perf_counter()
       jax.block_until_ready(compiled(pp, batch))
       times.append(time.perf_counter() - t0)
-    rows.append({"schedule": name, "paths": paths, "ticks": sched.num_ticks,
-                 "ms": round(1e3 * statistics.median(times), 1), "compile_s": round(compile_s, 1)})  # fmt: skip
+    rows.append(
+      {
+        "schedule": name,
+        "paths": paths,
+        "ticks": sched.num_ticks,
+        "ms": round(1e3 * statistics.median(times), 1),
+        "compile_s": round(compile_s, 1),
+      }
+    )
     common.log(f"cpu {name} {paths}: {rows[-1]['ms']} ms")
   base = rows[0]["ms"]
   for r in rows:
     r["vs_gpipe"] = f"{r['ms'] / base:.2f}"
-  return {"rows": rows, "model": "D=256 N=4 H=4 L=128 V=2048 float32", "S": S, "lanes": lanes,
-          "M": M, "rows_per_microbatch": B}  # fmt: skip
+  return {
+    "rows": rows,
+    "model": "D=256 N=4 H=4 L=128 V=2048 float32",
+    "S": S,
+    "lanes": lanes,
+    "M": M,
+    "rows_per_microbatch": B,
+  }
 
 
 # -- AOT memory per device -------------------------------------------------------------------------
@@ -113,8 +143,14 @@ MEMORY_METHODS = ("ddp", "zero1", "acco")
 _GPT2 = dict(L=1024, V=50257, vocab_multiple=128, dtype="bfloat16", attention="xla")
 
 
-def memory_plan(rows: str = "all", models=tuple(MEMORY_MODELS), stages=(4, 8), lanes=(1, 2),
-                methods=MEMORY_METHODS, controls: bool = True) -> list[dict]:  # fmt: skip
+def memory_plan(
+  rows: str = "all",
+  models=tuple(MEMORY_MODELS),
+  stages=(4, 8),
+  lanes=(1, 2),
+  methods=MEMORY_METHODS,
+  controls: bool = True,
+) -> list[dict]:
   """The AOT table's rows: model x S x lanes x data method, blocks split by
   :func:`acco_jax.pipeline.packing.balanced_counts`. ``rows='lanes2'`` keeps zero1 and acco at 2
   lanes only (with one lane zero1 shards over nothing, so its state is DDP's). ``controls``: after
@@ -154,9 +190,20 @@ def topology(num_devices: int) -> tuple[int, int]:
 def adamw():
   import ml_collections
 
-  return ml_collections.ConfigDict(dict(name="adamw", lr=6e-4, b1=0.9, b2=0.95, eps=1e-8,
-                                        weight_decay=0.1, clip_norm=1.0, schedule="cosine",
-                                        warmup_updates=10, min_lr_ratio=0.1))  # fmt: skip
+  return ml_collections.ConfigDict(
+    dict(
+      name="adamw",
+      lr=6e-4,
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      weight_decay=0.1,
+      clip_norm=1.0,
+      schedule="cosine",
+      warmup_updates=10,
+      min_lr_ratio=0.1,
+    )
+  )
 
 
 def model_config(preset: str, smoke: bool = False):
@@ -184,9 +231,10 @@ def compile_memory(train, state, mesh, cfg, lanes: int, M: int, B: int) -> dict:
   from acco_jax.pipeline import step as pipe
 
   spec = P(pipe.DATA) if lanes > 1 else P()
-  batch = {k: jax.ShapeDtypeStruct((lanes * M * B, cfg.L), jnp.int32,
-                                   sharding=NamedSharding(mesh, spec))
-           for k in ("inputs", "targets")}  # fmt: skip
+  batch = {
+    k: jax.ShapeDtypeStruct((lanes * M * B, cfg.L), jnp.int32, sharding=NamedSharding(mesh, spec))
+    for k in ("inputs", "targets")
+  }
   t0 = time.perf_counter()
   compiled = jax.jit(train._step, donate_argnums=(0,)).lower(state, batch).compile()
   compile_s = time.perf_counter() - t0
@@ -196,11 +244,15 @@ def compile_memory(train, state, mesh, cfg, lanes: int, M: int, B: int) -> dict:
   args, temp = mem.argument_size_in_bytes, mem.temp_size_in_bytes
   out, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
   return {
-    "state_GiB": gib(common.shard_bytes(state)), "state_fields_GiB": fields,
-    "argument_GiB": gib(args), "temp_GiB": gib(temp), "output_GiB": gib(out),
-    "alias_GiB": gib(alias), "total_GiB": gib(args + temp + out - alias),
+    "state_GiB": gib(common.shard_bytes(state)),
+    "state_fields_GiB": fields,
+    "argument_GiB": gib(args),
+    "temp_GiB": gib(temp),
+    "output_GiB": gib(out),
+    "alias_GiB": gib(alias),
+    "total_GiB": gib(args + temp + out - alias),
     "compile_s": round(compile_s),
-  }  # fmt: skip
+  }
 
 
 def block_and_shared(shapes) -> tuple[int, int]:
@@ -231,8 +283,12 @@ def aot_worker(args) -> dict:
   shapes = jax.eval_shape(lambda: model.init_params(cfg, 0))
   devices, topo = abstract_devices(S * lanes)
   if r.get("split") == "equal" and cfg.N % S:
-    return {**r, "model": MEMORY_MODELS.get(r["preset"], r["preset"]), "topology": topo,
-            "not_possible": f"not possible ({cfg.N} blocks on {S} equal stages)"}  # fmt: skip
+    return {
+      **r,
+      "model": MEMORY_MODELS.get(r["preset"], r["preset"]),
+      "topology": topo,
+      "not_possible": f"not possible ({cfg.N} blocks on {S} equal stages)",
+    }
   equal = r.get("split") == "equal"
   counts = packing.equal_counts(cfg.N, S) if equal else packing.balanced_counts(cfg, S)
   sched = ticks.build([paths.full_path(S)] * M, S, "1f1b")
@@ -247,23 +303,40 @@ def aot_worker(args) -> dict:
   held = sum(train.packing.sizes.values())  # every stage's buffers have the same length
   own = [c * block + (shared if s == 0 else 0) for s, c in enumerate(counts)]
   row = {
-    **r, "model": MEMORY_MODELS[r["preset"]], "layout": "packed", "topology": topo,
-    "blocks": ",".join(map(str, counts)), "params_M": round(model.num_params(shapes) / 1e6, 1),
-    "held_M": round(held / 1e6, 1), "idle_M": round((held - min(own)) / 1e6, 1),
-    "ticks": sched.num_ticks, "slots": sched.slots, "device_kind": devices[0].device_kind,
+    **r,
+    "model": MEMORY_MODELS[r["preset"]],
+    "layout": "packed",
+    "topology": topo,
+    "blocks": ",".join(map(str, counts)),
+    "params_M": round(model.num_params(shapes) / 1e6, 1),
+    "held_M": round(held / 1e6, 1),
+    "idle_M": round((held - min(own)) / 1e6, 1),
+    "ticks": sched.num_ticks,
+    "slots": sched.slots,
+    "device_kind": devices[0].device_kind,
     **compile_memory(train, state, mesh, cfg, lanes, M, B),
-  }  # fmt: skip
+  }
   common.log(f"aot {args.row}: {row}")
   return row
 
 
 MEMORY_COLUMNS = [
-  ("model", "model"), ("S", "S"), ("lanes", "lanes"), ("topology", "topology"),
-  ("data_method", "data method"), ("split", "split"), ("blocks", "blocks per stage"),
-  ("held_M", "params/device M"), ("idle_M", "unused M"), ("state_GiB", "state GiB"),
-  ("argument_GiB", "args GiB"), ("temp_GiB", "temp GiB"), ("output_GiB", "out GiB"),
-  ("total_GiB", "sum GiB"), ("compile_s", "compile s"),
-]  # fmt: skip
+  ("model", "model"),
+  ("S", "S"),
+  ("lanes", "lanes"),
+  ("topology", "topology"),
+  ("data_method", "data method"),
+  ("split", "split"),
+  ("blocks", "blocks per stage"),
+  ("held_M", "params/device M"),
+  ("idle_M", "unused M"),
+  ("state_GiB", "state GiB"),
+  ("argument_GiB", "args GiB"),
+  ("temp_GiB", "temp GiB"),
+  ("output_GiB", "out GiB"),
+  ("total_GiB", "sum GiB"),
+  ("compile_s", "compile s"),
+]
 
 
 def memory_table(rows: list[dict]) -> str:
@@ -271,14 +344,20 @@ def memory_table(rows: list[dict]) -> str:
     r = {"split": "balanced", **r}
     if "not_possible" in r:
       return {**r, "blocks": r["not_possible"]}
-    return {**r, **{k: f"{r[k]:.2f}" for k in ("state_GiB", "argument_GiB", "temp_GiB",
-                                                "output_GiB", "total_GiB")}}  # fmt: skip
+    return {
+      **r,
+      **{
+        k: f"{r[k]:.2f}"
+        for k in ("state_GiB", "argument_GiB", "temp_GiB", "output_GiB", "total_GiB")
+      },
+    }
 
   return common.format_table([cell(r) for r in rows], MEMORY_COLUMNS)
 
 
-def run_memory_rows(script: str, plan: list[dict], out_path: Path, flags: list[str],
-                    resume: bool, header: dict) -> dict:  # fmt: skip
+def run_memory_rows(
+  module: str, plan: list[dict], out_path: Path, flags: list[str], resume: bool, header: dict
+) -> dict:
   """Runs each row of ``plan`` in its own worker process (``--kind aot --row KEY``) and rewrites
   ``out_path`` after each, so a long run keeps what it finished; with ``resume``, rows already in
   ``out_path`` (same key, same flags) are kept instead of compiled again."""
@@ -291,7 +370,7 @@ def run_memory_rows(script: str, plan: list[dict], out_path: Path, flags: list[s
   for spec in plan:
     key = row_key(spec)
     if key not in done:
-      row = common.run_worker(script, 1, ["--kind", "aot", "--row", key, *flags], timeout=3600)
+      row = common.run_worker(module, 1, ["--kind", "aot", "--row", key, *flags], timeout=3600)
       if "skipped" in row:
         return {**res, "skipped": row["skipped"]}
       done[key] = {"key": key, **row}
@@ -312,8 +391,12 @@ def main():
   ap.add_argument("--out", default=str(common.RESULTS / "pipeline.json"))
   ap.add_argument("--memory-out", default=str(common.RESULTS / "pipeline_memory.json"))
   ap.add_argument("--models", default=",".join(MEMORY_MODELS), help="AOT: model presets")
-  ap.add_argument("--memory-rows", choices=("all", "lanes2"), default="all",
-                  help="AOT: lanes2 runs zero1 and acco at 2 lanes only")  # fmt: skip
+  ap.add_argument(
+    "--memory-rows",
+    choices=("all", "lanes2"),
+    default="all",
+    help="AOT: lanes2 runs zero1 and acco at 2 lanes only",
+  )
   ap.add_argument("--resume", action="store_true", help="AOT: keep rows already in --memory-out")
   ap.add_argument("--row", default="", help="worker: model:S:lanes:data_method")
   ap.add_argument("--smoke", action="store_true", help="worker: toy widths (tests)")
@@ -324,35 +407,59 @@ def main():
     return
   parts = args.parts.split(",")
   out = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
-  out["command"] = "python bench/pipeline/pipeline.py " + " ".join(sys.argv[1:])
-  flags = ["--microbatches", str(args.microbatches), "--repeats", str(args.repeats),
-           "--rows", str(args.rows)]  # fmt: skip
+  out["command"] = "python -m bench.pipeline.pipeline " + " ".join(sys.argv[1:])
+  flags = [
+    "--microbatches",
+    str(args.microbatches),
+    "--repeats",
+    str(args.repeats),
+    "--rows",
+    str(args.rows),
+  ]
   if "bubbles" in parts:
     out["bubbles"] = bubbles(args)
     print("Bubbles (ticks; idle share of tick x stage cells; activation slots per device)")
     print(out["bubbles"]["table"], flush=True)
   if "cpu" in parts:
-    res = common.run_worker(__file__, 8, ["--kind", "cpu", *flags], timeout=1800)
-    cols = [("schedule", "schedule"), ("paths", "paths"), ("ticks", "ticks"), ("ms", "ms/iter"),
-            ("vs_gpipe", "vs GPipe"), ("compile_s", "compile s")]  # fmt: skip
+    res = common.run_worker(__spec__.name, 8, ["--kind", "cpu", *flags], timeout=1800)
+    cols = [
+      ("schedule", "schedule"),
+      ("paths", "paths"),
+      ("ticks", "ticks"),
+      ("ms", "ms/iter"),
+      ("vs_gpipe", "vs GPipe"),
+      ("compile_s", "compile s"),
+    ]
     res["table"] = common.format_table(res["rows"], cols)
     out["cpu"] = res
-    print(f"\nCPU, 8 simulated devices, {res['lanes']} lanes x {res['S']} stages, M={res['M']}, "
-          f"{res['model']}: median of {args.repeats}")  # fmt: skip
+    print(
+      f"\nCPU, 8 simulated devices, {res['lanes']} lanes x {res['S']} stages, M={res['M']}, "
+      f"{res['model']}: median of {args.repeats}"
+    )
     print(res["table"], flush=True)
   if "aot" in parts:
     plan = memory_plan(args.memory_rows, args.models.split(","))
-    header = {"command": out["command"], "layout": "packed (this checkout)", "M": args.microbatches,
-              "rows_per_microbatch": args.rows, "schedule": "1f1b, full paths",
-              "model_kwargs": _GPT2, "optimizer": "adamw (clip 1.0), float32 state",
-              "comm_dtype": "bfloat16 (zero1, acco)"}  # fmt: skip
+    header = {
+      "command": out["command"],
+      "layout": "packed (this checkout)",
+      "M": args.microbatches,
+      "rows_per_microbatch": args.rows,
+      "schedule": "1f1b, full paths",
+      "model_kwargs": _GPT2,
+      "optimizer": "adamw (clip 1.0), float32 state",
+      "comm_dtype": "bfloat16 (zero1, acco)",
+    }
     aot_flags = ["--microbatches", str(args.microbatches), "--rows", str(args.rows)]
-    res = run_memory_rows(__file__, plan, Path(args.memory_out), aot_flags, args.resume, header)
+    res = run_memory_rows(
+      __spec__.name, plan, Path(args.memory_out), aot_flags, args.resume, header
+    )
     if "skipped" in res:
       print(f"\nAOT: skipped: {res['skipped']}")
     else:
-      print(f"\nAOT memory per device (XLA:GPU, abstract H100s), 1F1B, M={args.microbatches} x "
-            f"{args.rows} rows of {_GPT2['L']} tokens per lane")  # fmt: skip
+      print(
+        f"\nAOT memory per device (XLA:GPU, abstract H100s), 1F1B, M={args.microbatches} x "
+        f"{args.rows} rows of {_GPT2['L']} tokens per lane"
+      )
       print(res["table"], flush=True)
       print(f"wrote {args.memory_out}")
   if {"bubbles", "cpu"} & set(parts):  # the AOT part writes --memory-out only

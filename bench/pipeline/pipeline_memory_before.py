@@ -1,13 +1,13 @@
-r"""The AOT memory table of ``bench/pipeline/pipeline.py --parts aot`` for the layout before the packed one.
+r"""The AOT memory table of ``python -m bench.pipeline.pipeline --parts aot`` for the layout before the packed one.
 
 Before commit 762a798 (at 33a96f6) a pipeline state held the blocks stacked and sharded over
 ``stage`` (equal stages only) and the embedding, position embedding and final LayerNorm replicated
 on every stage, with DDP over the data lanes. This script compiles the same rows (model x S x lanes,
 1F1B on full paths, AdamW, the same abstract H100 topologies and batch) against a checkout of that
-commit, for the "before" columns of docs/benchmarks.md "Pipeline":
+commit, for the "before" columns of docs/benchmarks/pipeline.md "Pipeline":
 
   git worktree add /tmp/old 33a96f6 --detach
-  PYTHONPATH=/tmp/old:<dir with jax_plugins> python bench/pipeline/pipeline_memory_before.py --repo /tmp/old
+  PYTHONPATH=/tmp/old:<dir with jax_plugins> python -m bench.pipeline.pipeline_memory_before --repo /tmp/old
 
 Rows whose blocks do not split into equal stages (GPT-2 124M's 12 blocks on 8 stages) are listed as
 not possible. Writes ``bench/results/pipeline_memory_before.json``.
@@ -20,13 +20,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
-from bench.pipeline import pipeline as bench  # noqa: E402
+from bench import common
+from bench.pipeline import pipeline as bench
 
 
 def use_old_checkout(repo: str) -> None:
-  """Puts ``repo`` first on ``sys.path`` (``common`` put this checkout there) and checks that its
+  """Puts ``repo`` first on ``sys.path`` (before this checkout, where ``python -m`` found
+  ``bench``) and checks that its
   ``acco_jax`` is the replicated layout's."""
   root = Path(repo).resolve()
   sys.path.insert(0, str(root))
@@ -60,9 +60,14 @@ def aot_worker(args) -> dict:
   cfg = bench.model_config(r["preset"])
   shapes = jax.eval_shape(lambda: model.init_params(cfg, 0))
   n, hosts = bench.topology(S * lanes)
-  row = {**r, "model": bench.MEMORY_MODELS[r["preset"]], "layout": "replicated (33a96f6)",
-         "split": "equal", "topology": f"{hosts}x{n // hosts}",
-         "params_M": round(model.num_params(shapes) / 1e6, 1)}  # fmt: skip
+  row = {
+    **r,
+    "model": bench.MEMORY_MODELS[r["preset"]],
+    "layout": "replicated (33a96f6)",
+    "split": "equal",
+    "topology": f"{hosts}x{n // hosts}",
+    "params_M": round(model.num_params(shapes) / 1e6, 1),
+  }
   if cfg.N % S:
     return {**row, "not_possible": f"not possible ({cfg.N} blocks on {S} equal stages)"}
   devices, _ = bench.abstract_devices(S * lanes)
@@ -72,13 +77,17 @@ def aot_worker(args) -> dict:
   train = pipe_train.PipelineTrainStep(cfg, tx, mesh, sched, shapes)
   state = train.abstract_state(shapes)
   block, shared = bench.block_and_shared(shapes)
-  row.update({
-    "blocks": ",".join([str(cfg.N // S)] * S),
-    "held_M": round((cfg.N // S * block + shared) / 1e6, 1),
-    "idle_M": round(shared / 1e6, 1), "ticks": sched.num_ticks, "slots": sched.slots,
-    "device_kind": devices[0].device_kind,
-    **bench.compile_memory(train, state, mesh, cfg, lanes, M, B),
-  })  # fmt: skip
+  row.update(
+    {
+      "blocks": ",".join([str(cfg.N // S)] * S),
+      "held_M": round((cfg.N // S * block + shared) / 1e6, 1),
+      "idle_M": round(shared / 1e6, 1),
+      "ticks": sched.num_ticks,
+      "slots": sched.slots,
+      "device_kind": devices[0].device_kind,
+      **bench.compile_memory(train, state, mesh, cfg, lanes, M, B),
+    }
+  )
   common.log(f"aot before {args.row}: {row}")
   return row
 
@@ -99,19 +108,30 @@ def main():
     Path(args.worker).write_text(json.dumps(aot_worker(args)))
     return
   plan = bench.memory_plan("all", args.models.split(","), methods=("ddp",), controls=False)
-  header = {"command": "python bench/pipeline/pipeline_memory_before.py " + " ".join(sys.argv[1:]),
-            "layout": "replicated embedding and head, equal stages, DDP lanes (33a96f6)",
-            "M": args.microbatches, "rows_per_microbatch": args.rows,
-            "schedule": "1f1b, full paths",
-            "optimizer": "adamw (clip 1.0), float32 state"}  # fmt: skip
-  flags = ["--repo", str(Path(args.repo).resolve()), "--microbatches", str(args.microbatches),
-           "--rows", str(args.rows)]  # fmt: skip
-  res = bench.run_memory_rows(__file__, plan, Path(args.out), flags, args.resume, header)
+  header = {
+    "command": "python -m bench.pipeline.pipeline_memory_before " + " ".join(sys.argv[1:]),
+    "layout": "replicated embedding and head, equal stages, DDP lanes (33a96f6)",
+    "M": args.microbatches,
+    "rows_per_microbatch": args.rows,
+    "schedule": "1f1b, full paths",
+    "optimizer": "adamw (clip 1.0), float32 state",
+  }
+  flags = [
+    "--repo",
+    str(Path(args.repo).resolve()),
+    "--microbatches",
+    str(args.microbatches),
+    "--rows",
+    str(args.rows),
+  ]
+  res = bench.run_memory_rows(__spec__.name, plan, Path(args.out), flags, args.resume, header)
   if "skipped" in res:
     print(f"skipped: {res['skipped']}")
     return
-  print(f"AOT memory per device, replicated layout (33a96f6), 1F1B, M={args.microbatches} x "
-        f"{args.rows} rows per lane")  # fmt: skip
+  print(
+    f"AOT memory per device, replicated layout (33a96f6), 1F1B, M={args.microbatches} x "
+    f"{args.rows} rows per lane"
+  )
   print(res["table"])
   print(f"wrote {args.out}")
 

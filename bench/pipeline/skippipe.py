@@ -37,15 +37,15 @@ Four tables (``--part``):
 
 Usage::
 
-  python bench/pipeline/skippipe.py --part sim                        # seconds to a minute
-  python bench/pipeline/skippipe.py --part sim-allreduce              # about a minute
-  python bench/pipeline/skippipe.py --part timeline                   # docs/figures/skippipe_timeline.png
-  python bench/pipeline/skippipe.py --part convergence --seeds 0 1 2  # also writes the omission table;
+  python -m bench.pipeline.skippipe --part sim                        # seconds to a minute
+  python -m bench.pipeline.skippipe --part sim-allreduce              # about a minute
+  python -m bench.pipeline.skippipe --part timeline                   # docs/figures/skippipe_timeline.png
+  python -m bench.pipeline.skippipe --part convergence --seeds 0 1 2  # also writes the omission table;
                                                              # rerun: goes on from written runs
-  python bench/pipeline/skippipe.py --part pipeline-convergence       # about 10 minutes
-  python bench/pipeline/skippipe.py --part plan --config configs/gpt2_skippipe.py:tiny --devices 8
+  python -m bench.pipeline.skippipe --part pipeline-convergence       # about 10 minutes
+  python -m bench.pipeline.skippipe --part plan --config configs/gpt2_skippipe.py:tiny --devices 8
                                         # the plan train.py --config.method=pipeline trains
-  python bench/pipeline/skippipe.py --smoke --out /tmp/sp             # CI: a sliver of each part
+  python -m bench.pipeline.skippipe --smoke --out /tmp/sp             # CI: a sliver of each part
 
 Writes ``bench/results/skippipe_sim.json``, ``skippipe_sim_allreduce.json`` and
 ``skippipe_convergence.json`` (with ``skippipe_convergence_runs.json``, the runs so far), and
@@ -60,16 +60,22 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
 import numpy as np
 
-from bench import common  # noqa: E402
-from bench.pipeline import skippipe_sim  # noqa: E402
+from bench import common
+from bench.pipeline import skippipe_sim
 
-PARTS = ("sim", "sim-allreduce", "timeline", "convergence", "collect", "pipeline-convergence",
-         "plan", "all")  # fmt: skip
+PARTS = (
+  "sim",
+  "sim-allreduce",
+  "timeline",
+  "convergence",
+  "collect",
+  "pipeline-convergence",
+  "plan",
+  "all",
+)
 
 
 # -- convergence and omission: one worker process per seed, 8 simulated devices --------------------
@@ -167,14 +173,20 @@ def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None
           )
         params, losses = _train(run, config, orders)
         full = evaluate(run, config, params)
-        row = dict(seed=seed, skip=None if swap is None else skip, swap=bool(swap),
-                   eval_loss=full, train_loss_last=losses[-1],
-                   wall_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+        row = dict(
+          seed=seed,
+          skip=None if swap is None else skip,
+          swap=bool(swap),
+          eval_loss=full,
+          train_loss_last=losses[-1],
+          wall_s=round(time.perf_counter() - t0, 1),
+        )
         if swap is None or (skip == omission_skip and not swap):
           row["half_every_other"] = evaluate(run, config, params, half_every_other)
           row["half_random"] = [evaluate(run, config, params, o) for o in half_random]
-        common.log(f"  seed {seed} skip={row['skip']} swap={swap}: eval {full:.4f} "
-                   f"({row['wall_s']} s)")  # fmt: skip
+        common.log(
+          f"  seed {seed} skip={row['skip']} swap={swap}: eval {full:.4f} ({row['wall_s']} s)"
+        )
         results.append(row)
         common.write_json(out, {"setting": conv, "rows": results})
 
@@ -188,8 +200,10 @@ def _done_runs(out: str, conv: dict) -> list[dict]:
     return []
   data = json.loads(path.read_text())
   if data.get("setting") != conv:
-    sys.exit(f"error: {path} holds runs of another setting ({data.get('setting')}); "
-             f"pass --out to another folder, or move it away to start over")  # fmt: skip
+    sys.exit(
+      f"error: {path} holds runs of another setting ({data.get('setting')}); "
+      f"pass --out to another folder, or move it away to start over"
+    )
   return data["rows"]
 
 
@@ -199,20 +213,24 @@ def summarise(rows: list[dict]) -> tuple[list[dict], list[dict]]:
   base = [r["eval_loss"] for r in rows if r["skip"] is None]
   normal = {r["seed"]: r["eval_loss"] for r in rows if r["skip"] is None}
   for has, skip, swap in keys:
-    sel = [r for r in rows if (r["skip"] is not None) == has and (r["skip"] or 0.0) == skip
-           and r["swap"] == swap]  # fmt: skip
+    sel = [
+      r
+      for r in rows
+      if (r["skip"] is not None) == has and (r["skip"] or 0.0) == skip and r["swap"] == swap
+    ]
     vals = [r["eval_loss"] for r in sel]
     ratios = [r["eval_loss"] / normal[r["seed"]] - 1 for r in sorted(sel, key=lambda r: r["seed"])]
     conv.append(
       dict(
-        run="normal" if not has else f"skip {skip}", swap=swap if has else "",
+        run="normal" if not has else f"skip {skip}",
+        swap=swap if has else "",
         eval_loss=f"{statistics.mean(vals):.4f} ± {statistics.pstdev(vals):.4f}",
         vs_normal=f"{statistics.mean(vals) / statistics.mean(base) - 1:+.1%}",
         per_seed=" ".join(f"{100 * x:+.1f}" for x in ratios) if has else "",
         median=f"{statistics.median(ratios):+.1%}" if has else "",
         seeds=len(vals),
       )
-    )  # fmt: skip
+    )
     if any("half_every_other" in r for r in sel):
       full = [r["eval_loss"] for r in sel]
       half = [r["half_every_other"] for r in sel]
@@ -220,24 +238,34 @@ def summarise(rows: list[dict]) -> tuple[list[dict], list[dict]]:
       omit.append(
         dict(
           trained="normal" if not has else f"SkipPipe skip {skip}",
-          full=f"{statistics.mean(full):.4f}", half_every_other=f"{statistics.mean(half):.4f}",
+          full=f"{statistics.mean(full):.4f}",
+          half_every_other=f"{statistics.mean(half):.4f}",
           half_rel=f"{statistics.mean(h / f for h, f in zip(half, full, strict=True)) - 1:+.1%}",
           ppl_rel=f"{statistics.mean(np.exp(h - f) for h, f in zip(half, full, strict=True)) - 1:+.0%}",
           half_random=f"{statistics.mean(rnd):.4f}",
           random_ppl_rel=f"{statistics.mean(np.exp(h - f) for h, f in zip(rnd, full, strict=True)) - 1:+.0%}",
         )
-      )  # fmt: skip
+      )
   return conv, omit
 
 
-CONV_COLUMNS = [("run", "run"), ("swap", "swap"), ("eval_loss", "eval loss (full model)"),
-                ("vs_normal", "vs normal"), ("per_seed", "per seed, % (by seed)"),
-                ("median", "median"), ("seeds", "seeds")]  # fmt: skip
+CONV_COLUMNS = [
+  ("run", "run"),
+  ("swap", "swap"),
+  ("eval_loss", "eval loss (full model)"),
+  ("vs_normal", "vs normal"),
+  ("per_seed", "per seed, % (by seed)"),
+  ("median", "median"),
+  ("seeds", "seeds"),
+]
 OMIT_COLUMNS = [
-  ("trained", "trained"), ("full", "full"), ("half_every_other", "half (every other stage)"),
-  ("ppl_rel", "ppl vs full"), ("half_random", "random half-paths (mean of 5)"),
+  ("trained", "trained"),
+  ("full", "full"),
+  ("half_every_other", "half (every other stage)"),
+  ("ppl_rel", "ppl vs full"),
+  ("half_random", "random half-paths (mean of 5)"),
   ("random_ppl_rel", "ppl vs full"),
-]  # fmt: skip
+]
 
 
 def main() -> None:
@@ -294,16 +322,21 @@ def main() -> None:
     print(common.format_table(rows, skippipe_sim.SIM_ALLREDUCE_COLUMNS))
     common.write_json(
       out / "skippipe_sim_allreduce.json",
-      {"benchmark": "skippipe_sim_allreduce", "machine": common.machine(), "wall_s": wall,
-       "grad_bytes_per_value": 2, "rows": rows},
-    )  # fmt: skip
+      {
+        "benchmark": "skippipe_sim_allreduce",
+        "machine": common.machine(),
+        "wall_s": wall,
+        "grad_bytes_per_value": 2,
+        "rows": rows,
+      },
+    )
   if args.part in ("timeline", "all"):
     if args.smoke:
       fig = out / "skippipe_timeline.png"
       out.mkdir(parents=True, exist_ok=True)
       spans = skippipe_sim.timeline(fig, stages=4, num_mb=4, iters=10)
     else:
-      fig = Path(__file__).resolve().parents[2] / "docs" / "figures" / "skippipe_timeline.png"
+      fig = common.REPO / "docs" / "figures" / "skippipe_timeline.png"
       spans = skippipe_sim.timeline(fig)
     print(f"\nwrote {fig}: " + ", ".join(f"{k} {v} s" for k, v in spans.items()))
   if (
@@ -330,16 +363,17 @@ def main() -> None:
     rows, conv = data["rows"], data["setting"]
     per_seed = {s: sum(r["seed"] == s for r in rows) for s in {r["seed"] for r in rows}}
     whole = {s for s, n in per_seed.items() if n == 2 * len(skippipe_sim.SKIPS) + 1}
-    common.log(f"seeds with every run: {sorted(whole)}; left out (incomplete): "
-               f"{sorted(set(per_seed) - whole)}")  # fmt: skip
+    common.log(
+      f"seeds with every run: {sorted(whole)}; left out (incomplete): "
+      f"{sorted(set(per_seed) - whole)}"
+    )
     rows = [r for r in rows if r["seed"] in whole]
   if args.part in ("convergence", "all"):
     out.mkdir(parents=True, exist_ok=True)
     wargs = json.dumps({"seeds": seeds, "conv": conv, "omission_skip": 0.5})
     # grows run by run: a cut-off benchmark keeps its whole seeds (--part collect tabulates them)
     runs_json = out / "skippipe_convergence_runs.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(runs_json),
-           "--worker-args", wargs]  # fmt: skip
+    cmd = common.module_command(__spec__.name, "--worker", str(runs_json), "--worker-args", wargs)
     subprocess.run(cmd, env=common.cpu_env(8), check=True)
     rows = json.loads(runs_json.read_text())["rows"]
     rows = [r for r in rows if r["seed"] in seeds]
@@ -352,9 +386,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     common.write_json(
       out / "skippipe_convergence.json",
-      {"benchmark": "skippipe_convergence", "machine": common.machine(), "setting": conv,
-       "stages": STAGES, "runs": rows, "convergence": conv_rows, "omission": omit_rows},
-    )  # fmt: skip
+      {
+        "benchmark": "skippipe_convergence",
+        "machine": common.machine(),
+        "setting": conv,
+        "stages": STAGES,
+        "runs": rows,
+        "convergence": conv_rows,
+        "omission": omit_rows,
+      },
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """SkipPipe on the pipeline mesh: the scheduled plan against random paths and the full pipeline.
 
-``python bench/pipeline/skippipe.py --part pipeline-convergence`` runs :func:`run` (or this file directly,
+``python -m bench.pipeline.skippipe --part pipeline-convergence`` runs :func:`run` (or this file directly,
 same flags). A small GPT (4 blocks, one per stage) trains with ``method=pipeline`` on 8 simulated
 devices, 2 data lanes x 4 stages, three ways, each for the same number of updates on the same data
 (the seed picks initialisation, data order, and the plan or the random paths):
@@ -44,13 +44,24 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
 import numpy as np
 
-from bench import common  # noqa: E402
+from bench import common
 
-SETTING = dict(D=64, N=4, H=4, seq_len=64, microbatch_size=2, microbatches=4, num_updates=200,
-               lr=3e-3, skip=0.25, swap=True, stages=4, search_iters=200)  # fmt: skip
+SETTING = dict(
+  D=64,
+  N=4,
+  H=4,
+  seq_len=64,
+  microbatch_size=2,
+  microbatches=4,
+  num_updates=200,
+  lr=3e-3,
+  skip=0.25,
+  swap=True,
+  stages=4,
+  search_iters=200,
+)
 VARIANTS = ("scheduled", "random", "full")
 
 
@@ -163,12 +174,20 @@ def worker(out: str, seeds: list[int], setting: dict) -> None:
         for s in range(1, S)
       ]
       row = dict(
-        variant=variant, seed=seed, eval_loss=round(full, 4), train_loss_last=round(losses[-1], 4),
-        visits=stage_visits(run, S), left_out=left_out, moved=_moved(init, params, S),
-        ticks=run.train.schedule.num_ticks, wall_s=round(time.perf_counter() - t0, 1),
-      )  # fmt: skip
-      common.log(f"  {variant} seed {seed}: eval {full:.4f}, visits {row['visits']}, "
-                 f"left out {left_out[1:]}, moved {row['moved']} ({row['wall_s']} s)")  # fmt: skip
+        variant=variant,
+        seed=seed,
+        eval_loss=round(full, 4),
+        train_loss_last=round(losses[-1], 4),
+        visits=stage_visits(run, S),
+        left_out=left_out,
+        moved=_moved(init, params, S),
+        ticks=run.train.schedule.num_ticks,
+        wall_s=round(time.perf_counter() - t0, 1),
+      )
+      common.log(
+        f"  {variant} seed {seed}: eval {full:.4f}, visits {row['visits']}, "
+        f"left out {left_out[1:]}, moved {row['moved']} ({row['wall_s']} s)"
+      )
       rows.append(row)
       common.write_json(out, {"setting": setting, "rows": rows})
 
@@ -180,8 +199,10 @@ def _done_runs(out: str, setting: dict) -> list[dict]:
     return []
   data = json.loads(path.read_text())
   if data.get("setting") != setting:
-    sys.exit(f"error: {path} holds runs of another setting ({data.get('setting')}); pass --out "
-             "to another folder, or move it away to start over")  # fmt: skip
+    sys.exit(
+      f"error: {path} holds runs of another setting ({data.get('setting')}); pass --out "
+      "to another folder, or move it away to start over"
+    )
   return data["rows"]
 
 
@@ -200,21 +221,31 @@ def summarise(rows: list[dict], stages: int) -> tuple[list[dict], list[dict]]:
       continue
     vals = [r["eval_loss"] for r in sel]
     vs = [r["eval_loss"] - full[r["seed"]] for r in sel if r["seed"] in full]
-    loss.append(dict(
-      run=variant, eval_loss=_mean_sd(vals),
-      vs_full=f"{statistics.mean(vs):+.4f}" if vs and variant != "full" else "",
-      per_seed=" ".join(f"{x:.4f}" for x in vals), seeds=len(sel),
-      ticks=" ".join(str(t) for t in sorted({r["ticks"] for r in sel})),
-    ))  # fmt: skip
+    loss.append(
+      dict(
+        run=variant,
+        eval_loss=_mean_sd(vals),
+        vs_full=f"{statistics.mean(vs):+.4f}" if vs and variant != "full" else "",
+        per_seed=" ".join(f"{x:.4f}" for x in vals),
+        seeds=len(sel),
+        ticks=" ".join(str(t) for t in sorted({r["ticks"] for r in sel})),
+      )
+    )
     for s in range(1, stages):
-      per_stage.append(dict(
-        run=variant, stage=s,
-        visits=" ".join(str(r["visits"][s]) for r in sel),
-        left_out=_mean_sd([r["left_out"][s] for r in sel]),
-        moved=_mean_sd([r["moved"][s] for r in sel]),
-        moved_vs_full=_mean_sd([r["moved"][s] / full_moved[r["seed"]][s] for r in sel
-                                if r["seed"] in full_moved]) if variant != "full" else "",
-      ))  # fmt: skip
+      per_stage.append(
+        dict(
+          run=variant,
+          stage=s,
+          visits=" ".join(str(r["visits"][s]) for r in sel),
+          left_out=_mean_sd([r["left_out"][s] for r in sel]),
+          moved=_mean_sd([r["moved"][s] for r in sel]),
+          moved_vs_full=_mean_sd(
+            [r["moved"][s] / full_moved[r["seed"]][s] for r in sel if r["seed"] in full_moved]
+          )
+          if variant != "full"
+          else "",
+        )
+      )
   return loss, per_stage
 
 
@@ -242,12 +273,21 @@ def visit_correlation(rows: list[dict], stages: int) -> dict:
 
 
 LOSS_COLUMNS = [
-  ("run", "run"), ("eval_loss", "eval loss (full model)"), ("vs_full", "vs full"),
-  ("per_seed", "per seed"), ("seeds", "seeds"), ("ticks", "ticks per step"),
-]  # fmt: skip
-STAGE_COLUMNS = [("run", "run"), ("stage", "stage"), ("visits", "visits per step, by seed"),
-                 ("left_out", "loss increase, stage left out"),
-                 ("moved", "|θ - θ0| / |θ0|"), ("moved_vs_full", "that / full's")]  # fmt: skip
+  ("run", "run"),
+  ("eval_loss", "eval loss (full model)"),
+  ("vs_full", "vs full"),
+  ("per_seed", "per seed"),
+  ("seeds", "seeds"),
+  ("ticks", "ticks per step"),
+]
+STAGE_COLUMNS = [
+  ("run", "run"),
+  ("stage", "stage"),
+  ("visits", "visits per step, by seed"),
+  ("left_out", "loss increase, stage left out"),
+  ("moved", "|θ - θ0| / |θ0|"),
+  ("moved_vs_full", "that / full's"),
+]
 
 
 def run(out_dir: Path, seeds: list[int], updates: int | None = None, smoke: bool = False) -> dict:
@@ -260,8 +300,13 @@ def run(out_dir: Path, seeds: list[int], updates: int | None = None, smoke: bool
   out_dir.mkdir(parents=True, exist_ok=True)
   runs_json = out_dir / "skippipe_pipeline_convergence_runs.json"
   t0 = time.perf_counter()
-  cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(runs_json),
-         "--worker-args", json.dumps({"seeds": seeds, "setting": setting})]  # fmt: skip
+  cmd = common.module_command(
+    __spec__.name,
+    "--worker",
+    str(runs_json),
+    "--worker-args",
+    json.dumps({"seeds": seeds, "setting": setting}),
+  )
   subprocess.run(cmd, env=common.cpu_env(8), check=True)
   rows = [r for r in json.loads(runs_json.read_text())["rows"] if r["seed"] in seeds]
   loss, per_stage = summarise(rows, setting["stages"])
@@ -272,11 +317,17 @@ def run(out_dir: Path, seeds: list[int], updates: int | None = None, smoke: bool
   print(common.format_table(per_stage, STAGE_COLUMNS))
   print("\ncorrelation over (seed, stage):", corr)
   result = {
-    "benchmark": "skippipe_pipeline_convergence", "machine": common.machine(),
-    "setting": setting, "seeds": seeds, "wall_s": round(time.perf_counter() - t0, 1),
+    "benchmark": "skippipe_pipeline_convergence",
+    "machine": common.machine(),
+    "setting": setting,
+    "seeds": seeds,
+    "wall_s": round(time.perf_counter() - t0, 1),
     "runs_wall_s": round(sum(r["wall_s"] for r in rows), 1),  # this and earlier invocations
-    "runs": rows, "loss": loss, "per_stage": per_stage, "correlation": corr,
-  }  # fmt: skip
+    "runs": rows,
+    "loss": loss,
+    "per_stage": per_stage,
+    "correlation": corr,
+  }
   common.write_json(out_dir / "skippipe_pipeline_convergence.json", result)
   return result
 
@@ -302,8 +353,10 @@ def plan_report(spec: str, devices: int = 8, out: Path | None = None) -> dict:
     raise SystemExit(f"{spec} runs no scheduled plan (pipeline.schedule=skippipe, paths=scheduled)")
   record = plans.record(planned)
   S = len(planned.partition)
-  print(f"plan for {spec} on {devices} devices, topology {planned.topology.name}: "
-        f"{planned.plan.makespan:.4g} s simulated ({planned.plan.policy} order)")  # fmt: skip
+  print(
+    f"plan for {spec} on {devices} devices, topology {planned.topology.name}: "
+    f"{planned.plan.makespan:.4g} s simulated ({planned.plan.policy} order)"
+  )
   print("stage assignment (node = device):", record["partition"])
   where = {x: (s, lane) for s, p in enumerate(planned.partition) for lane, x in enumerate(p)}
   for b, r in enumerate(planned.plan.routes()):
@@ -311,8 +364,9 @@ def plan_report(spec: str, devices: int = 8, out: Path | None = None) -> dict:
     print(f"  microbatch {b}: path {r.path}: {hops} -> back to lane {where[r.origin][1]}")
   assert len(where) == devices and all(len(p) == devices // S for p in planned.partition)
   if out is not None:
-    common.write_json(out, {"benchmark": "skippipe_plan", "config": spec, "devices": devices,
-                            **record})  # fmt: skip
+    common.write_json(
+      out, {"benchmark": "skippipe_plan", "config": spec, "devices": devices, **record}
+    )
   return record
 
 

@@ -16,8 +16,17 @@ TOPOLOGIES = ("single-cluster", "multi-cluster", "geo")
 SKIPS = (0.0, 0.25, 0.33, 0.5)
 
 
-def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draws=5, iters=400,
-              swaps=(False, True), grad_bytes=0, assign_allreduce=True):  # fmt: skip
+def sim_table(
+  stages=(6, 8),
+  skips=SKIPS,
+  topologies=TOPOLOGIES,
+  num_mb=16,
+  draws=5,
+  iters=400,
+  swaps=(False, True),
+  grad_bytes=0,
+  assign_allreduce=True,
+):
   """The iteration-time table; ``grad_bytes`` > 0 adds each stage's gradient all-reduce (bytes per
   gradient value) to every makespan and the scheduler's objective, and, with
   ``assign_allreduce``, to the stage assignment's cost."""
@@ -50,16 +59,24 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
           bound = bounds.lower_bound(topo, costs, part, num_mb, skip)
           rows.append(
             dict(
-              topology=name, stages=s, skip=skip, k=paths.path_length(s, skip), swap=swap,
-              gpipe_s=round(gpipe, 3), f1b1_s=round(f1b1, 3), random_s=round(rnd, 3),
-              scheduler_s=round(sched.makespan, 3), bound_s=round(bound, 3),
-              sched_vs_bound=round(sched.makespan / bound, 2), sched_order=sched.policy,
+              topology=name,
+              stages=s,
+              skip=skip,
+              k=paths.path_length(s, skip),
+              swap=swap,
+              gpipe_s=round(gpipe, 3),
+              f1b1_s=round(f1b1, 3),
+              random_s=round(rnd, 3),
+              scheduler_s=round(sched.makespan, 3),
+              bound_s=round(bound, 3),
+              sched_vs_bound=round(sched.makespan / bound, 2),
+              sched_order=sched.policy,
               vs_full=f"{baselines.gap(sched.makespan, best_full):+.0%}",
               vs_random=f"{baselines.gap(sched.makespan, rnd):+.0%}",
               assign_cost_s=round(assign.cost(topo, costs, part), 3),
               random_assign_cost_s=round(statistics.median(rnd_part), 3),
             )
-          )  # fmt: skip
+          )
           if grad_bytes:
             pipe = simulate.simulate(topo, costs, sched.routes(), partition=part).pipeline_s
             rows[-1].update(
@@ -70,26 +87,43 @@ def sim_table(stages=(6, 8), skips=SKIPS, topologies=TOPOLOGIES, num_mb=16, draw
                 round(simulate.ring_allreduce_s(topo, nodes, costs.grad_bytes_S[i]), 3)
                 for i, nodes in enumerate(part)
               ],
-            )  # fmt: skip
+            )
       common.log(f"  {name} S={s}: {time.perf_counter() - t0:.1f} s")
   return rows
 
 
 SIM_ALLREDUCE_COLUMNS = [
-  ("topology", "topology"), ("stages", "S"), ("assignment", "assignment priced by"),
-  ("skip", "skip"), ("gpipe_s", "GPipe s"),
-  ("f1b1_s", "1F1B s"), ("random_s", "random s"), ("scheduler_s", "scheduler s"),
-  ("scheduler_pipeline_s", "of which pipeline s"), ("allreduce_share", "all-reduce tail"),
-  ("vs_full", "vs best full"), ("vs_random", "vs random"), ("bound_s", "bound s"),
+  ("topology", "topology"),
+  ("stages", "S"),
+  ("assignment", "assignment priced by"),
+  ("skip", "skip"),
+  ("gpipe_s", "GPipe s"),
+  ("f1b1_s", "1F1B s"),
+  ("random_s", "random s"),
+  ("scheduler_s", "scheduler s"),
+  ("scheduler_pipeline_s", "of which pipeline s"),
+  ("allreduce_share", "all-reduce tail"),
+  ("vs_full", "vs best full"),
+  ("vs_random", "vs random"),
+  ("bound_s", "bound s"),
   ("sched_vs_bound", "sched/bound"),
-]  # fmt: skip
+]
 
 SIM_COLUMNS = [
-  ("topology", "topology"), ("stages", "S"), ("skip", "skip"), ("k", "stages visited"),
-  ("swap", "swap"), ("gpipe_s", "GPipe s"), ("f1b1_s", "1F1B s"), ("random_s", "random s"),
-  ("scheduler_s", "scheduler s"), ("vs_full", "vs best full"), ("vs_random", "vs random"),
-  ("bound_s", "bound s"), ("sched_vs_bound", "sched/bound"),
-]  # fmt: skip
+  ("topology", "topology"),
+  ("stages", "S"),
+  ("skip", "skip"),
+  ("k", "stages visited"),
+  ("swap", "swap"),
+  ("gpipe_s", "GPipe s"),
+  ("f1b1_s", "1F1B s"),
+  ("random_s", "random s"),
+  ("scheduler_s", "scheduler s"),
+  ("vs_full", "vs best full"),
+  ("vs_random", "vs random"),
+  ("bound_s", "bound s"),
+  ("sched_vs_bound", "sched/bound"),
+]
 
 
 def timeline(path, stages=6, skip=0.25, num_mb=16, iters=400, topology_name="geo") -> dict:
@@ -104,16 +138,20 @@ def timeline(path, stages=6, skip=0.25, num_mb=16, iters=400, topology_name="geo
   plans = [
     ("GPipe, full pipeline", baselines.full_pipeline(topo, costs, part, num_mb, "gpipe")),
     ("1F1B, full pipeline", baselines.full_pipeline(topo, costs, part, num_mb, "1f1b")),
-    (f"scheduled, skip {skip} with swaps",
-     schedule.schedule(topo, costs, part, num_mb, skip, True, seed=0, iters=iters)),
-  ]  # fmt: skip
+    (
+      f"scheduled, skip {skip} with swaps",
+      schedule.schedule(topo, costs, part, num_mb, skip, True, seed=0, iters=iters),
+    ),
+  ]
   panels = []
   for name, plan in plans:
     res = simulate.replay(topo, costs, plan.routes(), plan.order, part)
     ivs = timeline_lib.node_intervals(topo, costs, plan.routes(), res, part)
     panels.append((f"{name} (order: {plan.policy})", ivs, plan.makespan))
   bound = bounds.lower_bound(topo, costs, part, num_mb, skip)
-  title = (f"{topology_name}, S = {stages}, {num_mb} microbatches, bf16 gradient all-reduce per "
-           f"stage; lower bound at skip {skip}: {bound:.2f} s")  # fmt: skip
+  title = (
+    f"{topology_name}, S = {stages}, {num_mb} microbatches, bf16 gradient all-reduce per "
+    f"stage; lower bound at skip {skip}: {bound:.2f} s"
+  )
   timeline_lib.plot_timelines(panels, part, str(path), title)
   return {name: round(plan.makespan, 3) for name, plan in plans} | {"bound": round(bound, 3)}

@@ -33,8 +33,8 @@ programs already are (a second fault of the same kind, or a cache shared with an
 
 Usage::
 
-  python bench/run/c4.py                   # all scenarios, seed 0, watchdog timeout 10 s, cache off and on
-  python bench/run/c4.py --scenarios dead hung --cache off on warm --seed 1 --timeout 6
+  python -m bench.run.c4                   # all scenarios, seed 0, watchdog timeout 10 s, cache off and on
+  python -m bench.run.c4 --scenarios dead hung --cache off on warm --seed 1 --timeout 6
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 SCENARIOS = {  # name: (signal, watchdog, extra XLA flag)
   "dead": (signal.SIGKILL, True, ""),
@@ -62,10 +61,21 @@ SCENARIOS = {  # name: (signal, watchdog, extra XLA flag)
   "hung-no-watchdog-gloo30": (signal.SIGSTOP, False, "--xla_cpu_collective_timeout_seconds=30"),
 }
 PROCESSES = 4
-BASE = {"model.D": 16, "model.N": 1, "model.H": 1, "data.seq_len": 8, "train.num_updates": 200,
-        "train.log_every": 1, "train.eval_every": 0, "train.eval_batches": 1,
-        "train.sample_tokens": 0, "ckpt.every": 2, "ckpt.async_save": False,
-        "mesh.cpu_devices": 1, "dist.timeout_s": 120}  # fmt: skip
+BASE = {
+  "model.D": 16,
+  "model.N": 1,
+  "model.H": 1,
+  "data.seq_len": 8,
+  "train.num_updates": 200,
+  "train.log_every": 1,
+  "train.eval_every": 0,
+  "train.eval_batches": 1,
+  "train.sample_tokens": 0,
+  "ckpt.every": 2,
+  "ckpt.async_save": False,
+  "mesh.cpu_devices": 1,
+  "dist.timeout_s": 120,
+}
 
 
 def env(xla_flag: str) -> dict[str, str]:
@@ -83,15 +93,28 @@ def launch(
 ) -> dict:
   procs = {}
   for i in pids:
-    flags = {**BASE, "dist.coordinator_address": f"127.0.0.1:{port}",
-             "dist.num_processes": PROCESSES, "dist.process_id": i,
-             "health.hang_timeout_s": timeout_s, "health.exclude": "auto",
-             "compile.cache_dir": cache}  # fmt: skip
-    cmd = [sys.executable, str(common.REPO / "train.py"), "--config", "configs/gpt2_acco.py:tiny",
-           "--workdir", str(workdir), *(f"--config.{k}={v}" for k, v in flags.items())]  # fmt: skip
+    flags = {
+      **BASE,
+      "dist.coordinator_address": f"127.0.0.1:{port}",
+      "dist.num_processes": PROCESSES,
+      "dist.process_id": i,
+      "health.hang_timeout_s": timeout_s,
+      "health.exclude": "auto",
+      "compile.cache_dir": cache,
+    }
+    cmd = [
+      sys.executable,
+      str(common.REPO / "train.py"),
+      "--config",
+      "configs/gpt2_acco.py:tiny",
+      "--workdir",
+      str(workdir),
+      *(f"--config.{k}={v}" for k, v in flags.items()),
+    ]
     log = open(workdir.parent / f"{tag}-p{i}.log", "w")
-    procs[i] = subprocess.Popen(cmd, cwd=common.REPO, env=env(xla_flag), stdout=log,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+    procs[i] = subprocess.Popen(
+      cmd, cwd=common.REPO, env=env(xla_flag), stdout=log, stderr=subprocess.STDOUT
+    )
   return procs
 
 
@@ -121,16 +144,30 @@ def stop(procs: dict) -> None:
     p.wait(timeout=30)
 
 
-def scenario(name: str, tmp: Path, fault: tuple[int, int, float], timeout_s: float, cap: float,
-             cache: str, cache_dir: str) -> dict:  # fmt: skip
+def scenario(
+  name: str,
+  tmp: Path,
+  fault: tuple[int, int, float],
+  timeout_s: float,
+  cap: float,
+  cache: str,
+  cache_dir: str,
+) -> dict:
   """One ``fault`` (stage, victim, delay within the stage); ``cache``: its label, ``cache_dir``:
   the launches' compile.cache_dir."""
   sig, watchdog, xla_flag = SCENARIOS[name]
   target, victim, delay = fault
   workdir = tmp / f"{name}-{cache}" / "run"
   workdir.mkdir(parents=True)
-  procs = launch(workdir, range(PROCESSES), free_port(), timeout_s if watchdog else 0, xla_flag,
-                 f"{name}-first", cache_dir)  # fmt: skip
+  procs = launch(
+    workdir,
+    range(PROCESSES),
+    free_port(),
+    timeout_s if watchdog else 0,
+    xla_flag,
+    f"{name}-first",
+    cache_dir,
+  )
   out = {"scenario": name, "cache": cache, "victim": victim, "signal": signal.Signals(sig).name}
   try:
     deadline = time.time() + 600
@@ -155,8 +192,9 @@ def scenario(name: str, tmp: Path, fault: tuple[int, int, float], timeout_s: flo
     stop(procs)
   walls = [r["wall_s"] for r in rows(workdir) if "loss" in r]
   stage_s = statistics.median(b - a for a, b in zip(walls[1:], walls[2:], strict=False))
-  out.update(fault_stage=fault_stage, stage_s=stage_s, exit_codes=codes,
-             capped=len(exits) < PROCESSES - 1)  # fmt: skip
+  out.update(
+    fault_stage=fault_stage, stage_s=stage_s, exit_codes=codes, capped=len(exits) < PROCESSES - 1
+  )
   if out["capped"]:
     out.update(detection_s=None, ended=f"still waiting after the {cap:.0f} s cap")
     return out
@@ -166,20 +204,36 @@ def scenario(name: str, tmp: Path, fault: tuple[int, int, float], timeout_s: flo
     out.update(detection_s=first_exit - t_fault, exit_s=last_exit - first_exit)
     text = (workdir.parent / f"{name}-first-p0.log").read_text()
     abort = [x for x in text.splitlines() if "Terminating process" in x or "heartbeat" in x.lower()]
-    out["ended"] = (f"abort by jax.distributed (exit {codes[0]})" if abort
-                    else "gloo error, exit 75" if "Gloo" in text else f"exit {codes}")  # fmt: skip
+    out["ended"] = (
+      f"abort by jax.distributed (exit {codes[0]})"
+      if abort
+      else "gloo error, exit 75"
+      if "Gloo" in text
+      else f"exit {codes}"
+    )
     out["log"] = (abort or [x for x in text.splitlines() if "Gloo" in x] or [""])[:3]
     return out
   detected = verdict["first_detected_at"]
-  out.update(detection_s=detected - t_fault, exit_s=last_exit - detected,
-             verdict=verdict["verdict"], named=[s["process"] for s in verdict["suspects"]],
-             ended=f"health.json: {verdict['verdict']}, exit 75")  # fmt: skip
+  out.update(
+    detection_s=detected - t_fault,
+    exit_s=last_exit - detected,
+    verdict=verdict["verdict"],
+    named=[s["process"] for s in verdict["suspects"]],
+    ended=f"health.json: {verdict['verdict']}, exit 75",
+  )
 
   # the same command for the others: they leave the victim out and resume on 3 devices
   restored_before = sum(r.get("event") == "restored" for r in rows(workdir))
   t_launch = time.time()
-  procs = launch(workdir, [i for i in range(PROCESSES) if i != victim], free_port(), timeout_s,
-                 "", f"{name}-restart", cache_dir)  # fmt: skip
+  procs = launch(
+    workdir,
+    [i for i in range(PROCESSES) if i != victim],
+    free_port(),
+    timeout_s,
+    "",
+    f"{name}-restart",
+    cache_dir,
+  )
   try:
     deadline = t_launch + 600
     while True:
@@ -195,10 +249,13 @@ def scenario(name: str, tmp: Path, fault: tuple[int, int, float], timeout_s: flo
     stop(procs)
   restored = done[0]
   out.update(
-    restart_s=restored["time"] - restored["restore_s"] - t_launch, restore_s=restored["restore_s"],
-    first_step_s=t_first - restored["time"], total_s=t_first - t_fault,
-    restored_stage=restored["stage"], lost_stages=fault_stage - restored["stage"],
-  )  # fmt: skip
+    restart_s=restored["time"] - restored["restore_s"] - t_launch,
+    restore_s=restored["restore_s"],
+    first_step_s=t_first - restored["time"],
+    total_s=t_first - t_fault,
+    restored_stage=restored["stage"],
+    lost_stages=fault_stage - restored["stage"],
+  )
   out["lost_s"] = out["lost_stages"] * stage_s
   return out
 
@@ -230,25 +287,50 @@ def main() -> None:
         cache_dir = {"off": "", "on": str(Path(tmp) / f"xla-{name}"), "warm": warm}[cache]
         results.append(scenario(name, Path(tmp), fault, args.timeout, args.cap, cache, cache_dir))
         common.log(json.dumps(results[-1]))
-  table = [{
-    "scenario": r["scenario"], "cache": r["cache"], "ended": r["ended"],
-    "detection": fmt(r.get("detection_s")),
-    "exit": fmt(r.get("exit_s")), "restart": fmt(r.get("restart_s")),
-    "restore": fmt(r.get("restore_s"), 2), "first": fmt(r.get("first_step_s")),
-    "total": fmt(r.get("total_s")),
-    "lost": "-" if "lost_stages" not in r else f"{r['lost_stages']} ({r['lost_s']:.1f} s)",
-  } for r in results]  # fmt: skip
-  print(common.format_table(table, [
-    ("scenario", "fault"), ("cache", "cache"), ("ended", "how the survivors ended"),
-    ("detection", "detection s"),
-    ("exit", "exit s"), ("restart", "restart s"), ("restore", "restore s"),
-    ("first", "first step s"), ("total", "fault -> training s"), ("lost", "stages lost (s)"),
-  ]))  # fmt: skip
-  path = common.write_json(Path(args.out), {
-    "machine": common.machine(), "timeout_s": args.timeout, "cap_s": args.cap, "seed": args.seed,
-    "cache": args.cache,
-    "command": "python bench/run/c4.py " + " ".join(sys.argv[1:]), "results": results,
-  })  # fmt: skip
+  table = [
+    {
+      "scenario": r["scenario"],
+      "cache": r["cache"],
+      "ended": r["ended"],
+      "detection": fmt(r.get("detection_s")),
+      "exit": fmt(r.get("exit_s")),
+      "restart": fmt(r.get("restart_s")),
+      "restore": fmt(r.get("restore_s"), 2),
+      "first": fmt(r.get("first_step_s")),
+      "total": fmt(r.get("total_s")),
+      "lost": "-" if "lost_stages" not in r else f"{r['lost_stages']} ({r['lost_s']:.1f} s)",
+    }
+    for r in results
+  ]
+  print(
+    common.format_table(
+      table,
+      [
+        ("scenario", "fault"),
+        ("cache", "cache"),
+        ("ended", "how the survivors ended"),
+        ("detection", "detection s"),
+        ("exit", "exit s"),
+        ("restart", "restart s"),
+        ("restore", "restore s"),
+        ("first", "first step s"),
+        ("total", "fault -> training s"),
+        ("lost", "stages lost (s)"),
+      ],
+    )
+  )
+  path = common.write_json(
+    Path(args.out),
+    {
+      "machine": common.machine(),
+      "timeout_s": args.timeout,
+      "cap_s": args.cap,
+      "seed": args.seed,
+      "cache": args.cache,
+      "command": "python -m bench.run.c4 " + " ".join(sys.argv[1:]),
+      "results": results,
+    },
+  )
   common.log(f"wrote {path}")
 
 

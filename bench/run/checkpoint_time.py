@@ -15,8 +15,8 @@ reported apart.
 
 Usage::
 
-  python bench/run/checkpoint_time.py                     # acco, zero1, diloco_acco, pipeline_acco; tiny
-  python bench/run/checkpoint_time.py --methods acco --smoke   # 2 saves, 1 restore per layout
+  python -m bench.run.checkpoint_time                     # acco, zero1, diloco_acco, pipeline_acco; tiny
+  python -m bench.run.checkpoint_time --methods acco --smoke   # 2 saves, 1 restore per layout
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 SETTINGS = {  # method -> (config module, group.field overrides)
   "acco": ("gpt2_acco", {}),
@@ -38,7 +37,7 @@ SETTINGS = {  # method -> (config module, group.field overrides)
   "diloco_acco": (
     "gpt2_diloco",
     {"loco.inner": "acco", "loco.outer_overlap": "eager", "loco.workers": 4},
-  ),  # fmt: skip
+  ),
   # ACCO over the 4 data lanes of 2 pipeline stages
   "pipeline_acco": (
     "gpt2_pipeline",
@@ -46,11 +45,17 @@ SETTINGS = {  # method -> (config module, group.field overrides)
   ),
 }
 COLUMNS = [
-  ("method", "method"), ("layout", "layout"), ("leaves", "leaves"), ("arrays", "orbax arrays"),
-  ("save_ms", "save (ms, median)"), ("held_ms", "save() held (ms)"),
-  ("restore_ms", "restore (ms, median)"), ("first_save_ms", "first save (ms)"),
-  ("first_restore_ms", "first restore (ms)"), ("exact", "bit-exact"),
-]  # fmt: skip
+  ("method", "method"),
+  ("layout", "layout"),
+  ("leaves", "leaves"),
+  ("arrays", "orbax arrays"),
+  ("save_ms", "save (ms, median)"),
+  ("held_ms", "save() held (ms)"),
+  ("restore_ms", "restore (ms, median)"),
+  ("first_save_ms", "first save (ms)"),
+  ("first_restore_ms", "first restore (ms)"),
+  ("exact", "bit-exact"),
+]
 
 
 def measure(method: str, preset: str, saves: int, restores: int) -> list[dict]:
@@ -93,17 +98,24 @@ def measure(method: str, preset: str, saves: int, restores: int) -> list[dict]:
         restored, _ = ckpt.restore(None, abstract)
         jax.block_until_ready(restored)
         restore_s.append(time.perf_counter() - start)
-      exact = all(
-        np.array_equal(a, b) for a, b in zip(bits(restored), bits(state), strict=True)
-      )  # fmt: skip
+      exact = all(np.array_equal(a, b) for a, b in zip(bits(restored), bits(state), strict=True))
     ms = lambda s: round(1000 * s, 1)
-    rows.append({
-      "method": method, "layout": layout, "leaves": len(jax.tree.leaves(state)), "arrays": arrays,
-      "save_ms": ms(statistics.median(save_s[1:])), "held_ms": ms(statistics.median(held_s[1:])),
-      "restore_ms": ms(statistics.median(restore_s[1:])), "first_save_ms": ms(save_s[0]),
-      "first_restore_ms": ms(restore_s[0]), "exact": exact,
-      "save_s": [round(s, 4) for s in save_s], "restore_s": [round(s, 4) for s in restore_s],
-    })  # fmt: skip
+    rows.append(
+      {
+        "method": method,
+        "layout": layout,
+        "leaves": len(jax.tree.leaves(state)),
+        "arrays": arrays,
+        "save_ms": ms(statistics.median(save_s[1:])),
+        "held_ms": ms(statistics.median(held_s[1:])),
+        "restore_ms": ms(statistics.median(restore_s[1:])),
+        "first_save_ms": ms(save_s[0]),
+        "first_restore_ms": ms(restore_s[0]),
+        "exact": exact,
+        "save_s": [round(s, 4) for s in save_s],
+        "restore_s": [round(s, 4) for s in restore_s],
+      }
+    )
   ckpt_pack.plan = plan
   return rows
 
@@ -126,18 +138,32 @@ def main() -> int:
     return 0
   started, load_start = time.perf_counter(), common.loadavg()
   worker_args = [
-    "--methods", *args.methods, "--preset", args.preset,
-    "--saves", str(args.saves), "--restores", str(args.restores),
-  ]  # fmt: skip
-  result = common.run_worker(__file__, 8, worker_args, timeout=3600)
+    "--methods",
+    *args.methods,
+    "--preset",
+    args.preset,
+    "--saves",
+    str(args.saves),
+    "--restores",
+    str(args.restores),
+  ]
+  result = common.run_worker(__spec__.name, 8, worker_args, timeout=3600)
   table = common.format_table(result["rows"], COLUMNS)
   print(table)
   print(f"1-min load average: {load_start} at start, {common.loadavg()} at end")
-  common.write_json(args.out, {
-    "benchmark": "checkpoint_time", "preset": args.preset, "saves": args.saves,
-    "restores": args.restores, "machine": result["machine"], "rows": result["rows"],
-    "table": table, "wall_s": round(time.perf_counter() - started, 1),
-  })  # fmt: skip
+  common.write_json(
+    args.out,
+    {
+      "benchmark": "checkpoint_time",
+      "preset": args.preset,
+      "saves": args.saves,
+      "restores": args.restores,
+      "machine": result["machine"],
+      "rows": result["rows"],
+      "table": table,
+      "wall_s": round(time.perf_counter() - started, 1),
+    },
+  )
   print(f"wrote {args.out}")
   return 0
 

@@ -14,8 +14,8 @@ converts afterwards (``--contrast``), as reading a file whole does.
 
 Usage::
 
-  python bench/run/hf_load_memory.py                       # gpt2-medium, float32 and bfloat16
-  python bench/run/hf_load_memory.py --smoke --out /tmp/m.json   # the tiny preset (tests)
+  python -m bench.run.hf_load_memory                       # gpt2-medium, float32 and bfloat16
+  python -m bench.run.hf_load_memory --smoke --out /tmp/m.json   # the tiny preset (tests)
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
 GB = 1e9
 
@@ -105,11 +104,17 @@ def measure(size: str, dtypes: list[str], contrast: bool) -> list[dict]:
         if out.returncode:
           raise RuntimeError(out.stderr[-2000:])
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        rows.append({
-          "size": size, "file_dtype": dtype, "mode": mode, "file_bytes": file_bytes, **r,
-          "peak_over_file": r["peak_bytes"] / file_bytes,
-          "peak_over_params": r["peak_bytes"] / r["placed_bytes"],
-        })  # fmt: skip
+        rows.append(
+          {
+            "size": size,
+            "file_dtype": dtype,
+            "mode": mode,
+            "file_bytes": file_bytes,
+            **r,
+            "peak_over_file": r["peak_bytes"] / file_bytes,
+            "peak_over_params": r["peak_bytes"] / r["placed_bytes"],
+          }
+        )
         common.log(f"{size} {dtype} {mode}: peak {r['peak_bytes'] / GB:.2f} GB")
   return rows
 
@@ -118,7 +123,7 @@ def table(rows: list[dict]) -> str:
   lines = [
     "| checkpoint | loader | file GB | float32 params GB | peak above start GB | peak / file | peak / params |",
     "|---|---|---:|---:|---:|---:|---:|",
-  ]  # fmt: skip
+  ]
   for r in rows:
     lines.append(
       f"| {r['size']} {r['file_dtype']} | {r['mode']} | {r['file_bytes'] / GB:.2f} | "

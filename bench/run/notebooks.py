@@ -4,8 +4,8 @@ The notebooks only read ``bench/results/*.json`` and plot, so this takes seconds
 notebook is rewritten in place with its outputs (the figures appear inline and are also saved to
 ``docs/figures/``)::
 
-  python bench/run/notebooks.py                       # every notebook, in place
-  python bench/run/notebooks.py --out /tmp/nb         # executed copies elsewhere; figures there too
+  python -m bench.run.notebooks                       # every notebook, in place
+  python -m bench.run.notebooks --out /tmp/nb         # executed copies elsewhere; figures there too
 
 A cell that raises makes the command fail (exit 1) and names the notebook; needs
 ``pip install -e ".[test]"`` (nbclient, ipykernel, matplotlib).

@@ -1,6 +1,6 @@
 """What the LoCo comparison's compiled programs send, and what that costs on a cluster.
 
-:func:`programs_worker` (a child process of ``bench/loco/loco_compare.py`` with the setting's device
+:func:`programs_worker` (a child process of :mod:`bench.loco.loco_compare` with the setting's device
 count) compiles every method's programs on the CPU-scale model and reads their collectives, the bytes
 a worker sends and the state per device; :func:`project` models the seconds to a number of inner
 steps with GPT-2 124M on 8 workers of 8 H100 (:data:`PROJECTION`) at a bandwidth between workers.
@@ -9,20 +9,22 @@ steps with GPT-2 124M on 8 workers of 8 H100 (:data:`PROJECTION`) at a bandwidth
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench, acco_jax
-from bench import common  # noqa: E402
+from bench import common
 
-# The projection to 8 x H100 per worker (docs/benchmarks.md, "LoCo comparison").
+# The projection to 8 x H100 per worker (docs/benchmarks/loco.md, "LoCo comparison").
 PROJECTION = {
-  "model": "GPT-2 124M", "params": 124_439_808,
+  "model": "GPT-2 124M",
+  "params": 124_439_808,
   "tokens_per_gpu_step": 6 * 8 * 1024,  # the gpt2 preset: 6 microbatches of 8 x 1024 per GPU
-  "gpu_tokens_per_s": 285e3,  # measured: train.py zero1 on one H100 (docs/benchmarks.md)
-  "gpus_per_worker": 8, "workers": 8,
-  "nvlink_GBps": 450.0, "link_efficiency": 0.8, "latency_intra_s": 5e-6, "latency_inter_s": 50e-6,
-}  # fmt: skip
+  "gpu_tokens_per_s": 285e3,  # measured: train.py zero1 on one H100 (docs/benchmarks/gpu.md)
+  "gpus_per_worker": 8,
+  "workers": 8,
+  "nvlink_GBps": 450.0,
+  "link_efficiency": 0.8,
+  "latency_intra_s": 5e-6,
+  "latency_inter_s": 50e-6,
+}
 
 # ring hops of a sync (latency terms): all-reduce 2 (M-1), all-gather M-1, one pair exchange
 HOPS = {
@@ -35,9 +37,13 @@ HOPS = {
 
 
 def project(
-  label: str, prog: dict, steps: float, gbit: float, outer_overlap: str = "none",
+  label: str,
+  prog: dict,
+  steps: float,
+  gbit: float,
+  outer_overlap: str = "none",
   inner_method: str = "zero1",
-) -> dict:  # fmt: skip
+) -> dict:
   """Modelled seconds to ``steps`` inner steps at ``gbit`` Gbit/s between workers.
 
   Data-parallel methods: :func:`acco_jax.analysis.perfmodel.step_time` on 8 nodes of 8 GPUs. LoCo methods:
@@ -178,10 +184,13 @@ def programs_worker(args) -> dict:
       }
       per_sync = {p: train.wire_bytes(p) for p in range(len(train.parts))}
       acct = {
-        "sync_wire": per_sync, "payload": train.payload_bytes(0), "density": train.density(),
+        "sync_wire": per_sync,
+        "payload": train.payload_bytes(0),
+        "density": train.density(),
         "syncs_per_step": len(train.parts) / train.method.sync_every,
-        "sync_every": train.method.sync_every, "overlap_steps": train.method.overlap_steps,
-      }  # fmt: skip
+        "sync_every": train.method.sync_every,
+        "overlap_steps": train.method.overlap_steps,
+      }
     else:
       split = {
         "params": common.shard_bytes((state.params, state.w)),
@@ -190,8 +199,14 @@ def programs_worker(args) -> dict:
       }
       stage = metrics.comm_bytes_per_stage(train.plan, train.layout.padded_size, n_dev)
       stages = 2 if train.plan.two_stage else 1
-      acct = {"sync_wire": {0: stage * stages}, "payload": None, "density": 1.0,
-              "syncs_per_step": 1.0, "sync_every": 1, "overlap_steps": 0}  # fmt: skip
+      acct = {
+        "sync_wire": {0: stage * stages},
+        "payload": None,
+        "density": 1.0,
+        "syncs_per_step": 1.0,
+        "sync_every": 1,
+        "overlap_steps": 0,
+      }
     del state_bytes
     out[label] = {
       "programs": found,
