@@ -275,7 +275,7 @@ def abstract_stage(cfg, tx, devices, k: int, rows: int, seq: int | None = None):
   loss = lambda p, b: model.loss_fn(p, cfg, b)
   train = acco_jax.make_train_step(loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True)
   state = train.abstract_state(shapes)
-  fn = train._jit("delayed" if train.plan.delayed else "sync", state)
+  fn = train.stage_program("delayed" if train.plan.delayed else "sync", state)
   data = NamedSharding(train.mesh, P("data"))
   n = len(devices)
   seq = cfg.L if seq is None else seq

@@ -41,8 +41,7 @@ def _losses(config, stages: int) -> list[float]:
   """The loss of each of ``stages`` stages of the config's step on one fixed batch."""
   run = build.build(config)
   train = run.train
-  rows = getattr(train, "microbatches_per_stage", run.mesh.size * train.num_microbatches)
-  rows *= config.batch.microbatch_size
+  rows = train.microbatches_per_stage * config.batch.microbatch_size
   stream = build.batch_stream(run, config, run.tokens.train, rows, seed=0)
   if run.orders is not None:  # SkipPipe: each microbatch's layer order rides in the batch
     stream = run.orders.stream(stream, 0, 1)
@@ -50,11 +49,8 @@ def _losses(config, stages: int) -> list[float]:
   placed = parallel.global_batch(batch, run.mesh, run.batch_axis, run.batch_whole)
   state = train.init(jax.tree.map(np.asarray, _init(run, config)), build.prime_batch(run, config))
   out = []
-  for stage in range(stages):
-    if run.loco:
-      state, m = train.run(state, [placed], stage, stages)
-    else:
-      state, m = train.step(state, placed, run.budgets)
+  for stage in range(stages):  # one stage a call (a LoCo schedule with no window of H stages)
+    state, m = train.run(state, [placed], stage, stages, run.budgets)
     out.append(float(np.mean(jax.device_get(m["loss"]))))
   return out
 
@@ -109,7 +105,7 @@ SLOW = {  # the rest of each family
       "loco.chunk": 16,
       "loco.topk": 64,
     },
-  ),  # fmt: skip
+  ),
   "demo": (
     gpt2_diloco,
     {"method": "demo", "loco.workers": 4, "loco.sync_every": 1, "loco.chunk": 16, "opt.lr": 1e-3},
@@ -132,8 +128,13 @@ SLOW = {  # the rest of each family
 # leaves (Llama's untied head). The other methods see the model only as a loss and a tree of
 # leaves, which the default run's method of each family exercises with both: they run with
 # Llama (grouped-query projections of another shape, an untied head, a three-matrix MLP).
-BOTH = ("pipeline-gpipe-ddp", "pipeline-1f1b-zero1", "pipeline-skippipe-acco",
-        "skippipe-paths-acco", "pipeline-muon")  # fmt: skip
+BOTH = (
+  "pipeline-gpipe-ddp",
+  "pipeline-1f1b-zero1",
+  "pipeline-skippipe-acco",
+  "skippipe-paths-acco",
+  "pipeline-muon",
+)
 CASES = [(case, arch) for case in SLOW for arch in (ARCHS if case in BOTH else ("llama",))]
 
 

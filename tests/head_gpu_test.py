@@ -46,14 +46,19 @@ def compiled_text() -> str:
   mesh = jax.sharding.Mesh(np.array(parallel.gpu_aot_devices(1, "h100")), ("data",))
   inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, b1=0.9, b2=0.95))
   train = acco_jax.make_train_step(
-    lambda p, b: model.loss_fn(p, cfg, b), acco_jax.zero1(inner), mesh, num_microbatches=K,
-    params=shapes, has_aux=True,
-  )  # fmt: skip
+    lambda p, b: model.loss_fn(p, cfg, b),
+    acco_jax.zero1(inner),
+    mesh,
+    num_microbatches=K,
+    params=shapes,
+    has_aux=True,
+  )
   state = train.abstract_state(shapes)
   data = NamedSharding(train.mesh, P("data"))
-  batch = {k: jax.ShapeDtypeStruct((K * ROWS, L), jnp.int32, sharding=data)
-           for k in ("inputs", "targets")}  # fmt: skip
-  return train._jit("sync", state).lower(state, batch).compile().as_text()
+  batch = {
+    k: jax.ShapeDtypeStruct((K * ROWS, L), jnp.int32, sharding=data) for k in ("inputs", "targets")
+  }
+  return train.stage_program("sync", state).lower(state, batch).compile().as_text()
 
 
 def _dims_list(shape: str) -> list[int]:

@@ -134,12 +134,16 @@ def test_no_collective_on_the_loops_within_or_across_workers():
 
   tx = acco_jax.acco(inner(), comm_dtype=jnp.float32)
   train = loco_step.make_loco_step(
-    toy_loss, tx, loco.diloco(sync_every=H, outer_overlap="eager"),
-    loco_step.worker_mesh(M, jax.devices()[: M * D]), num_microbatches=K, params=toy_params(),
-  )  # fmt: skip
+    toy_loss,
+    tx,
+    loco.diloco(sync_every=H, outer_overlap="eager"),
+    loco_step.worker_mesh(M, jax.devices()[: M * D]),
+    num_microbatches=K,
+    params=toy_params(),
+  )
   state = train.init(toy_params(), toy_batches(1, M * D * B, seed=7)[0])
   batches = [train.put_batch(b) for b in toy_batches(H, M * D * K * B)]
-  jaxpr = jax.make_jaxpr(train._program("phase", 0, state))(state, batches)
+  jaxpr = jax.make_jaxpr(train.program("phase", 0, state))(state, batches)
   across = dataflow.dataflow_report(jaxpr, psum_limit=16, axis="replica", loops_with="dot_general")
   assert across.loops >= 2 and not across.loop_feeds_comm and not across.comm_feeds_loop
   stage = train.inner.program.stage_fn("delayed")
@@ -153,9 +157,11 @@ def test_no_collective_on_the_loops_within_or_across_workers():
 
 @pytest.mark.parametrize(
   "name",
-  [pytest.param(n, marks=pytest.mark.slow) for n in
-   ("streaming_diloco", "noloco", "sparseloco_eager", "demo")],
-)  # fmt: skip
+  [
+    pytest.param(n, marks=pytest.mark.slow)
+    for n in ("streaming_diloco", "noloco", "sparseloco_eager", "demo")
+  ],
+)
 def test_every_loco_method_trains_with_acco_inside(tmp_path, name):
   """Through the trainer, tiny preset, 8 devices: Streaming DiLoCo's fragments (a window of tau
   steps with its reduction in flight, applied a call later), NoLoCo's pair exchange, SparseLoCo's

@@ -303,7 +303,7 @@ def test_demo_one_worker_full_k_is_sign_sgd(batches):
 
 def cross_worker(train, kind, state, batch=None):
   """The collectives of a compiled program that move data between workers."""
-  fn = train._program(kind, 0 if kind == "sync" else None, state)
+  fn = train.program(kind, 0 if kind == "sync" else None, state)
   args = (state,) if kind == "sync" else (state, train.put_batch(batch))
   found = hlo.hlo_collectives(fn.lower(*args).compile().as_text())
   per = train.num_devices

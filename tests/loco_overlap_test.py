@@ -158,8 +158,9 @@ def test_matches_reference_three_syncs_four_workers(mode, steps):
   terms (eager), and the last sync blocks."""
   M, D, H = 4, 2, 3
   batches = toy_batches(steps, M * D * K * B)
-  train, state, logged = run(loco.diloco(sync_every=H, outer_overlap=mode), M, D, batches,
-                             inner_tx())  # fmt: skip
+  train, state, logged = run(
+    loco.diloco(sync_every=H, outer_overlap=mode), M, D, batches, inner_tx()
+  )
   glob, theta = ref_overlap(toy_params(), batches, M, D, H, mode)
   updates_close(train.params(state), glob)
   for m, got in enumerate(workers(train, state)):
@@ -196,7 +197,7 @@ ONE_WORKER = {
     quantize="fp4",
     block=16,
     outer_overlap=mode,
-  ),  # fmt: skip
+  ),
   "sparseloco": lambda mode: loco.sparseloco(2, topk=4, chunk=4, bits=2, outer_overlap=mode),
 }
 
@@ -231,7 +232,7 @@ def test_identical_data_eager_start_point_identity():
   view = lambda d: full(base.replace(state.overlap.start, d))  # an outer-state view as a tree
   s, total, d_prev, checked = 0, len(batches), None, 0
   while s < total:
-    call = train.plan(s, total)
+    call = train.schedule(s, total)
     if call.phase is not None:
       theta, s_prev = workers(train, state)[0], full(state.overlap.start)
       c, u = full(state.outer.params), view(state.outer.opt[0][0].trace)
@@ -287,7 +288,7 @@ def test_phase_program_reduction_and_inner_steps_are_independent(name):
   train, state = build(PHASED[name](), M, D)
   k = train.method.period
   batches = [train.put_batch(b) for b in toy_batches(k, M * D * K * B)]
-  fn = train._program("phase", 0, state)
+  fn = train.program("phase", 0, state)
   report = dataflow.dataflow_report(
     jax.make_jaxpr(fn)(state, batches),
     psum_limit=16,
@@ -296,7 +297,7 @@ def test_phase_program_reduction_and_inner_steps_are_independent(name):
   )
   assert report.loops >= 2  # the first step's microbatch loop, the loop over the others
   assert not report.loop_feeds_comm and not report.comm_feeds_loop
-  stage, flush = train._program("stage", None, state), train._program("flush", 0, state)
+  stage, flush = train.program("stage", None, state), train.program("flush", 0, state)
   control = lambda s, b: flush(stage(s, b)[0])
   blocking = dataflow.dataflow_report(
     jax.make_jaxpr(control)(state, batches[0]),

@@ -166,7 +166,7 @@ def run(method, M, D, batches, inner_name="zero1", params=None, loss=toy_loss, k
   train = loco_step.make_loco_step(loss, tx, method, mesh, num_microbatches=k, params=params)
   state, s, total, logged = train.init(params, prime), 0, len(batches), []
   while s < total:
-    n = train.plan(s, total).stages
+    n = train.schedule(s, total).stages
     state, metrics = train.run(state, batches[s : s + n], s, total)
     logged.append(jax.device_get(metrics))
     s += n
@@ -220,9 +220,12 @@ def test_diloco_one_worker_one_step_lr1_is_the_inner_optimizer():
   method = loco.diloco(sync_every=1, outer=loco.default_outer(lr=1.0, momentum=0.0))
   train, state, _ = run(method, 1, 8, batches)
   plain = acco_jax.make_train_step(
-    toy_loss, acco_jax.zero1(inner_opt(), comm_dtype=jnp.float32), jax.make_mesh((8,), ("data",)),
-    num_microbatches=K, params=toy_params(),
-  )  # fmt: skip
+    toy_loss,
+    acco_jax.zero1(inner_opt(), comm_dtype=jnp.float32),
+    jax.make_mesh((8,), ("data",)),
+    num_microbatches=K,
+    params=toy_params(),
+  )
   ref = plain.init(toy_params())
   for batch in batches:
     ref, _ = plain.step(ref, batch)

@@ -8,6 +8,7 @@ import pytest
 
 from acco_jax import errors
 from acco_jax.loco import build as loco_build
+from acco_jax.loco.accounting import SyncAccounting
 from acco_jax.run import report, trainer
 from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_demo, gpt2_diloco, gpt2_noloco, gpt2_sparseloco, gpt2_streaming_diloco
@@ -43,8 +44,9 @@ def test_summary_keys_have_one_order_however_the_values_arrived():
   evaluates on the way (or the rerun of a finished run) after it, and a resumed run may evaluate
   before its first log line: all print their keys in one order."""
   train = SimpleNamespace(peak_sync_bytes=lambda: 8, payload_bytes=lambda i: 4, density=lambda: 1.0)
+  train.summary = lambda sent: SyncAccounting.summary(train, sent)
   first, logged = {"unigram_baseline": 5.5}, {"loss": 2.0, "tokens_per_s": 9.0}
-  loco, ev = report.loco_summary(train, 12.0), {"eval_loss": 2.1, "eval_ppl": 8.2}
+  loco, ev = train.summary(12.0), {"eval_loss": 2.1, "eval_ppl": 8.2}
   last = {"stages": 6, "updates": 6}
   arrivals = [
     {**first, **logged, **loco, **ev, **last},  # evaluated at the end only
@@ -52,9 +54,19 @@ def test_summary_keys_have_one_order_however_the_values_arrived():
     {**first, **ev, **logged, **loco, **last},  # resumed: evaluated before the first log line
     {**first, **logged, **ev, **loco, **last, "sample": "hi", "stopped": 3},
   ]
-  want = ["unigram_baseline", "loss", "tokens_per_s", "eval_loss", "eval_ppl",
-          "wire_bytes_per_worker", "peak_sync_bytes", "payload_bytes_per_sync", "sent_density",
-          "stages", "updates"]  # fmt: skip
+  want = [
+    "unigram_baseline",
+    "loss",
+    "tokens_per_s",
+    "eval_loss",
+    "eval_ppl",
+    "wire_bytes_per_worker",
+    "peak_sync_bytes",
+    "payload_bytes_per_sync",
+    "sent_density",
+    "stages",
+    "updates",
+  ]
   for summary in arrivals[:3]:
     assert list(report.in_order(summary)) == want
     assert report.in_order(summary) == summary  # the same values
@@ -74,8 +86,10 @@ def test_streaming_resume_from_a_checkpoint_with_a_fragment_in_flight(tmp_path):
   # H = 4, 2 fragments, tau = 1: fragment 0 is sent after step 1 and applied at step 2, so a
   # stop at stage 2 leaves it in flight in the checkpoint
   # the loop's bookkeeping: narrow blocks, two of them (one per fragment)
-  config = tiny(gpt2_streaming_diloco, **{**SMALL,
-    "model.N": 2, "loco.workers": 2, "train.log_every": 1, "opt.warmup_updates": 0})  # fmt: skip
+  config = tiny(
+    gpt2_streaming_diloco,
+    **{**SMALL, "model.N": 2, "loco.workers": 2, "train.log_every": 1, "opt.warmup_updates": 0},
+  )
   whole = trainer.train_and_evaluate(config, str(tmp_path / "whole"))
   first = trainer.train_and_evaluate(config, str(tmp_path / "split"), max_stages=2)
   assert first["stopped"] == 2
@@ -134,53 +148,125 @@ def test_restoring_onto_other_workers_is_a_clear_error(tmp_path):
 
 
 BAD = [
-  ("workers-not-dividing", gpt2_diloco, {"loco.workers": 3},
-   r"loco.workers=3 does not divide the 8 devices"),
-  ("fragments-not-dividing-h", gpt2_streaming_diloco, {"loco.sync_every": 5},
-   r"loco.sync_every=5 is not divisible by loco.fragments=2"),
-  ("overlap-too-long", gpt2_streaming_diloco, {"loco.overlap_steps": 2},
-   r"loco.overlap_steps=2 must be in \[0, H/P = 2\)"),
+  (
+    "workers-not-dividing",
+    gpt2_diloco,
+    {"loco.workers": 3},
+    r"loco.workers=3 does not divide the 8 devices",
+  ),
+  (
+    "fragments-not-dividing-h",
+    gpt2_streaming_diloco,
+    {"loco.sync_every": 5},
+    r"loco.sync_every=5 is not divisible by loco.fragments=2",
+  ),
+  (
+    "overlap-too-long",
+    gpt2_streaming_diloco,
+    {"loco.overlap_steps": 2},
+    r"loco.overlap_steps=2 must be in \[0, H/P = 2\)",
+  ),
   ("alpha-out-of-range", gpt2_streaming_diloco, {"loco.alpha": 1.5}, r"loco.alpha=1.5 must be in"),
   ("h-zero", gpt2_diloco, {"loco.sync_every": 0}, r"loco.sync_every=0 must be >= 1"),
-  ("unknown-quantiser", gpt2_streaming_diloco, {"loco.quantize": "fp8"},
-   r"unknown quantiser 'fp8'"),
-  ("more-fragments-than-blocks", gpt2_streaming_diloco,
-   {"loco.fragments": 4, "loco.sync_every": 8}, r"model has 2 transformer blocks"),
-  ("diloco-with-fragments", gpt2_diloco, {"loco.fragments": 2},
-   r"use method=streaming_diloco for fragments"),
-  ("unknown-inner", gpt2_diloco, {"loco.inner": "dpu"},
-   r"loco.inner='dpu': choose 'zero1', 'ddp' or 'acco'"),
-  ("acco-inner-odd-microbatches", gpt2_diloco, {"loco.inner": "acco", "batch.microbatches": 3},
-   r"batch.microbatches=3: loco.inner=acco runs an inner step as two stages"),
-  ("hetero-with-loco", gpt2_diloco, {"hetero.budgets": "1,1,1,1,1,1,1,1"},
-   r"hetero.\* .* not to method=diloco"),
-  ("k-over-chunk", gpt2_sparseloco, {"loco.topk": 5000},
-   r"loco.topk=5000 must be in \[1, loco.chunk\^2 = 4096\]"),
+  (
+    "unknown-quantiser",
+    gpt2_streaming_diloco,
+    {"loco.quantize": "fp8"},
+    r"unknown quantiser 'fp8'",
+  ),
+  (
+    "more-fragments-than-blocks",
+    gpt2_streaming_diloco,
+    {"loco.fragments": 4, "loco.sync_every": 8},
+    r"model has 2 transformer blocks",
+  ),
+  (
+    "diloco-with-fragments",
+    gpt2_diloco,
+    {"loco.fragments": 2},
+    r"use method=streaming_diloco for fragments",
+  ),
+  (
+    "unknown-inner",
+    gpt2_diloco,
+    {"loco.inner": "dpu"},
+    r"loco.inner='dpu': choose 'zero1', 'ddp' or 'acco'",
+  ),
+  (
+    "acco-inner-odd-microbatches",
+    gpt2_diloco,
+    {"loco.inner": "acco", "batch.microbatches": 3},
+    r"batch.microbatches=3: loco.inner=acco runs an inner step as two stages",
+  ),
+  (
+    "hetero-with-loco",
+    gpt2_diloco,
+    {"hetero.budgets": "1,1,1,1,1,1,1,1"},
+    r"hetero.\* .* not to method=diloco",
+  ),
+  (
+    "k-over-chunk",
+    gpt2_sparseloco,
+    {"loco.topk": 5000},
+    r"loco.topk=5000 must be in \[1, loco.chunk\^2 = 4096\]",
+  ),
   ("k-zero", gpt2_demo, {"loco.topk": 0}, r"loco.topk=0 must be in \[1,"),
   ("bits", gpt2_sparseloco, {"loco.bits": 3}, r"loco.bits=3: choose 2, 4 or 8"),
   ("ef-decay", gpt2_sparseloco, {"loco.ef_decay": 1.0}, r"loco.ef_decay=1.0 must be in \[0, 1\)"),
-  ("ef-scale", gpt2_sparseloco, {"loco.ef_scale": "lr"},
-   r"loco.ef_scale='lr': choose 'one' .* or 'outer_lr'"),
+  (
+    "ef-scale",
+    gpt2_sparseloco,
+    {"loco.ef_scale": "lr"},
+    r"loco.ef_scale='lr': choose 'one' .* or 'outer_lr'",
+  ),
   ("chunk-zero", gpt2_sparseloco, {"loco.chunk": 0}, r"loco.chunk=0 must be >= 1"),
   ("aggregate", gpt2_demo, {"loco.aggregate": "sum"}, r"loco.aggregate='sum': choose"),
-  ("sparseloco-momentum", gpt2_sparseloco, {"loco.outer_momentum": 0.9},
-   r"sparseloco's outer step is plain SGD"),
+  (
+    "sparseloco-momentum",
+    gpt2_sparseloco,
+    {"loco.outer_momentum": 0.9},
+    r"sparseloco's outer step is plain SGD",
+  ),
   ("noloco-h-zero", gpt2_noloco, {"loco.sync_every": 0}, r"loco.sync_every=0 must be >= 1"),
-  ("noloco-odd-workers", gpt2_noloco, {"loco.workers": 1},
-   r"loco.workers=1: NoLoCo pairs the workers, so it needs an even number"),
+  (
+    "noloco-odd-workers",
+    gpt2_noloco,
+    {"loco.workers": 1},
+    r"loco.workers=1: NoLoCo pairs the workers, so it needs an even number",
+  ),
   ("noloco-pairings", gpt2_noloco, {"loco.pairings": 0}, r"loco.pairings=0 must be >= 1"),
   ("noloco-fragments", gpt2_noloco, {"loco.fragments": 2}, r"noloco syncs every parameter at once"),
-  ("demo-every-step", gpt2_demo, {"loco.sync_every": 2},
-   r"demo updates every step: loco.sync_every=2 must be 1"),
-  ("outer-overlap-unknown", gpt2_diloco, {"loco.outer_overlap": "late"},
-   r"loco.outer_overlap='late': choose one of none, delayed, eager"),
-  ("outer-overlap-noloco", gpt2_noloco, {"loco.outer_overlap": "eager"},
-   r"loco.outer_overlap='eager' applies to diloco, streaming_diloco and sparseloco, not to noloco"),
-  ("outer-overlap-demo", gpt2_demo, {"loco.outer_overlap": "delayed"},
-   r"loco.outer_overlap='delayed' applies to .* not to demo"),
-  ("outer-overlap-with-tau", gpt2_streaming_diloco,
-   {"loco.outer_overlap": "eager", "loco.overlap_steps": 1}, r"set loco.overlap_steps=0"),
-]  # fmt: skip
+  (
+    "demo-every-step",
+    gpt2_demo,
+    {"loco.sync_every": 2},
+    r"demo updates every step: loco.sync_every=2 must be 1",
+  ),
+  (
+    "outer-overlap-unknown",
+    gpt2_diloco,
+    {"loco.outer_overlap": "late"},
+    r"loco.outer_overlap='late': choose one of none, delayed, eager",
+  ),
+  (
+    "outer-overlap-noloco",
+    gpt2_noloco,
+    {"loco.outer_overlap": "eager"},
+    r"loco.outer_overlap='eager' applies to diloco, streaming_diloco and sparseloco, not to noloco",
+  ),
+  (
+    "outer-overlap-demo",
+    gpt2_demo,
+    {"loco.outer_overlap": "delayed"},
+    r"loco.outer_overlap='delayed' applies to .* not to demo",
+  ),
+  (
+    "outer-overlap-with-tau",
+    gpt2_streaming_diloco,
+    {"loco.outer_overlap": "eager", "loco.overlap_steps": 1},
+    r"set loco.overlap_steps=0",
+  ),
+]
 
 
 def test_ef_scale_reaches_sparseloco():

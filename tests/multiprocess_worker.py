@@ -92,8 +92,14 @@ def run() -> dict:
   final = jax.tree.map(np.asarray, train.params(state))
   compute = jax.tree.map(lambda x: np.asarray(x, np.float32), train.compute_params(state))
   loco_losses, loco_final = run_loco(batches, inner)
-  return {"losses": np.array(losses), "committed": np.array(committed), "final": final,
-          "compute": compute, "loco_losses": loco_losses, "loco_final": loco_final}  # fmt: skip
+  return {
+    "losses": np.array(losses),
+    "committed": np.array(committed),
+    "final": final,
+    "compute": compute,
+    "loco_losses": loco_losses,
+    "loco_final": loco_final,
+  }
 
 
 def run_loco(batches, inner):
@@ -117,7 +123,7 @@ def run_loco(batches, inner):
   axes = tuple(mesh.axis_names)
   state, s, total, losses = train.init(params), 0, len(batches), []
   while s < total:
-    n = train.plan(s, total).stages
+    n = train.schedule(s, total).stages
     rows = [parallel.global_batch(local_rows(b, pi, pc), mesh, axes) for b in batches[s : s + n]]
     state, metrics = train.run(state, rows, s, total)
     losses.append(np.asarray(train.replicated(metrics["loss"])))  # per worker, across processes

@@ -18,8 +18,8 @@ import pytest
 from acco_jax import errors, layers, model
 from acco_jax.analysis import dataflow
 from acco_jax.pipeline import packing, ticks
-from acco_jax.pipeline import step as pipe
-from acco_jax.pipeline import train as pipe_train
+from acco_jax.pipeline import programs as pipe
+from acco_jax.pipeline import step as pipe_train
 
 CFG = model.get_config("tiny", N=4, dtype="float32")
 LR, MOMENTUM, WD, CLIP = 0.1, 0.9, 0.1, 2.0
@@ -126,8 +126,9 @@ def test_uneven_stages_equal_the_single_device_model(params, counts, paths):
   for (path, a), b in zip(
     jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref), strict=True
   ):
-    np.testing.assert_allclose(a, np.asarray(b) / len(paths), rtol=1e-5, atol=1e-6,
-                               err_msg=jax.tree_util.keystr(path))  # fmt: skip
+    np.testing.assert_allclose(
+      a, np.asarray(b) / len(paths), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+    )
 
 
 # ----------------------------------------------------------------------------- the lanes' methods
@@ -148,7 +149,7 @@ def _train(params, data_method):
   mesh = pipe.make_mesh(S, LANES, jax.devices()[: S * LANES])
   sched = ticks.build([(1,)] * M, S, "gpipe")
   pk = pipe.packing_for(params, S, COUNTS, LANES)
-  return pipe_train.PipelineTrainStep(
+  return pipe_train.PipelineStep(
     CFG, _tx(pk.decay_mask()), mesh, sched, params, None, COUNTS, data_method, jnp.float32
   )
 
@@ -165,14 +166,17 @@ def _run(params, data_method, batches):
 
 def _close(got, ref, start):
   """Parameter trees equal to RTOL of the largest change from ``start``."""
-  scale = max(float(np.max(np.abs(np.asarray(r) - s))) for r, s in
-              zip(jax.tree.leaves(ref), jax.tree.leaves(start), strict=True))  # fmt: skip
+  scale = max(
+    float(np.max(np.abs(np.asarray(r) - s)))
+    for r, s in zip(jax.tree.leaves(ref), jax.tree.leaves(start), strict=True)
+  )
   assert scale > 1e-3  # the steps moved the parameters
   for (path, a), b in zip(
     jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref), strict=True
   ):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=RTOL * scale,
-                               err_msg=jax.tree_util.keystr(path))  # fmt: skip
+    np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), rtol=0, atol=RTOL * scale, err_msg=jax.tree_util.keystr(path)
+    )
 
 
 @pytest.mark.slow  # ~23 s: two pipeline programs (ACCO over the lanes: its reference, below)
@@ -222,7 +226,7 @@ def test_acco_over_the_lanes_equals_its_reference(params):
   estimate, _ = _sgd_step(theta, g_tilde, trace, decay)  # applied by flush 4
   theta, trace = _sgd_step(
     theta, jax.tree.map(lambda a, b: (a + b) / 2, g_tilde, g_at), trace, decay
-  )  # fmt: skip  (flush 5, commit 2)
+  )  # flush 5, commit 2
   assert [bool(m["committed"]) for m in metrics] == [False, False, True, False, True]
   _close(train.params(state), theta, params)
   # the weights flush 6 would compute at are the committed ones (after a commit)
@@ -241,7 +245,7 @@ def test_acco_reduction_and_gather_do_not_touch_the_flush(params):
   def report(method):
     train = _train(params, method)
     state = train.abstract_state(params)
-    jaxpr = jax.make_jaxpr(train._step)(state, batch)
+    jaxpr = jax.make_jaxpr(train.stage_fn)(state, batch)
     return dataflow.dataflow_report(jaxpr, psum_limit=16, axis="data")
 
   acco = report("acco")

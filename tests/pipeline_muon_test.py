@@ -14,8 +14,8 @@ import pytest
 
 from acco_jax import errors, model
 from acco_jax.pipeline import packing, ticks
-from acco_jax.pipeline import step as pipe
-from acco_jax.pipeline import train as pipe_train
+from acco_jax.pipeline import programs as pipe
+from acco_jax.pipeline import step as pipe_train
 from acco_jax.run import build, optim
 from configs import gpt2_pipeline
 from tests.pipeline_data_test import CFG, LANES, B, M, S, _batches, _close, _mean_grad
@@ -48,7 +48,7 @@ def _step(params, data_method):
   pk = pipe.packing_for(params, S, COUNTS, LANES, _matrices(params))
   dims = lambda tree: jax.tree.map(lambda _: optim.MUON_DIMS, tree)
   tx = packing.on_view(_labelled(pk.view_mask(model.muon_mask(params)), dims), pk)
-  return pipe_train.PipelineTrainStep(
+  return pipe_train.PipelineStep(
     CFG, tx, mesh, sched, params, None, COUNTS, data_method, jnp.float32, _matrices(params)
   )
 
@@ -139,8 +139,10 @@ def test_muon_on_the_packed_buffers_is_plain_optax_on_the_tree(params):
   on_buffers = packing.on_view(_labelled(pk.view_mask(model.muon_mask(params)), dims), pk)
   on_tree = _labelled(model.muon_mask(params))
   rng = np.random.default_rng(4)
-  grads = [jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32) * 0.1, params)
-           for _ in range(3)]  # fmt: skip
+  grads = [
+    jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32) * 0.1, params)
+    for _ in range(3)
+  ]
 
   def run(tx, start, to):
     step = jax.jit(

@@ -12,7 +12,7 @@ import pytest
 
 from acco_jax import layers, model
 from acco_jax.analysis import hlo
-from acco_jax.pipeline import step as pipe
+from acco_jax.pipeline import programs as pipe
 from acco_jax.pipeline import ticks
 from acco_jax.skippipe import assign, schedule, simulate, topology
 
@@ -299,8 +299,10 @@ def test_scheduled_plan_reduces_over_lanes_like_the_mean(params):
   batch = pipe.place_batch(_batch(len(plan.paths), 2, seed=3), mesh, sched)
   pk = pipe.packing_for(params, stages, lanes=lanes)
   packed = pipe.place_params(pk.pack(params), mesh)
-  out = {r: jax.jit(pipe.make_loss_and_grad(cfg, mesh, sched, pk, r))(packed, batch)
-         for r in ("mean", "scatter", "none")}  # fmt: skip
+  out = {
+    r: jax.jit(pipe.make_loss_and_grad(cfg, mesh, sched, pk, r))(packed, batch)
+    for r in ("mean", "scatter", "none")
+  }
   loss, mean = out["mean"]
   for r in ("scatter", "none"):
     np.testing.assert_allclose(out[r][0], loss, rtol=1e-6)
@@ -329,9 +331,20 @@ def test_bench_memory_rows_and_table():
   assert (
     bench.topology(4) == (8, 1) and bench.topology(8) == (8, 1) and bench.topology(16) == (16, 2)
   )
-  done = {**rows[0], "model": "m", "topology": "1x8", "blocks": "1,4,4,3", "held_M": 46.5,
-          "idle_M": 25.3, "state_GiB": 0.5, "argument_GiB": 0.5, "temp_GiB": 3.9,
-          "output_GiB": 0.5, "total_GiB": 4.4, "compile_s": 20}  # fmt: skip
+  done = {
+    **rows[0],
+    "model": "m",
+    "topology": "1x8",
+    "blocks": "1,4,4,3",
+    "held_M": 46.5,
+    "idle_M": 25.3,
+    "state_GiB": 0.5,
+    "argument_GiB": 0.5,
+    "temp_GiB": 3.9,
+    "output_GiB": 0.5,
+    "total_GiB": 4.4,
+    "compile_s": 20,
+  }
   table = bench.memory_table([done, {**rows[1], "not_possible": "not possible (12 blocks)"}])
   assert " 1,4,4,3 |" in table and "not possible (12 blocks)" in table and "3.90" in table
 
@@ -355,8 +368,9 @@ def test_bench_memory_without_plugin_says_skipped(tmp_path):
   if parallel.has_cuda_plugin():
     pytest.skip("the CUDA PJRT plugin is installed here: --parts aot would compile every row")
   out = tmp_path / "memory.json"
-  proc = _run_bench(["--parts", "aot", "--out", str(tmp_path / "p.json"), "--memory-out", str(out)],
-                    tmp_path, 120)  # fmt: skip
+  proc = _run_bench(
+    ["--parts", "aot", "--out", str(tmp_path / "p.json"), "--memory-out", str(out)], tmp_path, 120
+  )
   assert "AOT: skipped: no CUDA PJRT plugin" in proc.stdout
 
 
@@ -369,8 +383,23 @@ def test_bench_memory_one_row_at_toy_widths(tmp_path):
   if not parallel.has_cuda_plugin():
     pytest.skip("no CUDA PJRT plugin (jax-cuda12-pjrt): nothing to compile for")
   out = tmp_path / "row.json"
-  _run_bench(["--worker", str(out), "--kind", "aot", "--row", "gpt2:4:2:acco", "--smoke",
-              "--microbatches", "2", "--rows", "1"], tmp_path, 300)  # fmt: skip
+  _run_bench(
+    [
+      "--worker",
+      str(out),
+      "--kind",
+      "aot",
+      "--row",
+      "gpt2:4:2:acco",
+      "--smoke",
+      "--microbatches",
+      "2",
+      "--rows",
+      "1",
+    ],
+    tmp_path,
+    300,
+  )
   from acco_jax.pipeline import packing
 
   row = json.loads(out.read_text())

@@ -159,8 +159,10 @@ def test_matches_the_reference(name, mode, node_size):
   np.testing.assert_allclose(np.asarray(state.w), w, **tol)
   # the comparison can fail: quantization moves the weights well beyond that tolerance
   full = [FULL] * stages
-  plain = {"acco": methods_ref.ref_acco(inner, PARAMS, first_microbatch(), batches, full)[0],
-           "zero1": methods_ref.ref_sync(inner, PARAMS, batches, full)}[name]  # fmt: skip
+  plain = {
+    "acco": methods_ref.ref_acco(inner, PARAMS, first_microbatch(), batches, full)[0],
+    "zero1": methods_ref.ref_sync(inner, PARAMS, batches, full),
+  }[name]
   moved = max(np.abs(a - b).max() for a, b in leaves_of(theta, plain))
   assert moved > 3e-4, moved  # five times the tolerance
 
@@ -168,8 +170,9 @@ def test_matches_the_reference(name, mode, node_size):
 # -- error feedback: nothing is lost -----------------------------------------------------------
 
 R = np.random.default_rng(7)
-DIRECTIONS = [jax.tree.map(lambda p: R.normal(size=p.shape).astype(np.float32), PARAMS)
-              for _ in range(2)]  # fmt: skip
+DIRECTIONS = [
+  jax.tree.map(lambda p: R.normal(size=p.shape).astype(np.float32), PARAMS) for _ in range(2)
+]
 
 
 def linear_loss(p, mb):
@@ -241,8 +244,9 @@ def test_compute_weights_follow_every_estimate_and_commit(mode="int4"):
   feedback) drifts away."""
   worst = {}
   for feedback in (True, False):
-    train, state = build("acco", mode, inner=optax.adamw(1e-2), comm_dtype=jnp.bfloat16,
-                         error_feedback=feedback)  # fmt: skip
+    train, state = build(
+      "acco", mode, inner=optax.adamw(1e-2), comm_dtype=jnp.bfloat16, error_feedback=feedback
+    )
     worst[feedback] = []
     for batch in make_batches(30, seed=11):
       w_before = np.asarray(state.w, np.float32)
@@ -265,8 +269,8 @@ def test_compute_weights_follow_every_estimate_and_commit(mode="int4"):
 
 
 def stage_program(train, state):
-  fn = train._jit("delayed" if train.plan.delayed else "sync", state)
-  return fn, (state, train._put_batch(make_batches(1)[0], K))
+  fn = train.stage_program("delayed" if train.plan.delayed else "sync", state)
+  return fn, (state, train.put_batch(make_batches(1)[0], K))
 
 
 @pytest.mark.parametrize(

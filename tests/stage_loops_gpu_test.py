@@ -39,18 +39,24 @@ def compiled_loops(method: str, k: int, budgeted: bool) -> list[hlo.WhileLoop]:
   mesh = jax.sharding.Mesh(np.array(parallel.gpu_aot_devices(N, "h100")), ("data",))
   inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
   train = acco_jax.make_train_step(
-    lambda p, b: model.loss_fn(p, cfg, b), acco_jax.get_method(method, inner), mesh,
-    num_microbatches=k, params=shapes, has_aux=True,
-  )  # fmt: skip
+    lambda p, b: model.loss_fn(p, cfg, b),
+    acco_jax.get_method(method, inner),
+    mesh,
+    num_microbatches=k,
+    params=shapes,
+    has_aux=True,
+  )
   state = train.abstract_state(shapes)
   data = NamedSharding(train.mesh, P("data"))
-  batch = {key: jax.ShapeDtypeStruct((N * k * ROWS, L), jnp.int32, sharding=data)
-           for key in ("inputs", "targets")}  # fmt: skip
+  batch = {
+    key: jax.ShapeDtypeStruct((N * k * ROWS, L), jnp.int32, sharding=data)
+    for key in ("inputs", "targets")
+  }
   args = (state, batch)
   if budgeted:
     args += (jax.ShapeDtypeStruct((N,), jnp.int32, sharding=data),)
   kind = "delayed" if train.plan.delayed else "sync"
-  text = train._jit(kind, state, budgeted).lower(*args).compile().as_text()
+  text = train.stage_program(kind, state, budgeted).lower(*args).compile().as_text()
   return hlo.while_loops(text)
 
 

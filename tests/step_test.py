@@ -25,8 +25,8 @@ def build(name, inner=None, comm_dtype=jnp.float32, k=K):
 
 def stage_program(train, state):
   kind = "delayed" if train.plan.delayed else "sync"
-  fn = train._jit(kind, state)
-  batch = train._put_batch(make_batches(1)[0], K)
+  fn = train.stage_program(kind, state)
+  batch = train.put_batch(make_batches(1)[0], K)
   return fn, (state, batch)
 
 

@@ -147,11 +147,11 @@ def test_checkpoint_in_flight_state_shape():
   )
   state = train.init(toy_params())
   state, _ = train.run(state, batches[:1], 0, 4)  # a plain inner step
-  assert train.plan(1, 4) == loco_step.Call(apply=None, send=0, stages=1, sync=None)
+  assert train.schedule(1, 4) == loco_step.Call(apply=None, send=0, stages=1, sync=None)
   state, _ = train.run(state, batches[1:2], 1, 4)  # a window: fragment 0 sent, in flight after
   assert int(state.inflight_fragment) == 0
   assert any(float(jnp.max(jnp.abs(x))) > 0 for x in jax.tree.leaves(state.inflight))
-  assert train.plan(2, 4).apply == 0
+  assert train.schedule(2, 4).apply == 0
   state, _ = train.run(state, batches[2:3], 2, 4)  # applies fragment 0 first
   assert int(state.inflight_fragment) == -1
 
@@ -172,7 +172,7 @@ def test_sync_moves_the_accounted_bytes_between_workers():
   )
   state = train.abstract_state(toy_params())
   for p in range(2):
-    text = train._program("sync", p, state).lower(state).compile().as_text()
+    text = train.program("sync", p, state).lower(state).compile().as_text()
     across = hlo.bytes_across(text, D)
     assert across == 4 * train.fragment_sizes()[p] // D
     assert train.wire_bytes(p) == pytest.approx(2 * (M - 1) / M * D * across)

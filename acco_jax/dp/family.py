@@ -7,10 +7,10 @@ from acco_jax.dp.updates import updates_done
 from acco_jax.run import registry
 
 
-def _build(config):
+def _build(config, tokens):
   from acco_jax.dp import build
 
-  return build.build_run(config)
+  return build.build_run(config, tokens)
 
 
 def _source_step(config, model_cfg, num_devices):

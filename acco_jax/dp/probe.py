@@ -32,8 +32,8 @@ def probe(train, state, batch, repeats: int = 2) -> tuple[float, float]:
   """
   axis, k = train.plan.axis_name, train.num_microbatches
   repeats = min(repeats, k)
-  batch = train._put_batch(batch, per_device=k)
-  first = "probe" not in train._compiled
+  batch = train.put_batch(batch, per_device=k)
+  first = "probe" not in train.programs
   if first:
     loop = train.program.loop(k)
 
@@ -51,14 +51,14 @@ def probe(train, state, batch, repeats: int = 2) -> tuple[float, float]:
 
     d = P(axis)
     sm = functools.partial(jax.shard_map, mesh=train.mesh)
-    train._compiled["probe"] = (
+    train.programs["probe"] = (
       jax.jit(sm(compute, in_specs=(P(), d), out_specs=d)),
       jax.jit(sm(comm, in_specs=d, out_specs=P())),
       jax.jit(sm(lambda x: lax.psum(x[0], axis), in_specs=d, out_specs=P())),
-      jax.device_put(train._zeros_buf(), train._sharding(d)),
+      jax.device_put(train.zeros_buf(), train.sharding(d)),
     )
-  compute_fn, comm_fn, line_up, buf = train._compiled["probe"]
-  ones = train._put_counts(None, k=1)
+  compute_fn, comm_fn, line_up, buf = train.programs["probe"]
+  ones = train.put_counts(None, k=1)
 
   def timed(fn, *args):
     if first:

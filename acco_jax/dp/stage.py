@@ -22,7 +22,7 @@ one joins loop A's result with ``g_rows`` (the update cannot move before loop A,
 reduce-scatter's done can sit after it) and one joins loop A's result with ``params'`` (loop B cannot
 move before the update, so the all-gather can run during it). The per-device loops themselves are in
 :mod:`acco_jax.dp.microbatch`. Whether XLA:GPU's scheduler then keeps each collective in flight across
-its loop is checked on the compiled module (``bench/gpu/overlap_gpu.py``, ``docs/benchmarks.md``).
+its loop is checked on the compiled module (``python -m bench.gpu.overlap_gpu``, ``docs/benchmarks/dp.md``).
 
 For a synchronous method (ZeRO-1, DDP) the same pieces run in the other order: loop, reduce, update,
 gather. The optimizer step runs on the logical shards tree (see :mod:`acco_jax.dp.flat`) under GSPMD, so
@@ -43,7 +43,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.dp import microbatch
+from acco_jax.dp import methods, microbatch
 from acco_jax.dp.flat import FlatLayout
 from acco_jax.dp.microbatch import MicrobatchLoop
 from acco_jax.dp.quantized_comm import QuantizedComm, all_gather_invariant
@@ -70,9 +70,19 @@ class StageProgram:
   """
 
   def __init__(
-    self, loss_fn: Callable, tx, plan, mesh, layout: FlatLayout, qcomm: QuantizedComm, has_aux,
-    num_microbatches, skip_nonfinite, replica_axis, global_clip: float | None = None,
-  ):  # fmt: skip
+    self,
+    loss_fn: Callable,
+    tx,
+    plan,
+    mesh,
+    layout: FlatLayout,
+    qcomm: QuantizedComm,
+    has_aux,
+    num_microbatches,
+    skip_nonfinite,
+    replica_axis,
+    global_clip: float | None = None,
+  ):
     self.loss_fn, self.tx, self.plan, self.mesh, self.layout = loss_fn, tx, plan, mesh, layout
     self.has_aux, self.skip_nonfinite, self.replica_axis = has_aux, skip_nonfinite, replica_axis
     self.num_microbatches, self.global_clip = num_microbatches, global_clip
@@ -110,8 +120,7 @@ class StageProgram:
 
     def stage(state, batch, counts, token=None):
       if plan.two_stage:
-        committed = state.stage % 2 == 1
-        keep = state.stage % 2 == 0 if plan.keep_after_commit else jnp.bool_(False)
+        committed, keep = methods.alternation(state.stage, plan.keep_after_commit)
       else:
         committed, keep = jnp.bool_(kind != "fill"), jnp.bool_(False)
       residual = state.residual
@@ -136,9 +145,14 @@ class StageProgram:
           buf, buf_count = state.buf, state.buf_count
           residual = rest.astype(self.comm_dtype) if self.keeps_residual else None
       new = state._replace(
-        w=w_next, params=params, opt_state=opt_state, buf=buf, buf_count=buf_count,
-        stage=state.stage + 1, residual=residual,
-      )  # fmt: skip
+        w=w_next,
+        params=params,
+        opt_state=opt_state,
+        buf=buf,
+        buf_count=buf_count,
+        stage=state.stage + 1,
+        residual=residual,
+      )
       out = (new, self._metrics(totals, gnorm, committed, state))
       return out if token is None else (*out, ride[0])
 
@@ -173,9 +187,14 @@ class StageProgram:
 
   def loop(self, k) -> MicrobatchLoop:
     return MicrobatchLoop(
-      self.loss_fn, self.has_aux, self.layout, self.comm_dtype, self.plan.axis_name, k,
+      self.loss_fn,
+      self.has_aux,
+      self.layout,
+      self.comm_dtype,
+      self.plan.axis_name,
+      k,
       self.skip_nonfinite,
-    )  # fmt: skip
+    )
 
   def _finish(self, loop, carry, count, n0):
     """The new buffer row and count, and the metrics summed over devices (one psum)."""
@@ -223,8 +242,9 @@ class StageProgram:
     """
     loop, h = self.loop(k), _loop_a_size(k)
 
-    def local(w_P, batch_local, count_1, buf_1xP, buf_count_1, keep, g_1xS, valid, rest_1xP,
-              *token_1):  # fmt: skip
+    def local(
+      w_P, batch_local, count_1, buf_1xP, buf_count_1, keep, g_1xS, valid, rest_1xP, *token_1
+    ):
       params_var, mbs = loop.prepare(w_P, batch_local)
       count = loop.count(count_1)
       carry, n0 = loop.start(params_var, mbs, buf_1xP, buf_count_1, keep, rest_1xP)

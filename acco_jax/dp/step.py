@@ -3,19 +3,22 @@
 One call of :meth:`TrainStep.step` runs one *stage* of ``k`` microbatches per device as one XLA
 program: the jit of the function that :class:`acco_jax.dp.stage.StageProgram` composes from its
 per-device blocks (one program per stage kind, state structure and budget mode,
-:meth:`TrainStep._jit`). Every jitted helper is built once per step object and kept: a stage loop
-traces and compiles nothing after its first call of each. That
+:meth:`TrainStep.stage_program`). Every jitted helper is built once per step object and kept: a stage
+loop traces and compiles nothing after its first call of each. That
 module holds the math of a stage and every ``shard_map`` and collective over the data axis; this one
 what runs around it on the host: the state (:class:`TrainState`) and its shardings, its initial
 value (a delayed method starts from one microbatch gradient per device, :meth:`TrainStep.prime`),
 which stage kind runs when (a DPU warm-up runs 'sync' stages, one 'fill', then 'delayed' ones), the
-placement of batches and per-device microbatch counts, and the read-outs (committed parameters,
-compute weights).
+placement of batches and per-device microbatch counts, the read-outs (committed parameters,
+compute weights), and the state across device counts and run kinds (the checkpoint restore's
+``reshard``; ``ckpt.init_from``'s ``export_state`` and ``import_state``: the moves themselves are in
+:mod:`acco_jax.dp.reshard`, :mod:`acco_jax.dp.reshard_owner` and :mod:`acco_jax.dp.carry`).
+It implements :class:`acco_jax.run.step.Step`, :class:`~acco_jax.run.step.Probed` and
+:class:`~acco_jax.run.step.Portable`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -25,9 +28,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.dp import elastic, layouts, methods, placement, quantize
+from acco_jax.dp import carry, layouts, methods, quantize, reshard_owner
 from acco_jax.dp.quantized_comm import QuantizedComm
+from acco_jax.dp.reshard import reshard_state, saved_num_devices
 from acco_jax.dp.stage import StageProgram
+from acco_jax.run import metrics as metrics_lib
+from acco_jax.run.step import StepBase
 
 PyTree = Any
 
@@ -57,23 +63,32 @@ class TrainState(NamedTuple):
   residual: jax.Array | None = None
 
 
-class TrainStep(elastic.Elastic, placement.Placement):
+class TrainStep(StepBase):
   """A compiled data-parallel training step for one method. Build it with :func:`make_train_step`.
 
   Attributes:
     layout: the :class:`FlatLayout` of the parameters, or their
       :class:`acco_jax.dp.owner.OwnerLayout` (``layout='owner'``: the optimizer runs vmapped over
       the devices' slots).
-    plan: the method's :class:`acco_jax.acco.CommPlan`.
+    plan: the method's :class:`acco_jax.dp.methods.CommPlan`.
     mesh: the mesh the step runs on.
     num_microbatches: ``k``, microbatches per device per stage (the maximum when counts vary).
     program: the :class:`acco_jax.dp.stage.StageProgram` each stage runs.
   """
 
   def __init__(
-    self, loss_fn, tx, mesh, num_microbatches, has_aux, params_like, skip_nonfinite=False,
-    replica_axis=None, owned=None, elementwise=None,
-  ):  # fmt: skip
+    self,
+    loss_fn,
+    tx,
+    mesh,
+    num_microbatches,
+    has_aux,
+    params_like,
+    skip_nonfinite=False,
+    replica_axis=None,
+    owned=None,
+    elementwise=None,
+  ):
     self.plan = methods.comm_plan(tx)
     self.tx = tx
     axis = self.plan.axis_name
@@ -95,8 +110,10 @@ class TrainStep(elastic.Elastic, placement.Placement):
     self.num_replicas = mesh.shape[replica_axis] if replica_axis else 1
     if num_microbatches < 1:
       raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    self.mesh = jax.sharding.Mesh(
-      mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * mesh.devices.ndim
+    super().__init__(
+      jax.sharding.Mesh(
+        mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * mesh.devices.ndim
+      )
     )
     self.num_devices = self.mesh.shape[axis]
     self.num_microbatches = int(num_microbatches)
@@ -115,14 +132,28 @@ class TrainStep(elastic.Elastic, placement.Placement):
     self.qcomm = QuantizedComm(self.plan, self.num_devices, self.layout.shard_size, replica_axis)
     self.quantized, self.quantized_reduce = self.qcomm.quantized, self.qcomm.reduce
     self.program = StageProgram(
-      loss_fn, tx, self.plan, self.mesh, self.layout, self.qcomm, has_aux, self.num_microbatches,
-      skip_nonfinite, replica_axis, global_clip=clip,
-    )  # fmt: skip
+      loss_fn,
+      tx,
+      self.plan,
+      self.mesh,
+      self.layout,
+      self.qcomm,
+      has_aux,
+      self.num_microbatches,
+      skip_nonfinite,
+      replica_axis,
+      global_clip=clip,
+    )
     self.keeps_residual = self.program.keeps_residual
-    self._sharding = functools.partial(NamedSharding, self.mesh)
-    self._compiled = {}  # every jitted program and helper, built once
+    self.num_params = self.layout.num_params
     self._stage_of = None  # (the stage array the last step returned, its value on the host)
-    self.state_type = TrainState
+
+  @property
+  def microbatches_per_stage(self) -> int:
+    return self.num_devices * self.num_microbatches
+
+  def sharding(self, spec: P) -> NamedSharding:
+    return NamedSharding(self.mesh, spec)
 
   # -- shardings --------------------------------------------------------------------------------
 
@@ -131,12 +162,12 @@ class TrainStep(elastic.Elastic, placement.Placement):
     is ZeRO-1, else replicated (within a worker, with workers)."""
     lead = int(self.replica_axis is not None)
     if self.plan.sharded and x.ndim >= 2 + lead and x.shape[lead] == self.num_devices:
-      return self._sharding(self.program.spec(self.plan.axis_name))
-    return self._sharding(self.program.spec())
+      return self.sharding(self.program.spec(self.plan.axis_name))
+    return self.sharding(self.program.spec())
 
-  def _state_sharding(self, state_shape: TrainState) -> TrainState:
+  def state_sharding(self, state_shape: TrainState) -> TrainState:
     spec = self.program.spec
-    data, rep = self._sharding(spec(self.plan.axis_name)), self._sharding(spec())
+    data, rep = self.sharding(spec(self.plan.axis_name)), self.sharding(spec())
     rule = self.leaf_sharding
 
     def buf_rule(x):
@@ -154,13 +185,14 @@ class TrainStep(elastic.Elastic, placement.Placement):
 
   # -- programs -----------------------------------------------------------------------------------
 
-  def _zeros_buf(self):
+  def zeros_buf(self):
+    """``[N, N*S]`` zeros in ``comm_dtype``: a gradient buffer with nothing in it."""
     return jnp.zeros((self.num_devices, self.layout.padded_size), self.comm_dtype)
 
   def _zeros_count(self):
     return jnp.zeros((self.num_devices,), jnp.int32)
 
-  def _jit(self, kind: str, state_like, budgeted: bool = False):
+  def stage_program(self, kind: str, state_like, budgeted: bool = False):
     """The jitted stage program for ``kind`` and the state's structure (``buf`` present or not).
 
     ``state_like``: a state or its ``ShapeDtypeStruct`` tree; shardings are built only on a miss.
@@ -169,44 +201,36 @@ class TrainStep(elastic.Elastic, placement.Placement):
     counts)``, the per-device counts traced (XLA:GPU steers those loops from the host).
     """
     key = (kind, jax.tree.structure(state_like), budgeted)
-    if key not in self._compiled:
-      state_sharding = self._state_sharding(state_like)
-      data = self._sharding(P(self.plan.axis_name))
+    if key not in self.programs:
+      state_sharding = self.state_sharding(state_like)
+      data = self.sharding(P(self.plan.axis_name))
       stage = with_counts = self.program.stage_fn(kind)
       if not budgeted:  # every device runs all k microbatches: static loop bounds
 
         def stage(state, batch):
           return with_counts(state, batch, None)
 
-      self._compiled[key] = jax.jit(
+      self.programs[key] = jax.jit(
         stage,
         in_shardings=(state_sharding, data, data)[: 3 if budgeted else 2],
-        out_shardings=(state_sharding, self._sharding(P())),
+        out_shardings=(state_sharding, self.sharding(P())),
         donate_argnums=(0,),
       )
-    return self._compiled[key]
+    return self.programs[key]
 
   # -- public API ---------------------------------------------------------------------------------
 
-  def _build(self, params: PyTree) -> TrainState:
+  def initial_state(self, params: PyTree) -> TrainState:
     layout, plan = self.layout, self.plan
     shards = layout.to_shards(params, jnp.float32)
     return TrainState(
       w=layout.ravel(params, self.comm_dtype),
       params=shards,
       opt_state=jax.vmap(self.tx.init)(shards) if self.owner else self.tx.init(shards),
-      buf=self._zeros_buf() if plan.delayed else None,
+      buf=self.zeros_buf() if plan.delayed else None,
       buf_count=self._zeros_count() if plan.delayed else None,
       stage=jnp.zeros((), jnp.int32),
-      residual=self._zeros_buf() if self.keeps_residual else None,
-    )
-
-  def abstract_state(self, params: PyTree) -> TrainState:
-    """``jax.ShapeDtypeStruct`` tree of the state, with shardings (a checkpoint restore target)."""
-    shapes = jax.eval_shape(self._build, params)
-    shardings = self._state_sharding(shapes)
-    return jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+      residual=self.zeros_buf() if self.keeps_residual else None,
     )
 
   def init(self, params: PyTree, microbatch: PyTree | None = None) -> TrainState:
@@ -217,8 +241,7 @@ class TrainStep(elastic.Elastic, placement.Placement):
     ``N * B``, one microbatch per device).
     """
     plan = self.plan
-    sharding = jax.tree.map(lambda s: s.sharding, self.abstract_state(params))
-    state = jax.jit(self._build, out_shardings=sharding)(params)
+    state = self.placed_state(params)
     if plan.delayed and plan.warmup_steps == 0:
       state = self.prime(state, microbatch, "init")
     return state
@@ -232,15 +255,15 @@ class TrainStep(elastic.Elastic, placement.Placement):
         f"{caller}(..., microbatch) with one microbatch per device (leading dim "
         f"{self.num_devices}*B)"
       )
-    batch = self._put_batch(microbatch, per_device=1)
-    if "prime" not in self._compiled:
+    batch = self.put_batch(microbatch, per_device=1)
+    if "prime" not in self.programs:
 
       def prime(state, batch):
         buf, count, _ = self.program.accumulate(state.w, batch, None, 1)
         return state._replace(buf=buf, buf_count=count)
 
-      self._compiled["prime"] = jax.jit(prime, donate_argnums=(0,))
-    return self._compiled["prime"](state, batch)
+      self.programs["prime"] = jax.jit(prime, donate_argnums=(0,))
+    return self.programs["prime"](state, batch)
 
   def step(self, state: TrainState, batch: PyTree, counts=None) -> tuple[TrainState, dict]:
     """Runs one stage; returns the new state (the input is donated) and replicated metrics.
@@ -266,15 +289,15 @@ class TrainStep(elastic.Elastic, placement.Placement):
     if plan.warmup_steps:
       stage = self._host_stage(state)
       kind = "sync" if stage < plan.warmup_steps else "fill" if stage == plan.warmup_steps else kind
-    batch = self._put_batch(batch, per_device=self.num_microbatches)
+    batch = self.put_batch(batch, per_device=self.num_microbatches)
     k = self.num_microbatches
     if counts is not None:
-      placed = self._put_counts(counts, k=k)  # checked (host counts) and placed once per value
+      placed = self.put_counts(counts, k=k)  # checked (host counts) and placed once per value
       counts = None if not isinstance(counts, jax.Array) and np.all(counts == k) else placed
     if counts is None:
-      state, metrics = self._jit(kind, state)(state, batch)
+      state, metrics = self.stage_program(kind, state)(state, batch)
     else:
-      state, metrics = self._jit(kind, state, True)(state, batch, counts)
+      state, metrics = self.stage_program(kind, state, True)(state, batch, counts)
     if plan.warmup_steps:
       self._stage_of = (state.stage, stage + 1)
     return state, metrics
@@ -287,30 +310,106 @@ class TrainStep(elastic.Elastic, placement.Placement):
       return known[1]
     return int(jax.device_get(state.stage))
 
-  def _helper(self, name: str, fn, **jit_kwargs):
-    """``jax.jit(fn)`` built on the first call for ``name`` and kept: a new jit object per call
-    retraces, and reads the persistent compilation cache, every time."""
-    if name not in self._compiled:
-      self._compiled[name] = jax.jit(fn, out_shardings=self._sharding(P()), **jit_kwargs)
-    return self._compiled[name]
-
   def params(self, state: TrainState) -> PyTree:
     """The committed parameters θ as a float32 pytree of the original shapes (replicated)."""
     fn = lambda s: self.layout.from_shards(methods.committed_params(s.opt_state, s.params))
-    return self._helper("params", fn)(state)
-
-  def replicated(self, x):
-    """A copy of every array of ``x`` on every device (readable on every process)."""
-    return self._helper("replicated", lambda t: jax.tree.map(jnp.copy, t))(x)
+    return self.helper("params", fn)(state)
 
   def compute_params(self, state: TrainState) -> PyTree:
     """The weights the next stage computes at (θ̃ after an ACCO estimate), in ``comm_dtype``."""
     fn = lambda w: self.layout.unravel(w, self.comm_dtype)
-    return self._helper("compute_params", fn)(state.w)
+    return self.helper("compute_params", fn)(state.w)
 
   def describe(self) -> str:
     """One line on the quantized communication ('' when the plan quantizes nothing)."""
     return quantize.describe(self.plan, self.num_devices, self.layout.shard_size)
+
+  # -- what the trainer calls beyond init, step and params (acco_jax.run.step.Step) --------------
+
+  def run(self, state: TrainState, batches: list, stage: int, total: int, counts=None):
+    """:meth:`step` on the one batch of a stage (the trainer's call)."""
+    (batch,) = batches
+    return self.step(state, batch, counts)
+
+  def optimizer_state(self, state: TrainState) -> PyTree:
+    return state.opt_state
+
+  def comm_bytes_per_stage(self) -> float:
+    return metrics_lib.comm_bytes_per_stage(self.plan, self.layout.padded_size, self.num_devices)
+
+  # -- placement of a stage's inputs --------------------------------------------------------------
+
+  def put_batch(self, batch: PyTree, per_device: int) -> PyTree:
+    """A host batch of ``N * per_device * B`` rows placed over the data axis (placed arrays pass)."""
+    n = self.num_devices
+    for x in jax.tree.leaves(batch):
+      if x.ndim < 1 or x.shape[0] % (n * per_device):
+        raise ValueError(
+          f"batch leading dim {x.shape[0] if x.ndim else 'scalar'} is not divisible by devices x "
+          f"microbatches = {n} x {per_device}; use a global batch of {n}*{per_device}*B rows"
+        )
+    sharding = self.sharding(P(self.plan.axis_name))
+    return jax.tree.map(
+      lambda x: x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding),
+      batch,
+    )
+
+  def put_counts(self, counts, k: int) -> jax.Array:
+    """Per-device microbatch counts (``None``: ``k`` each) checked and placed over the data axis,
+    once per distinct value: re-placing host data every stage is a cross-process check."""
+    if isinstance(counts, jax.Array):
+      return counts
+    counts = np.full((self.num_devices,), k, np.int32) if counts is None else np.asarray(counts)
+    if counts.shape != (self.num_devices,) or counts.min() < 1 or counts.max() > k:
+      raise ValueError(
+        f"counts must be {self.num_devices} ints in [1, {k}] (microbatches per device), got {counts}"
+      )
+    key = ("counts", k, tuple(int(c) for c in counts))
+    if key not in self.programs:
+      counts = counts.astype(np.int32)
+      self.programs[key] = jax.device_put(counts, self.sharding(P(self.plan.axis_name)))
+    return self.programs[key]
+
+  # -- the state across device counts and run kinds -----------------------------------------------
+
+  def reshard(self, saved):
+    """A state saved on another device count (host numpy leaves) -> numpy leaves for this step.
+
+    Pass it as ``reshard=`` to :meth:`acco_jax.run.checkpoint.Checkpointer.restore`. Weights and
+    optimizer state move bit for bit, the gradient buffers keep their sums over devices
+    (:mod:`acco_jax.dp.reshard`); the owner layout's owners are reassigned
+    (:mod:`acco_jax.dp.reshard_owner`).
+    """
+    if self.owner:
+      old_tx = self.source_tx(saved_num_devices(saved))
+      return reshard_owner.reshard_owner_state(saved, old_tx, self.layout, self.tx, self.comm_dtype)
+    return reshard_state(saved, self.layout, self.tx)
+
+  def saved_like(self, shapes: dict):
+    """With the owner layout, a state saved on another device count has other slots: its
+    structure (``shapes``: path -> saved shape). ``None`` for the other layouts (their paths
+    never change)."""
+    n = next((s[0] for p, s in shapes.items() if p.startswith(".params") and s), None)
+    if not self.owner or n is None:
+      return None
+    old = reshard_owner.source_layout(self.layout, int(n))
+    tx = self.source_tx(int(n))
+    return TrainState(**reshard_owner.saved_structure(old, tx, self.plan.delayed, self.comm_dtype))
+
+  def export_state(self, saved):
+    """A saved state (host numpy, any device count) -> :class:`acco_jax.run.portable.Portable`:
+    θ and the inner state in the model's structure (:mod:`acco_jax.dp.carry`)."""
+    return carry.export_state(self, saved)
+
+  def export_params(self, saved) -> PyTree:
+    """The committed parameters θ of a saved state (host numpy, any device count), float32 in
+    the model's structure (ACCO's and WP's committed copy, not an estimate or prediction)."""
+    return carry.export_state(self, saved).params
+
+  def import_state(self, portable, stage: int, microbatch: PyTree | None = None):
+    """The state of a run that starts from ``portable`` at ``stage``, placed; a delayed method
+    primes its buffer with ``microbatch`` as :meth:`init` does (:mod:`acco_jax.dp.carry`)."""
+    return carry.import_state(self, portable, stage, microbatch)
 
   # -- timing probes (heterogeneous budgets, slow-worker detection) -------------------------------
 
@@ -371,6 +470,13 @@ def make_train_step(
     A :class:`TrainStep` with ``init``, ``step``, ``params`` and ``compute_params``.
   """
   return TrainStep(
-    loss_fn, tx, mesh, num_microbatches, has_aux, params, skip_nonfinite, owned=owned,
+    loss_fn,
+    tx,
+    mesh,
+    num_microbatches,
+    has_aux,
+    params,
+    skip_nonfinite,
+    owned=owned,
     elementwise=elementwise,
-  )  # fmt: skip
+  )

@@ -74,6 +74,15 @@ class SyncAccounting:
       f"{self.peak_sync_bytes():,.0f}, per inner step {per_step:,.0f}"
     )
 
+  def summary(self, sent: float) -> dict:
+    """A run's communication figures for its summary (``sent``: the bytes a worker sent)."""
+    return dict(
+      wire_bytes_per_worker=sent,
+      peak_sync_bytes=self.peak_sync_bytes(),
+      payload_bytes_per_sync=self.payload_bytes(0),
+      sent_density=self.density(),
+    )
+
   def outer_row(self, metrics: dict) -> dict:
     """The outer-step fields of a call's (host) metrics, for a log line: per-worker values as their
     mean over workers, the bytes the sync sent per worker and the share of values it sent."""

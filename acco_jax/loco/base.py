@@ -359,11 +359,14 @@ def check_owner(method: LocoMethod) -> None:
   ``method``: fragments by block (a slot holds other blocks' matrices on other devices), and the
   sparse and quantised payloads (their codecs cut each leaf's flat chunk)."""
   what = (
-    f"loco.fragments={method.fragments}" if method.fragments != 1
-    else f"method={method.name}'s sparse payload" if method.sparse is not None
-    else f"loco.quantize={method.compressor.name}" if method.compressor.name != "none"
+    f"loco.fragments={method.fragments}"
+    if method.fragments != 1
+    else f"method={method.name}'s sparse payload"
+    if method.sparse is not None
+    else f"loco.quantize={method.compressor.name}"
+    if method.compressor.name != "none"
     else None
-  )  # fmt: skip
+  )
   if what is not None:
     raise errors.UserValueError(
       f"{what} does not run with the owner layout of an inner optimizer that needs whole matrices "

@@ -11,17 +11,17 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
-from acco_jax import errors, loco, model
+from acco_jax import data, errors, loco, model
 from acco_jax.dp import build as dp_build
-from acco_jax.dp import methods
+from acco_jax.dp import layouts, methods
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.loco import step as loco_lib
 from acco_jax.run import build as build_lib
 from acco_jax.run import health, optim, parallel
 
 
-def build_run(config) -> build_lib.Run:
-  """The :class:`acco_jax.run.build.Run` of a low-communication method (``Run.loco`` set)."""
+def build_run(config, tokens: data.TokenData) -> build_lib.Run:
+  """The :class:`acco_jax.run.build.Run` of a low-communication method ."""
   health.check_config(config)
   if config.get("pipeline") is not None and config.pipeline.stages != 0:
     raise errors.UserValueError(
@@ -29,15 +29,12 @@ def build_run(config) -> build_lib.Run:
       f"methods (ddp, zero1, acco, dpu, wp), not {config.method}; set pipeline.stages=0"
     )
   mesh = parallel.make_mesh(config.mesh.num_devices)
-  tokens = build_lib.prepare_tokens(config)
   model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
   train = _step(config, model_cfg, mesh, lambda p, b: model.loss_fn(p, model_cfg, b))
   shapes = model.param_shapes(model_cfg)
   total, k = config.train.num_updates, int(config.batch.microbatches)
   axes = tuple(train.mesh.axis_names)
-  return build_lib.Run(
-    train.mesh, tokens, model_cfg, shapes, train, 1, total, k, None, axes, loco=True
-  )
+  return build_lib.Run(train.mesh, tokens, model_cfg, shapes, train, 1, total, k, None, axes)
 
 
 def source_step(config, model_cfg: model.ModelConfig, num_devices: int) -> loco_lib.LocoStep:
@@ -65,10 +62,17 @@ def _step(config, model_cfg: model.ModelConfig, mesh, loss) -> loco_lib.LocoStep
   )
   try:
     return loco_lib.make_loco_step(
-      loss, inner_tx, method, mesh, num_microbatches=k, params=shapes, has_aux=True,
-      skip_nonfinite=config.train.on_nonfinite == "skip", owned=owned,
-      elementwise=dp_build.optimizer_is_elementwise(config),
-    )  # fmt: skip
+      loss,
+      inner_tx,
+      method,
+      mesh,
+      num_microbatches=k,
+      params=shapes,
+      has_aux=True,
+      skip_nonfinite=config.train.on_nonfinite == "skip",
+      owned=owned,
+      elementwise=layouts.optimizer_is_elementwise(config),
+    )
   except ValueError as e:  # a fragment layout the model cannot take
     raise errors.UserValueError(str(e)) from None
 
@@ -84,7 +88,7 @@ def _inner_layout(config, d: int, shapes):
       f"loco.inner=zero1 gives them (loco.inner={config.loco.inner}, method={config.method}): set "
       "loco.inner=zero1 with method diloco, noloco or streaming_diloco"
     )
-  layout = dp_build.choose_layout(config, d, shapes, method=config.loco.inner)
+  layout = layouts.for_config(config, d, method=config.loco.inner)
   if layout != "owner":
     return layout, None, None
   owned = model.muon_mask(shapes) if muon else None
@@ -101,9 +105,12 @@ def loco_method(config) -> loco.LocoMethod:
       return loco.diloco(c.sync_every, outer, **mode)
     if config.method == "noloco":
       return loco.noloco(
-        c.sync_every, outer_lr=c.outer_lr, momentum=c.outer_momentum, pairings=c.pairings,
+        c.sync_every,
+        outer_lr=c.outer_lr,
+        momentum=c.outer_momentum,
+        pairings=c.pairings,
         seed=c.pairing_seed,
-      )  # fmt: skip
+      )
     sparse = dict(topk=c.topk, chunk=c.chunk, decay=c.ef_decay, aggregate=c.aggregate)
     if config.method == "sparseloco":
       return loco.sparseloco(
@@ -113,9 +120,16 @@ def loco_method(config) -> loco.LocoMethod:
       lr = optim.schedule(config.opt, config.train.num_updates)
       return loco.demo(lr, weight_decay=config.opt.weight_decay, **sparse)
     return loco.streaming_diloco(
-      c.sync_every, c.fragments, layout=c.layout, overlap_steps=c.overlap_steps, alpha=c.alpha,
-      quantize=c.quantize, block=c.quantize_block, outer=outer, **mode,
-    )  # fmt: skip
+      c.sync_every,
+      c.fragments,
+      layout=c.layout,
+      overlap_steps=c.overlap_steps,
+      alpha=c.alpha,
+      quantize=c.quantize,
+      block=c.quantize_block,
+      outer=outer,
+      **mode,
+    )
   except ValueError as e:
     raise errors.UserValueError(str(e).replace("the FP4 block", "loco.quantize_block")) from None
 

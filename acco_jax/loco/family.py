@@ -6,10 +6,10 @@ from acco_jax.loco import METHODS
 from acco_jax.run import registry
 
 
-def _build(config):
+def _build(config, tokens):
   from acco_jax.loco import build
 
-  return build.build_run(config)
+  return build.build_run(config, tokens)
 
 
 def _source_step(config, model_cfg, num_devices):

@@ -132,7 +132,12 @@ def build(step, kind: str, p: int, sharding):
     return keep(state, new_g, zeros, zeros), {**outer, **extra}
 
   if kind == "flush":
-    return jax.jit(flush, in_shardings=(sharding,), out_shardings=(sharding, None),
-                   donate_argnums=(0,))  # fmt: skip
-  return jax.jit(phase, in_shardings=(sharding, step._batch_sharding()),
-                 out_shardings=(sharding, None), donate_argnums=(0,))  # fmt: skip
+    return jax.jit(
+      flush, in_shardings=(sharding,), out_shardings=(sharding, None), donate_argnums=(0,)
+    )
+  return jax.jit(
+    phase,
+    in_shardings=(sharding, step.batch_sharding()),
+    out_shardings=(sharding, None),
+    donate_argnums=(0,),
+  )

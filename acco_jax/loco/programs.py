@@ -22,7 +22,7 @@ stay per worker (``[M]``, sharded over ``replica``).
 
 A window's reduction and its ``τ`` inner steps are one program, with an ``optimization_barrier``
 that makes the loop wait for the payload (not for the reduction): on a GPU the all-reduce can stay
-in flight across the loop (``bench/gpu/overlap_gpu.py --loco``). The apply runs at the start of the
+in flight across the loop (``python -m bench.gpu.overlap_gpu --loco``). The apply runs at the start of the
 next call, so a checkpoint taken between the two holds a fragment in flight.
 
 The syncs that do not all-reduce, NoLoCo's pair exchange and SparseLoCo's and DeMo's sparse gather:
@@ -129,8 +129,11 @@ def round_metrics(estimate: dict, commit: dict) -> dict:
   """The metrics of an ACCO update from its two stages': counts and sums added, the loss the mean
   over both stages' microbatches, the rest (gradient norm, committed, stage) the commit's."""
   n = estimate["microbatches"] + commit["microbatches"]
-  summed = {k: estimate[k] + v for k, v in commit.items()
-            if k not in ("loss", "grad_norm", "committed", "stage")}  # fmt: skip
+  summed = {
+    k: estimate[k] + v
+    for k, v in commit.items()
+    if k not in ("loss", "grad_norm", "committed", "stage")
+  }
   both = estimate["loss"] * estimate["microbatches"] + commit["loss"] * commit["microbatches"]
   return {**commit, **summed, "loss": both / jnp.maximum(n, 1)}
 
@@ -147,9 +150,10 @@ def set_worker_params(step, state, params):
   "ACCO inside the workers")."""
   inner = state.inner
   inner = inner._replace(
-    params=params, opt_state=methods.with_committed(inner.opt_state, params),
+    params=params,
+    opt_state=methods.with_committed(inner.opt_state, params),
     w=step.inner.program.gather(params),
-  )  # fmt: skip
+  )
   return state._replace(inner=inner)
 
 
@@ -263,11 +267,16 @@ def build(step, kind: str, p: int | None, sharding):
   metric_sharding = None  # as computed: per-worker metrics stay on their workers
   if kind in ("sync", "apply"):
     fn = {"sync": sync, "apply": apply}[kind]
-    return jax.jit(fn, in_shardings=(sharding,), out_shardings=(sharding, metric_sharding),
-                   donate_argnums=(0,))  # fmt: skip
+    return jax.jit(
+      fn, in_shardings=(sharding,), out_shardings=(sharding, metric_sharding), donate_argnums=(0,)
+    )
   fn = {"stage": stage, "window": window}[kind]
-  return jax.jit(fn, in_shardings=(sharding, step._batch_sharding()),
-                 out_shardings=(sharding, metric_sharding), donate_argnums=(0,))  # fmt: skip
+  return jax.jit(
+    fn,
+    in_shardings=(sharding, step.batch_sharding()),
+    out_shardings=(sharding, metric_sharding),
+    donate_argnums=(0,),
+  )
 
 
 # -- the syncs that do not all-reduce --------------------------------------------------------------

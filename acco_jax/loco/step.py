@@ -13,8 +13,8 @@ under ACCO its buffer and committed copy), the outer state (``θ_g`` and one out
 per fragment, per worker: NoLoCo's ``φ_i`` and ``δ_i`` differ), the mean pseudo-gradient of a
 fragment in flight, and each worker's error feedback (SparseLoCo) or momentum (DeMo).
 
-Here: the state, its shardings and initial value, the schedule (:meth:`LocoStep.plan`), the cache
-of the programs and the public API. The programs (stage, sync, window, apply) are in
+Here: the state, its shardings and initial value, the schedule (:meth:`LocoStep.schedule`), the
+cache of the programs and the public API (:class:`acco_jax.run.step.Step`). The programs (stage, sync, window, apply) are in
 :mod:`acco_jax.loco.programs`; a sync's cost and log fields in :mod:`acco_jax.loco.accounting`.
 """
 
@@ -36,6 +36,7 @@ from acco_jax.loco import base, overlap, phase, programs, replica
 from acco_jax.loco.accounting import SyncAccounting
 from acco_jax.loco.base import LocoMethod, OuterState
 from acco_jax.loco.replica import REPLICA, ReplicaCollectives
+from acco_jax.run.step import StepBase
 
 PyTree = Any
 
@@ -68,7 +69,8 @@ class LocoState(NamedTuple):
 
 
 class Call(NamedTuple):
-  """What one :meth:`LocoStep.run` does, from the inner steps done (host-side, deterministic).
+  """What one :meth:`LocoStep.run` does, from the inner steps done (host-side, deterministic):
+  :meth:`LocoStep.schedule`.
 
   Attributes:
     apply: the fragment whose in-flight mean is applied first, or ``None``.
@@ -89,7 +91,7 @@ class Call(NamedTuple):
   phase: int | None = None
 
 
-class LocoStep(SyncAccounting):
+class LocoStep(SyncAccounting, StepBase):
   """The programs of a low-communication method. Build it with :func:`make_loco_step`.
 
   What a sync costs and the log fields of an outer step: the methods of
@@ -97,9 +99,18 @@ class LocoStep(SyncAccounting):
   """
 
   def __init__(
-    self, loss_fn, inner_tx, method: LocoMethod, mesh, num_microbatches, params_like,
-    has_aux=False, skip_nonfinite=False, owned=None, elementwise=None,
-  ):  # fmt: skip
+    self,
+    loss_fn,
+    inner_tx,
+    method: LocoMethod,
+    mesh,
+    num_microbatches,
+    params_like,
+    has_aux=False,
+    skip_nonfinite=False,
+    owned=None,
+    elementwise=None,
+  ):
     base.check(method)
     if REPLICA not in mesh.axis_names:
       raise ValueError(f"workers need a mesh with a {REPLICA!r} axis, got {mesh.axis_names}")
@@ -112,12 +123,21 @@ class LocoStep(SyncAccounting):
         "use an even number"
       )
     self.inner = TrainStep(
-      loss_fn, inner_tx, mesh, num_microbatches // self.stages_per_step, has_aux, params_like,
-      skip_nonfinite, replica_axis=REPLICA, owned=owned, elementwise=elementwise,
-    )  # fmt: skip
-    self.mesh = self.inner.mesh
+      loss_fn,
+      inner_tx,
+      mesh,
+      num_microbatches // self.stages_per_step,
+      has_aux,
+      params_like,
+      skip_nonfinite,
+      replica_axis=REPLICA,
+      owned=owned,
+      elementwise=elementwise,
+    )
+    super().__init__(self.inner.mesh)
     self.num_workers = self.inner.num_replicas
     self.layout = self.inner.layout
+    self.num_params = self.layout.num_params
     shards = self.layout.shard_shapes(1)
     self.shard_shapes = [x.shape[1:] for x in jax.tree.leaves(shards)]  # per device, leaf order
     if self.inner.owner:
@@ -128,7 +148,6 @@ class LocoStep(SyncAccounting):
     )
     self.codec = programs.make_codec(method, self.layout)
     self.matchings = programs.make_matchings(method, self.num_workers)
-    self._programs: dict = {}
 
   @property
   def num_microbatches(self) -> int:
@@ -140,10 +159,15 @@ class LocoStep(SyncAccounting):
     """Devices per worker (the data axis)."""
     return self.inner.num_devices
 
+  @property
+  def microbatches_per_stage(self) -> int:
+    """Microbatches an inner step takes from the stream: ``k`` per device of every worker."""
+    return self.num_workers * self.num_devices * self.num_microbatches
+
   # -- shardings ---------------------------------------------------------------------------------
 
-  def _sharding(self, state_shape: LocoState) -> LocoState:
-    inner = self.inner._state_sharding(state_shape.inner)
+  def state_sharding(self, state_shape: LocoState) -> LocoState:
+    inner = self.inner.state_sharding(state_shape.inner)
     leaf = self.inner.leaf_sharding
     rep = NamedSharding(self.mesh, P())
     return LocoState(
@@ -162,13 +186,14 @@ class LocoStep(SyncAccounting):
     the window's barrier hands it back per device)."""
     return NamedSharding(self.mesh, P(REPLICA, self.inner.plan.axis_name))
 
-  def _batch_sharding(self):
+  def batch_sharding(self) -> NamedSharding:
+    """A batch's rows over the workers and their devices (worker-major)."""
     return NamedSharding(self.mesh, P((REPLICA, self.inner.plan.axis_name)))
 
   # -- building the state ------------------------------------------------------------------------
 
-  def _build(self, params: PyTree) -> LocoState:
-    one = self.inner._build(params)  # a single worker's state
+  def initial_state(self, params: PyTree) -> LocoState:
+    one = self.inner.initial_state(params)  # a single worker's state
     copies = lambda x: jnp.broadcast_to(x, (self.num_workers, *jnp.shape(x)))
     inner = jax.tree.map(copies, one)
     outer = base.init_outer(self.method, one.params, self.parts)
@@ -183,15 +208,6 @@ class LocoStep(SyncAccounting):
       overlap=jax.tree.map(copies, overlap.init_overlap(self.method.outer_overlap, one.params)),
     )
 
-  def abstract_state(self, params: PyTree) -> LocoState:
-    """``jax.ShapeDtypeStruct`` tree of the state, with shardings (a checkpoint restore target)."""
-    shapes = jax.eval_shape(self._build, params)
-    return jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-      shapes,
-      self._sharding(shapes),
-    )
-
   def init(self, params: PyTree, microbatch: PyTree | None = None) -> LocoState:
     """Every worker starts from ``params`` (float32, original shapes), and so does ``θ_g``.
 
@@ -199,8 +215,7 @@ class LocoStep(SyncAccounting):
     in its buffer: ``microbatch`` has one microbatch per device of every worker (leading dim
     ``M * D * B``); other inner steps ignore it.
     """
-    sharding = jax.tree.map(lambda s: s.sharding, self.abstract_state(params))
-    state = jax.jit(self._build, out_shardings=sharding)(params)
+    state = self.placed_state(params)
     if not self.inner.plan.delayed:
       return state
     if microbatch is None:
@@ -209,19 +224,19 @@ class LocoStep(SyncAccounting):
         f"microbatch) with one microbatch per device (leading dim {self.num_workers}*"
         f"{self.num_devices}*B)"
       )
-    if "prime" not in self._programs:
+    if "prime" not in self.programs:
 
       def prime(state, batch):
         rows = jax.tree.map(lambda x: x.reshape(self.num_workers, -1, *x.shape[1:]), batch)
         buf, count, _ = self.inner.program.accumulate(state.inner.w, rows, None, 1)
         return state._replace(inner=state.inner._replace(buf=buf, buf_count=count))
 
-      self._programs["prime"] = jax.jit(prime, donate_argnums=(0,))
-    return self._programs["prime"](state, self.put_batch(microbatch, per_device=1))
+      self.programs["prime"] = jax.jit(prime, donate_argnums=(0,))
+    return self.programs["prime"](state, self.put_batch(microbatch, per_device=1))
 
   # -- schedule ----------------------------------------------------------------------------------
 
-  def plan(self, steps_done: int, total: int) -> Call:
+  def schedule(self, steps_done: int, total: int) -> Call:
     """The call that starts after ``steps_done`` inner steps of a run of ``total``.
 
     A window starts only if its apply point is within the run; one whose apply point is the end
@@ -229,7 +244,7 @@ class LocoStep(SyncAccounting):
     """
     m = self.method
     if m.outer_overlap != "none":
-      return self._plan_overlap(steps_done, total)
+      return self._schedule_overlap(steps_done, total)
     apply = base.apply_fragment(m, steps_done) if m.overlap_steps and steps_done else None
     send = base.send_fragment(m, steps_done)
     if send is not None and steps_done + m.overlap_steps > total:
@@ -239,7 +254,7 @@ class LocoStep(SyncAccounting):
     land = send is not None and steps_done + stages == total
     return Call(apply, send, stages, sync, land)
 
-  def _plan_overlap(self, steps_done: int, total: int) -> Call:
+  def _schedule_overlap(self, steps_done: int, total: int) -> Call:
     """An outer overlap's schedule: from a fragment's sync point, a phase program of ``K = H/P``
     steps if it ends within the run; the sync point no phase follows (the run's last) syncs
     blocking, so nothing is pending at the end. Before the first sync: plain inner steps."""
@@ -252,14 +267,14 @@ class LocoStep(SyncAccounting):
 
   # -- programs ----------------------------------------------------------------------------------
 
-  def _program(self, kind: str, p: int | None, state_like):
+  def program(self, kind: str, p: int | None, state_like):
     """The jitted program ``kind`` of fragment ``p`` (:func:`acco_jax.loco.programs.build`), built
     on the first call; ``state_like``: a state or its ``ShapeDtypeStruct`` tree."""
     key = (kind, p)
-    if key not in self._programs:
+    if key not in self.programs:
       build = phase.build if kind in ("phase", "flush") else programs.build
-      self._programs[key] = build(self, kind, p, self._sharding(state_like))
-    return self._programs[key]
+      self.programs[key] = build(self, kind, p, self.state_sharding(state_like))
+    return self.programs[key]
 
   # -- public API --------------------------------------------------------------------------------
 
@@ -273,50 +288,78 @@ class LocoStep(SyncAccounting):
           f"batch leading dim {x.shape[0] if x.ndim else 'scalar'} is not divisible by workers x "
           f"devices x microbatches = {m} x {n} x {k}"
         )
-    sharding = self._batch_sharding()
+    sharding = self.batch_sharding()
     return jax.tree.map(
       lambda x: x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding),
       batch,
     )
 
-  def run(self, state: LocoState, batches, steps_done: int, total: int):
-    """Runs :meth:`plan` ``(steps_done, total)``: ``batches`` is a list of ``plan.stages`` batches.
+  def run(self, state: LocoState, batches, stage: int, total: int, counts=None):
+    """Runs :meth:`schedule` ``(stage, total)`` (``stage``: inner steps done): ``batches`` is a
+    list of its ``stages`` batches (``counts``: workers run every microbatch; ``None`` only).
 
     Returns ``(state, metrics)``: the inner metrics of the last inner step, one entry per worker
     (``loss``, ``grad_norm``, ...), plus the outer metrics of an apply or sync when one ran.
     """
-    call = self.plan(steps_done, total)
+    if counts is not None:
+      raise ValueError("LoCo workers run every microbatch (no per-device counts)")
+    call = self.schedule(stage, total)
     if len(batches) != call.stages:
       raise ValueError(f"this call runs {call.stages} inner steps, got {len(batches)} batches")
     metrics = {}
     if call.apply is not None:
-      state, metrics = self._program("apply", call.apply, state)(state)
+      state, metrics = self.program("apply", call.apply, state)(state)
     batches = [self.put_batch(b) for b in batches]
     if call.phase is not None:
-      state, inner = self._program("phase", call.phase, state)(state, batches)
+      state, inner = self.program("phase", call.phase, state)(state, batches)
     elif call.send is not None:
-      state, inner = self._program("window", call.send, state)(state, batches)
+      state, inner = self.program("window", call.send, state)(state, batches)
     else:
-      state, inner = self._program("stage", None, state)(state, batches[0])
+      state, inner = self.program("stage", None, state)(state, batches[0])
     metrics = {**metrics, **inner}
     if call.sync is not None:
       kind = "sync" if self.method.outer_overlap == "none" else "flush"
-      state, outer = self._program(kind, call.sync, state)(state)
+      state, outer = self.program(kind, call.sync, state)(state)
       metrics = {**metrics, **outer}
     if call.land:
-      state, outer = self._program("apply", call.send, state)(state)
+      state, outer = self.program("apply", call.send, state)(state)
       metrics = {**metrics, **outer}
     return state, metrics
 
   def params(self, state: LocoState) -> PyTree:
     """``θ_g`` of worker 0 (the same on every worker) as a float32 tree of the original shapes."""
     fn = lambda s: self.layout.from_shards(jax.tree.map(lambda x: x[0], s.outer.params))
-    return self.inner._helper("loco_params", fn)(state)
+    return self.helper("loco_params", fn)(state)
 
-  def replicated(self, x):
-    """A copy of every array of ``x`` on every device (readable on every process), e.g.
-    per-worker values."""
-    return self.inner.replicated(x)
+  # -- what the trainer calls beyond init, run and params (acco_jax.run.step.Step) ---------------
+
+  def call_stages(self, stage: int, total: int) -> int:
+    return self.schedule(stage, total).stages
+
+  def sent_bytes(self, stage: int, total: int) -> float:
+    """Bytes one worker sends in the call that starts after ``stage``: an overlapped phase sends
+    one fragment, its last sync (or a window's send) another."""
+    call = self.schedule(stage, total)
+    sent = call.sync if call.sync is not None else call.send
+    return sum(self.wire_bytes(p) for p in (call.phase, sent) if p is not None)
+
+  def comm_bytes_per_stage(self) -> float:
+    """Within a worker, per stage of its inner step (an ACCO inner step is two stages)."""
+    return self.inner.comm_bytes_per_stage() * self.stages_per_step
+
+  def optimizer_state(self, state: LocoState) -> PyTree:
+    return state.inner.opt_state
+
+  def log_fields(self, metrics: dict, sent: float) -> dict:
+    """Each worker's loss, and the bytes a worker sent so far."""
+    return dict(worker_loss=np.asarray(metrics["loss"]).tolist(), wire_bytes_per_worker=sent)
+
+  def outer_metrics(self, metrics: dict) -> dict | None:
+    """A call's metrics if it ran an outer step (an apply, sync or flush)."""
+    return metrics if "outer_fragment" in metrics else None
+
+  def sync_row(self, metrics: dict) -> dict:
+    return self.outer_row(metrics)
 
   def export_params(self, saved: LocoState) -> PyTree:
     """``θ_g`` of a checkpoint read as host arrays (this mesh's shapes), worker 0's copy (the same
@@ -326,13 +369,13 @@ class LocoStep(SyncAccounting):
 
   def reshard(self, saved: LocoState):
     """Refuses a checkpoint of another mesh: workers hold diverged copies, no rule splits or
-    merges them (the trainer's ``reshard=`` hook)."""
+    merges them."""
     raise errors.UserValueError(replica.mesh_mismatch(saved, self.mesh))
 
   def worker_params(self, state: LocoState) -> PyTree:
     """Every worker's ``θ_m``, a tree of ``[M, ...]`` float32 arrays of the original shapes."""
     fn = lambda s: jax.vmap(self.layout.from_shards)(programs.worker_params(s))
-    return self.inner._helper("worker_params", fn)(state)
+    return self.helper("worker_params", fn)(state)
 
 
 def worker_mesh(num_workers: int, devices=None) -> jax.sharding.Mesh:
@@ -376,7 +419,7 @@ def make_loco_step(
     state = train.init(params)
     s = 0
     while s < total:
-      n = train.plan(s, total).stages
+      n = train.schedule(s, total).stages
       state, metrics = train.run(state, [next(batches) for _ in range(n)], s, total)
       s += n
     theta_g = train.params(state)
@@ -400,6 +443,14 @@ def make_loco_step(
     A :class:`LocoStep`.
   """
   return LocoStep(
-    loss_fn, inner_tx, method, mesh, num_microbatches, params, has_aux, skip_nonfinite, owned,
+    loss_fn,
+    inner_tx,
+    method,
+    mesh,
+    num_microbatches,
+    params,
+    has_aux,
+    skip_nonfinite,
+    owned,
     elementwise,
-  )  # fmt: skip
+  )

@@ -59,9 +59,15 @@ def streaming_diloco(
     The :class:`acco_jax.loco.LocoMethod`.
   """
   method = LocoMethod(
-    "streaming_diloco", int(sync_every), outer or default_outer(), int(fragments), layout,
-    int(overlap_steps), float(alpha), get_compressor(quantize, block=int(block)),
+    "streaming_diloco",
+    int(sync_every),
+    outer or default_outer(),
+    int(fragments),
+    layout,
+    int(overlap_steps),
+    float(alpha),
+    get_compressor(quantize, block=int(block)),
     outer_overlap=outer_overlap,
-  )  # fmt: skip
+  )
   check(method)
   return method

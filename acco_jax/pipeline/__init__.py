@@ -5,8 +5,9 @@ and reordered paths from :mod:`acco_jax.skippipe`.
                 scheduler's plan over the whole mesh (microbatches cross lanes)
   packing.py    each stage's parameters in flat buffers (the embedding and head once; Muon's
                 matrices whole in slots the lanes divide)
-  step.py       the only module with ``shard_map`` and collectives (``ppermute``, ``psum``, ``pmean``)
-  train.py      the training step the trainer drives (``method=pipeline``)
+  programs.py   the traced programs: the only module with ``shard_map`` and collectives
+                (``ppermute``, ``psum``, ``pmean``)
+  step.py       the training step the trainer drives (``method=pipeline``)
   build.py      that step from a config; carry.py its state to and from ``ckpt.init_from``'s form
   family.py     ``method=pipeline`` for the run shell's registry (:mod:`acco_jax.run.registry`)
 """

@@ -1,5 +1,5 @@
 """``method=pipeline`` from a config: checks, blocks per stage, the schedule or the scheduler's plan,
-the mesh, the step (:class:`acco_jax.pipeline.train.PipelineTrainStep`) and the run's stage counts;
+the mesh, the step (:class:`acco_jax.pipeline.step.PipelineStep`) and the run's stage counts;
 and the step ``ckpt.init_from`` reads a pipeline run's checkpoints with."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from acco_jax import errors, model
-from acco_jax.dp import methods
+from acco_jax import data, errors, model
+from acco_jax.dp import layouts, methods
 from acco_jax.pipeline import carry, ticks
 from acco_jax.pipeline import packing as packing_lib
-from acco_jax.pipeline import step as pipe
-from acco_jax.pipeline.train import PipelineTrainStep, build_state
+from acco_jax.pipeline import programs as pipe
+from acco_jax.pipeline.step import PipelineStep, build_state
 from acco_jax.run import build as build_lib
 from acco_jax.run import parallel
 from acco_jax.skippipe import orders, plans
@@ -46,6 +46,7 @@ def _check(config, num_devices: int) -> tuple[int, int]:
       f"pipeline.stages={stages} must be >= 2 and divide the {num_devices} devices (each data "
       "lane holds one stage per device)"
     )
+  layouts.asked(config)  # a known value, though the pipeline packs its own buffers
   for key, bad in (
     ("comm.quantize", config.comm.quantize != "none"),
     ("hetero.budgets", bool(config.hetero.budgets)),
@@ -86,7 +87,7 @@ def updates_done(config, stage: int) -> int:
 def scheduled_plan(config, model_cfg: model.ModelConfig, num_devices: int):
   """The plan ``method=pipeline`` trains on ``num_devices`` devices
   (:class:`acco_jax.skippipe.plans.Planned`), or None unless ``pipeline.schedule=skippipe`` with
-  ``pipeline.paths=scheduled``. ``bench/pipeline/skippipe.py --part plan`` prints the same."""
+  ``pipeline.paths=scheduled``. ``python -m bench.pipeline.skippipe --part plan`` prints the same."""
   p = config.pipeline
   if p.schedule != "skippipe" or p.paths != "scheduled":
     return None
@@ -129,12 +130,11 @@ def source_step(config, model_cfg: model.ModelConfig, num_devices: int) -> carry
   return carry.SourceStep(packing, tx, data_method, build)
 
 
-def build_run(config) -> build_lib.Run:
+def build_run(config, tokens: data.TokenData) -> build_lib.Run:
   """A :class:`acco_jax.run.build.Run` for ``method=pipeline`` (through
   :mod:`acco_jax.pipeline.family`)."""
   devices = parallel.make_mesh(config.mesh.num_devices).devices.flatten()
   stages, lanes = _check(config, len(devices))
-  tokens = build_lib.prepare_tokens(config)
   model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
   M, per_update, total = flush_plan(config)
   p = config.pipeline
@@ -154,10 +154,18 @@ def build_run(config) -> build_lib.Run:
     schedule = ticks.build(paths, stages, policy)
   mesh = pipe.make_mesh(stages, lanes, devices)
   counts, shapes, tx = _split_and_tx(config, model_cfg, stages, lanes)
-  train = PipelineTrainStep(
-    model_cfg, tx, mesh, schedule, shapes, planned, counts, p.get("data_method", "ddp"),
-    jnp.dtype(config.comm_dtype), whole_matrices(config, shapes),
-  )  # fmt: skip
+  train = PipelineStep(
+    model_cfg,
+    tx,
+    mesh,
+    schedule,
+    shapes,
+    planned,
+    counts,
+    p.get("data_method", "ddp"),
+    jnp.dtype(config.comm_dtype),
+    whole_matrices(config, shapes),
+  )
   axis = pipe.DATA if lanes > 1 and not schedule.mesh_wide else None
   return build_lib.Run(
     mesh,

@@ -1,8 +1,8 @@
 """A pipeline train state to and from the portable form (``ckpt.init_from`` across run kinds).
 
-:class:`acco_jax.pipeline.train.PipelineTrainStep` and :func:`source_step` call these; the form and
+:class:`acco_jax.pipeline.step.PipelineStep` and :func:`source_step` call these; the form and
 the contract are :mod:`acco_jax.run.portable`'s. What each part of a
-:class:`~acco_jax.pipeline.train.PipeState` becomes:
+:class:`~acco_jax.pipeline.step.PipeState` becomes:
 
 - ``params`` and every parameter-shaped subtree of the inner optimizer's state, ``{g: [S, P_g]}``
   buffers (:mod:`acco_jax.pipeline.packing`): unpacked to the model's structure (each stage's blocks
@@ -100,6 +100,10 @@ class SourceStep:
 
   def abstract_state(self, params_like):
     return jax.eval_shape(self._build, params_like)
+
+  def saved_like(self, shapes: dict):
+    """``None``: a pipeline checkpoint's leaf paths are its state's."""
+    return None
 
   def export_state(self, saved) -> Portable:
     return export_state(self.packing, self.data_method, saved)

@@ -6,10 +6,10 @@ call."""
 from acco_jax.run import registry
 
 
-def _build(config):
+def _build(config, tokens):
   from acco_jax.pipeline import build
 
-  return build.build_run(config)
+  return build.build_run(config, tokens)
 
 
 def _updates_done(config, stage: int) -> int:

@@ -1,283 +1,360 @@
-"""A pipeline over the ``stage`` mesh axis that runs a :class:`~acco_jax.pipeline.ticks.Schedule`.
+"""Training on a pipeline mesh: the step the trainer drives (:mod:`acco_jax.pipeline.build` makes
+it from a config).
 
-The only pipeline module with ``shard_map`` and collectives. Placement: each stage's parameters are
-packed into flat buffers (:mod:`acco_jax.pipeline.packing`), ``{g: [S, P_g]}`` sharded over
-``stage``: stage ``s`` holds its ``counts[s]`` blocks, and stage 0 also the embedding, the final
-LayerNorm and the tied head (``shared``), held nowhere else. Stages may hold different numbers of
-blocks: every stage runs the same program over ``K = max(counts)`` block slots and skips the slots
-past its own count (``layers.run_blocks(..., count)``). On an optional ``('data', 'stage')`` mesh
-each data lane runs the same schedule on its own rows of every microbatch, and the lanes' gradients
-are averaged (``reduce='mean'``), reduce-scattered (ZeRO-1) or left per lane (ACCO, reduced during
-the next flush by :func:`reduce_lanes`); :func:`gather_lanes` is ZeRO-1's all-gather.
+:class:`PipelineStep` implements :class:`acco_jax.run.step.Step` and
+:class:`~acco_jax.run.step.Portable`, so a pipeline run goes through ``train.py`` unchanged:
+checkpoints, metrics, evaluation and resume.
 
-**One compiled program per schedule.** A ``lax.scan`` runs the ticks; its inputs are the tick tables.
-Per tick each device reads its row (``axis_index('stage')``), runs its operation through a
-``lax.switch`` over {idle, F0, F, H, B, B0}, then for each round ``r`` a ``lax.switch`` over the
-schedule's distinct static permutations (every device takes the same branch) runs one ``ppermute``
-and stores what arrives into the slot the table names. A scan rather than unrolled ticks: the
-program and its compile time do not grow with the tick count, and a schedule with other paths but
-the same shapes (ticks, rounds, slots, permutations) reuses it.
+State (:class:`PipeState`): each stage's parameters packed once into flat buffers
+(:mod:`acco_jax.pipeline.packing`: the embedding and head on stage 0 only, stages of any size), the
+optimizer state in the same layout, and the step counter. A step is one flush: M microbatches per
+data lane through the pipeline (:func:`acco_jax.pipeline.programs.make_loss_and_grad`), and the
+optimizer update. Within each stage the data lanes run ``pipeline.data_method``:
 
-**Backward by rematerialisation.** A stage keeps only its *inputs* (one [B, L, D] activation per
-microbatch in flight, in the slots of the buffer); B recomputes the stage's forward inside
-``jax.vjp`` and pulls the cotangent back. Activation memory per device is therefore
-``(slots + 1) * B * L * D`` elements (``Schedule.slots``: 1F1B keeps fewer than GPipe) plus one
-stage's residuals while one B runs, instead of every microbatch's residuals of every block
-(attention probabilities and MLP hiddens). The price is one more forward per stage and microbatch
-(B costs about 3 forwards instead of 2).
+  ``ddp``: gradients averaged over the lanes, the optimizer state whole on every lane;
+  ``zero1``: the stage's weights and optimizer state sharded over its lanes; gradients
+    reduce-scattered, the update on each lane's shard, the weights all-gathered for the flush;
+  ``acco``: ACCO (:func:`acco_jax.dp.methods.acco`, the same transform as the data-parallel
+    method) with one flush as its stage. The flush computes at the weights of the state while the
+    previous flushes' gradients are reduce-scattered, applied (estimate or commit) and the new
+    weights all-gathered, in one program with no data dependence between the two; estimates and
+    commits alternate, and the buffer keeps what it shipped, by ACCO's rule
+    (:func:`acco_jax.dp.methods.alternation`, as the data-parallel stage). The first flush only fills the buffer
+    (the gradient at ``θ0``, which the data-parallel method takes from a prime microbatch); then
+    estimates and commits alternate, two flushes of ``batch.microbatches / 2`` per update
+    (:func:`acco_jax.pipeline.build.flush_plan`).
 
-The result is the mean over microbatches (and data lanes) of ``layers.loss_fn_ordered`` with each
-microbatch's layer order (stage 0's blocks, then each visited stage's), and its gradient, in the
-buffers' layout: the embedding's gradients from the head (H) and from the input (B0) meet on stage
-0, the only stage that holds it, so no collective over ``stage`` carries parameter gradients.
+Schedules (``pipeline.schedule``): ``gpipe`` and ``1f1b`` run the full path for every microbatch;
+``skippipe`` with
 
-**Mesh-wide schedules** (``Schedule.lanes > 0``, :func:`acco_jax.pipeline.ticks.from_plan`): the
-tables have a column per device of the ``('data', 'stage')`` mesh, read at the device's linear index
-``lane * S + stage``, and each round's ``ppermute`` runs over both axes, so a microbatch changes
-lanes between stages. Microbatches are whole (every device sees the batch; a microbatch's origin
-reads its rows), each operation adds ``1 / M`` of its microbatch's loss and gradient, and the
-lanes that hold a stage *sum* their gradients over ``data``: the mean over the M microbatches of the
-whole mesh.
+  ``pipeline.paths=scheduled`` (the default) runs the path scheduler's plan for the run's devices
+    (:mod:`acco_jax.skippipe.plans`): device (lane l, stage s) is node ``partition[s][l]`` of the
+    topology, each microbatch goes through the nodes its route gives, across lanes, and each device
+    runs its steps in the plan's order (:func:`acco_jax.pipeline.ticks.from_plan`). The plan is
+    stored in every checkpoint and a resumed run keeps it;
+  ``pipeline.paths=random`` draws one path per microbatch (``pipeline.skip``, ``pipeline.swap``,
+    seeded by ``pipeline.seed``) and runs them in every lane under the 1F1B policy.
+
+Either way the paths are made once per run, so one compiled program serves the whole run.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
-import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acco_jax import layers, model
-from acco_jax.dp.quantized_comm import all_gather_invariant
-from acco_jax.pipeline import packing as packing_lib
-from acco_jax.pipeline import ticks
+from acco_jax import errors, model
+from acco_jax.dp import methods
+from acco_jax.pipeline import carry, ticks
+from acco_jax.pipeline import programs as pipe
+from acco_jax.run.step import StepBase
+from acco_jax.skippipe import plans
 
-STAGE, DATA = "stage", "data"
-
-
-def make_mesh(num_stages: int, data_lanes: int = 1, devices=None) -> jax.sharding.Mesh:
-  """A ``('stage',)`` mesh, or ``('data', 'stage')`` with ``data_lanes > 1``, over the first devices."""
-  devices = list(devices if devices is not None else jax.devices())[: num_stages * data_lanes]
-  if len(devices) < num_stages * data_lanes:
-    raise ValueError(
-      f"{num_stages} stages x {data_lanes} lanes need more than {len(devices)} devices"
-    )
-  auto = jax.sharding.AxisType.Auto
-  if data_lanes == 1:
-    return jax.sharding.Mesh(np.array(devices), (STAGE,), axis_types=(auto,))
-  arr = np.array(devices).reshape(data_lanes, num_stages)
-  return jax.sharding.Mesh(arr, (DATA, STAGE), axis_types=(auto, auto))
+DATA_METHODS = ("ddp", "zero1", "acco")
 
 
-def packing_for(params_like, num_stages: int, counts=None, lanes: int = 1, matrices=None):
-  """The :class:`acco_jax.pipeline.packing.StagePacking` of a model on ``num_stages`` stages:
-  ``counts`` blocks per stage (default: equal stages), buffers a multiple of ``lanes`` long, and
-  ``matrices`` (a block's mask) whole in slots that ``lanes`` divides."""
-  n = len(params_like[model.BLOCKS])
-  counts = packing_lib.equal_counts(n, num_stages) if counts is None else counts
-  return packing_lib.StagePacking(params_like, counts, multiple=lanes, matrices=matrices)
+class PipeState(NamedTuple):
+  """A pipeline run's state; every parameter-shaped tree is ``{g: [S, P_g]}`` (:mod:`.packing`).
+
+  Attributes:
+    params: the optimizer's parameters, over ``stage`` (``ddp``) or ``stage`` and ``data``
+      (``zero1``, ``acco``: ZeRO-1 over the lanes; ACCO: θ̃ after an estimate, θ after a commit).
+    opt_state: the optimizer's state, sharded like ``params`` (ACCO: :class:`AccoState`, with θ).
+    stage: steps done.
+    w: ``acco``: the weights the next flush computes at, in ``comm_dtype``, over ``stage``.
+    buf: ``acco``: each lane's share of the last flushes' mean gradient, ``{g: [lanes, S, P_g]}``.
+    buf_count: ``acco``: flushes in ``buf`` (0 before the first).
+  """
+
+  params: Any
+  opt_state: Any
+  stage: jax.Array
+  w: Any = None
+  buf: Any = None
+  buf_count: Any = None
 
 
-def param_spec(mesh, sharded: bool = False) -> P:
-  """Buffers ``[S, P_g]``: over ``stage``, and over ``data`` too when ``sharded`` (ZeRO-1, ACCO)."""
-  return P(STAGE, DATA) if sharded and DATA in mesh.axis_names else P(STAGE)
+def build_state(packing, tx, data_method: str, lanes: int, comm_dtype, params) -> PipeState:
+  """A fresh :class:`PipeState` from the model's parameters (traceable)."""
+  packed = packing.pack(params)
+  state = PipeState(packed, tx.init(packed), jnp.zeros((), jnp.int32))
+  if data_method != "acco":
+    return state
+  buf = {g: jnp.zeros((lanes, *v.shape), comm_dtype) for g, v in packed.items()}
+  w = jax.tree.map(lambda x: x.astype(comm_dtype), packed)
+  return state._replace(w=w, buf=buf, buf_count=jnp.zeros((), jnp.int32))
 
 
-def place_params(packed: dict, mesh, sharded: bool = False) -> dict:
-  spec = NamedSharding(mesh, param_spec(mesh, sharded))
-  return jax.tree.map(lambda x: jax.device_put(x, spec), packed)
-
-
-def batch_spec(mesh, schedule: ticks.Schedule | None = None) -> P:
-  """Microbatches [M, B, L]: rows split over ``data`` lanes, or whole on every device for a
-  mesh-wide schedule."""
-  wide = schedule is not None and schedule.mesh_wide
-  return P(None, DATA) if DATA in mesh.axis_names and not wide else P()
-
-
-def place_batch(batch: dict, mesh, schedule: ticks.Schedule | None = None) -> dict:
-  """``{'inputs', 'targets'[, 'weights']}`` of shape [M, B, L] (see :func:`batch_spec`)."""
-  spec = NamedSharding(mesh, batch_spec(mesh, schedule))
-  return jax.tree.map(lambda x: jax.device_put(x, spec), batch)
-
-
-REDUCE = ("mean", "scatter", "none")
-
-
-def make_loss_and_grad(
-  cfg: model.ModelConfig, mesh, schedule: ticks.Schedule, packing, reduce: str = "mean"
-):
-  """``f(packed, batch) -> (loss, grads)``, jittable, for batches of shape [M, B, L].
+class PipelineStep(StepBase):
+  """A compiled pipeline training step (see the module docstring).
 
   Args:
-    cfg: the model's config.
-    mesh: a mesh of :func:`make_mesh`.
-    schedule: the tick tables every call runs.
-    packing: the :class:`acco_jax.pipeline.packing.StagePacking` of ``packed`` (its ``counts``
-      blocks per stage; ``slots`` of them stacked per stage).
-    reduce: what becomes of the data lanes' gradients:
+    cfg: the model's config; tx: the inner optimizer (on the buffers of ``packing``; elementwise).
+    mesh, schedule: from :func:`acco_jax.pipeline.programs.make_mesh` and :mod:`.ticks`.
+    params_like: the model's parameter shapes.
+    planned: the scheduler's plan the schedule was built from, or None.
+    counts: blocks per stage (default: equal stages).
+    data_method: ``ddp``, ``zero1`` or ``acco`` over the data lanes of each stage.
+    comm_dtype: dtype of the lanes' reduce-scatter and all-gather (``zero1``, ``acco``).
+    matrices: a block's mask of the matrices ``tx`` updates whole (Muon), packed apart and owned
+      whole by the lanes (:mod:`acco_jax.pipeline.packing`); ``tx`` then runs on the packing's view
+      (:func:`acco_jax.pipeline.packing.on_view`). None: every buffer elementwise.
 
-      ``mean``: their mean, ``{g: [S, P_g]}`` sharded over ``stage`` (DDP over the lanes);
-      ``scatter``: the same mean reduce-scattered, sharded over ``stage`` and ``data`` (ZeRO-1);
-      ``none``: each lane's share, ``{g: [lanes, S, P_g]}`` sharded over ``data`` and ``stage``,
-      whose sum over lanes is the mean (ACCO reduces it during the next flush).
-
-  ``packed`` is ``{g: [S, P_g]}`` sharded over ``stage`` (any float dtype; the gradients are taken at
-  its float32 values). ``loss`` is the mean over the microbatches (and, per-lane tables, the data
-  lanes) of each microbatch's token-mean cross-entropy.
+  Attributes:
+    schedule: the :class:`acco_jax.pipeline.ticks.Schedule` every step runs.
+    planned: the scheduler's plan it was built from (:class:`acco_jax.skippipe.plans.Planned`), or
+      None.
+    packing: the :class:`acco_jax.pipeline.packing.StagePacking` of the state.
+    num_microbatches: M, microbatches per data lane per step.
+    microbatches_per_stage: M times the data lanes (rows per step / microbatch rows).
   """
-  if reduce not in REDUCE:
-    raise ValueError(f"reduce={reduce!r}: choose one of {', '.join(REDUCE)}")
-  M, S = schedule.num_microbatches, schedule.num_stages
-  if mesh.shape[STAGE] != S or packing.num_stages != S:
-    raise ValueError(
-      f"mesh has {mesh.shape[STAGE]} stages, packing {packing.num_stages}, schedule {S}"
+
+  def __init__(
+    self,
+    cfg: model.ModelConfig,
+    tx,
+    mesh,
+    schedule: ticks.Schedule,
+    params_like,
+    planned=None,
+    counts=None,
+    data_method: str = "ddp",
+    comm_dtype=jnp.float32,
+    matrices=None,
+  ):
+    if data_method not in DATA_METHODS:
+      raise errors.UserValueError(
+        f"pipeline.data_method={data_method!r} is unknown: choose one of {', '.join(DATA_METHODS)}"
+      )
+    super().__init__(mesh)
+    self.cfg, self.schedule, self.planned = cfg, schedule, planned
+    self.data_method, self.comm_dtype = data_method, jnp.dtype(comm_dtype)
+    self.tx = methods.acco(tx, comm_dtype=comm_dtype) if data_method == "acco" else tx
+    self.lanes = mesh.shape.get(pipe.DATA, 1)
+    self.sharded = data_method != "ddp"
+    per_step = schedule.num_microbatches  # mesh-wide tables: every lane's microbatches
+    self.num_microbatches = per_step // self.lanes if schedule.mesh_wide else per_step
+    self.microbatches_per_stage = self.num_microbatches * self.lanes
+    self.num_devices = mesh.size
+    self.packing = pipe.packing_for(params_like, schedule.num_stages, counts, self.lanes, matrices)
+    self.params_like = params_like
+    self.num_params = self.packing.num_params
+    self._make_programs()
+
+  def _make_programs(self):
+    reduce = {"ddp": "mean", "zero1": "scatter", "acco": "none"}[self.data_method]
+    self._loss_and_grad = pipe.make_loss_and_grad(
+      self.cfg, self.mesh, self.schedule, self.packing, reduce
     )
-  lanes = mesh.shape.get(DATA, 1)
-  axes = tuple(mesh.axis_names)
-  wide = schedule.mesh_wide
-  if wide and schedule.lanes != lanes:
-    raise ValueError(f"mesh has {lanes} data lanes, the schedule {schedule.lanes}")
-  cols = axes if wide else STAGE  # the axes a table column and a permutation range over
-  tables = {
-    k: jnp.asarray(getattr(schedule, k))
-    for k in ("kind", "mb", "slot_x", "slot_g", "local", "perm", "recv")
-  }
-  perms = schedule.perms
-  counts_S = jnp.asarray(packing.counts, jnp.int32)
-  starts_S = jnp.asarray(packing.starts, jnp.int32)
+    self.programs.clear()
 
-  def vary(x, names=axes):
-    return jax.tree.map(lambda v: jax.lax.pcast(v, names, to="varying"), x)
+  # -- state --------------------------------------------------------------------------------------
 
-  def body(packed, batch):
-    local = {g: v[0].astype(jnp.float32) for g, v in packed.items()}
-    if lanes > 1:
-      local = vary(local, (DATA,))
-    blocks, shared = packing.blocks(local), packing.shared(local)
-    B, L = batch["inputs"].shape[1:]
-    me = jax.lax.axis_index(cols)
-    # equal stages run every slot: no per-slot cond (it would keep each slot's residuals apart)
-    even = len(set(packing.counts)) == 1
-    count = None if even else counts_S[jax.lax.axis_index(STAGE)]
-    zero_x = vary(jnp.zeros((B, L, cfg.D), jnp.dtype(cfg.dtype)))
-    order = jnp.arange(packing.slots)
-    first_layer = starts_S[jax.lax.axis_index(STAGE)]  # the model's index of the stage's slot 0
-    run = lambda bl, x: layers.run_blocks(bl, cfg, x, order, count, first_layer)
+  def initial_state(self, params) -> PipeState:
+    return build_state(self.packing, self.tx, self.data_method, self.lanes, self.comm_dtype, params)
 
-    def first(bl, sh, mb):
-      return run(bl, layers.embed(sh, cfg, batch["inputs"][mb]))
-
-    def head(sh, x, mb):
-      b = {k: v[mb] for k, v in batch.items()}
-      return layers.head_loss(sh, cfg, x, b)
-
-    # operations: (x, g, mb, acc) -> (out, acc); acc = (d_blocks, d_shared, loss)
-    def op_idle(x, g, mb, acc):
-      return zero_x, acc
-
-    def op_f0(x, g, mb, acc):
-      return first(blocks, shared, mb), acc
-
-    def op_f(x, g, mb, acc):
-      return run(blocks, x), acc
-
-    def op_h(x, g, mb, acc):
-      loss, pull, _ = jax.vjp(lambda sh, x: head(sh, x, mb), shared, x, has_aux=True)
-      d_sh, d_x = pull(jnp.ones_like(loss) / M)
-      db, ds, ls = acc
-      return d_x.astype(x.dtype), (db, jax.tree.map(jnp.add, ds, d_sh), ls + loss / M)
-
-    def op_b(x, g, mb, acc):
-      _, pull = jax.vjp(run, blocks, x)
-      d_bl, d_x = pull(g)
-      db, ds, ls = acc
-      return d_x, (jax.tree.map(jnp.add, db, d_bl), ds, ls)
-
-    def op_b0(x, g, mb, acc):
-      _, pull = jax.vjp(lambda bl, sh: first(bl, sh, mb), blocks, shared)
-      d_bl, d_sh = pull(g)
-      db, ds, ls = acc
-      return zero_x, (jax.tree.map(jnp.add, db, d_bl), jax.tree.map(jnp.add, ds, d_sh), ls)
-
-    ops = [op_idle, op_f0, op_f, op_h, op_b, op_b0]
-    moves = [lambda v: jnp.zeros_like(v)] + [
-      (lambda v, p=p: jax.lax.ppermute(v, cols, p)) for p in perms[1:]
-    ]
-
-    def tick(carry, row):
-      buf, acc = carry
-      x, g = buf[row["slot_x"][me]], buf[row["slot_g"][me]]
-      out, acc = jax.lax.switch(row["kind"][me], ops, x, g, row["mb"][me], acc)
-      buf = buf.at[row["local"][me]].set(out)
-      for r in range(row["perm"].shape[0]):
-        got = jax.lax.switch(row["perm"][r], moves, out)
-        buf = buf.at[row["recv"][r][me]].set(got)
-      return (buf, acc), None
-
-    buf = vary(jnp.zeros((schedule.slots + 1, B, L, cfg.D), jnp.dtype(cfg.dtype)))
-    f32 = lambda t: jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), t)
-    acc = (vary(f32(blocks)), vary(f32(shared)), vary(jnp.zeros(())))
-    (_, (db, ds, loss)), _ = jax.lax.scan(tick, (buf, acc), tables)
-    grads = packing.grads(local, db, ds)  # only stage 0's devices have embedding/head gradients
-    loss = jax.lax.psum(loss, STAGE)
-    if lanes > 1:
-      # mesh-wide tables: each device added 1/M of the whole mesh's microbatches (a sum over the
-      # lanes is the mean); per-lane tables: each lane's own mean (the mean over lanes is)
-      share = 1.0 if wide else 1.0 / lanes
-      loss = jax.lax.psum(loss, DATA) * share
-      grads = jax.tree.map(lambda v: v * share, grads)
-      if reduce == "mean":
-        grads = jax.lax.psum(grads, DATA)
-      elif reduce == "scatter":
-        grads = jax.lax.psum_scatter(grads, DATA, scatter_dimension=0, tiled=True)
-    if reduce == "none":
-      return loss, jax.tree.map(lambda v: v[None, None], grads)
-    return loss, jax.tree.map(lambda v: v[None], grads)
-
-  def loss_and_grad(packed, batch):
-    bspec = jax.tree.map(lambda _: batch_spec(mesh, schedule), batch)
-    pspec = jax.tree.map(lambda _: P(STAGE), packed)
-    if reduce == "none":
-      gspec = P(DATA if lanes > 1 else None, STAGE)
+  def state_sharding(self, shapes: PipeState) -> PipeState:
+    named = lambda spec: jax.tree.map(lambda _: NamedSharding(self.mesh, spec), shapes.params)
+    params = named(pipe.param_spec(self.mesh, self.sharded))
+    rep = NamedSharding(self.mesh, P())
+    if self.packing.matrix_slots:  # state in the view's structure: by shape
+      opt = jax.tree.map(self._sharding_by_shape, shapes.opt_state)
     else:
-      gspec = param_spec(mesh, sharded=reduce == "scatter")
-    fn = jax.shard_map(
-      body, mesh=mesh, in_specs=(pspec, bspec),
-      out_specs=(P(), jax.tree.map(lambda _: gspec, packed)),
-    )  # fmt: skip
-    return fn(packed, batch)
+      opt = optax.tree_map_params(
+        self.tx, lambda _, s: s, shapes.opt_state, params, transform_non_params=lambda _: rep
+      )
+    out = PipeState(params, opt, rep)
+    if self.data_method == "acco":
+      lanes = pipe.DATA if self.lanes > 1 else None
+      out = out._replace(w=named(P(pipe.STAGE)), buf=named(P(lanes, pipe.STAGE)), buf_count=rep)
+    return out
 
-  return loss_and_grad
+  def _sharding_by_shape(self, x) -> NamedSharding:
+    """An optimizer-state leaf's sharding: a buffer's ``[S, P_g]`` as the parameters, a stack of
+    matrices ``[S, K', a, b]`` over ``stage`` and its slots over ``data`` (each lane owns whole
+    matrices), anything else replicated."""
+    S, K = self.schedule.num_stages, self.packing.matrix_slots
+    if x.ndim == 2 and x.shape[0] == S and x.shape[1] in self.packing.sizes.values():
+      spec = pipe.param_spec(self.mesh, self.sharded)
+    elif x.ndim > 2 and x.shape[:2] == (S, K):
+      spec = P(*pipe.param_spec(self.mesh, self.sharded))
+    else:
+      spec = P()
+    return NamedSharding(self.mesh, spec)
 
+  def init(self, params, microbatch=None) -> PipeState:
+    """The sharded state from float32 parameters (``microbatch`` is not used: ACCO's first step
+    fills its buffer instead of a prime)."""
+    return self.placed_state(params)
 
-def reduce_lanes(buf: dict, mesh, count) -> dict:
-  """ACCO's reduction over the lanes: ``{g: [lanes, S, P_g]}`` (over ``data`` and ``stage``, each
-  lane's share) -> their sum divided by ``count``, float32 ``{g: [S, P_g]}`` over ``stage`` and
-  ``data`` (one reduce-scatter per buffer, in the buffer's dtype).
+  def describe(self) -> str:
+    """One line on the schedule: ticks, idle share, blocks per stage, the lanes' data method, and
+    for a scheduled plan its simulated time."""
+    sch = self.schedule
+    S = sch.num_stages
+    line = (
+      f"pipeline: {S} stages x {self.lanes} lanes ({self.data_method}), blocks per stage "
+      f"{','.join(map(str, self.packing.counts))}, {sch.policy} tables, {sch.num_ticks} ticks, "
+      f"{sch.idle_fraction():.0%} idle, {sch.slots} activation slots"
+    )
+    if self.planned is not None:
+      crossing = sum(len({c // S for c in cols}) > 1 for cols in sch.columns)
+      line += (
+        f"; plan on {self.planned.topology.name} ({self.planned.topology.num_nodes} nodes): "
+        f"{self.planned.plan.makespan:.4g} s simulated, {crossing}/{sch.num_microbatches} "
+        "microbatches change lanes"
+      )
+    return line
 
-  It reads only the buffer, so in a step that also runs a flush it has no data dependence on the
-  flush and XLA may keep it in flight while the flush computes."""
-  if DATA not in mesh.axis_names:
-    return jax.tree.map(lambda v: v[0].astype(jnp.float32) / count, buf)
+  def checkpoint_extra(self) -> dict:
+    """What a checkpoint records beyond the state: the blocks per stage, and the scheduler's plan."""
+    extra = {"blocks_per_stage": list(self.packing.counts)}
+    if self.planned is not None:
+      extra["plan"] = plans.record(self.planned)
+    return extra
 
-  def local(buf_1x1xP):
-    g_Q = jax.lax.psum_scatter(buf_1x1xP[0, 0], DATA, scatter_dimension=0, tiled=True)
-    return g_Q[None].astype(jnp.float32)
+  def check_checkpoint(self, extra: dict) -> None:
+    """Before a restore reads arrays: a checkpoint with a plan needs this run's plan settings, and
+    its plan is the one the run goes on with (see :func:`acco_jax.skippipe.plans.check_resume`)."""
+    saved_counts = extra.get("blocks_per_stage")
+    if saved_counts is not None and tuple(saved_counts) != self.packing.counts:
+      raise errors.UserValueError(
+        f"the checkpoint has blocks per stage {','.join(map(str, saved_counts))}, this run "
+        f"{','.join(map(str, self.packing.counts))}: resume with "
+        f"--config.pipeline.blocks_per_stage={','.join(map(str, saved_counts))}"
+      )
+    saved = extra.get("plan")
+    if self.planned is None:
+      if saved is not None:
+        raise errors.UserValueError(
+          "the checkpoint was written with a scheduled plan (pipeline.schedule=skippipe, "
+          "pipeline.paths=scheduled): resume with those settings, or start in a new workdir"
+        )
+      return
+    planned = plans.check_resume(saved, self.planned)
+    if planned.partition != self.planned.partition:  # the mesh is laid out by the partition
+      raise errors.UserValueError(
+        f"the checkpoint's stage assignment {[list(p) for p in planned.partition]} is not the one "
+        f"this version makes for the same settings ({[list(p) for p in self.planned.partition]}): "
+        "resume with the version that wrote it, or start in a new workdir"
+      )
+    if planned.plan != self.planned.plan:
+      self.planned = planned
+      self.schedule = ticks.from_plan(planned.plan, planned.partition)
+      self._make_programs()
 
-  fn = jax.shard_map(local, mesh=mesh, in_specs=P(DATA, STAGE), out_specs=P(STAGE, DATA))
-  return jax.tree.map(lambda v: fn(v) / count, buf)
+  def export_state(self, saved):
+    """The portable form of a saved state (``ckpt.init_from``; :mod:`acco_jax.pipeline.carry`)."""
+    return carry.export_state(self.packing, self.data_method, saved)
 
+  def import_state(self, portable, stage: int, microbatch=None) -> PipeState:
+    """This run's state from the portable form, at ``stage`` (:mod:`acco_jax.pipeline.carry`;
+    ``microbatch`` is not used: ACCO's first flush fills its buffer)."""
+    return carry.import_state(self, portable, stage)
 
-def gather_lanes(params: dict, mesh, dtype) -> dict:
-  """ZeRO-1's all-gather over the lanes: ``{g: [S, P_g]}`` over ``stage`` and ``data`` -> the same
-  in ``dtype``, whole on every lane of a stage (over ``stage`` only)."""
-  if DATA not in mesh.axis_names:
-    return jax.tree.map(lambda v: v.astype(dtype), params)
+  def reshard(self, saved):
+    """Refuses a checkpoint of another mesh (its stages' buffers are cut for that mesh)."""
+    raise errors.UserValueError(
+      "the checkpoint was written on another mesh: a pipeline run resumes on the same "
+      "pipeline.stages and devices only (start in a new workdir)"
+    )
 
-  def local(rows_1xQ):
-    return all_gather_invariant(rows_1xQ[0].astype(dtype), DATA)[None]
+  def export_params(self, saved):
+    """The committed parameters of a saved state, in the model's structure."""
+    return self.export_state(saved).params
 
-  fn = jax.shard_map(local, mesh=mesh, in_specs=P(STAGE, DATA), out_specs=P(STAGE))
-  return jax.tree.map(fn, params)
+  # -- step ---------------------------------------------------------------------------------------
+
+  def _microbatches(self, batch):
+    M = self.schedule.num_microbatches
+    mbs = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
+    spec = NamedSharding(self.mesh, pipe.batch_spec(self.mesh, self.schedule))
+    return jax.lax.with_sharding_constraint(mbs, jax.tree.map(lambda _: spec, mbs))
+
+  def _gathered(self, params):
+    """The whole stage's weights on every lane (an all-gather over ``data`` in ``comm_dtype``)."""
+    return pipe.gather_lanes(params, self.mesh, self.comm_dtype)
+
+  def stage_fn(self, state: PipeState, batch):
+    """One flush and its update, traceable: ``(state, batch) -> (state, metrics)``."""
+    mbs = self._microbatches(batch)
+    committed, valid = jnp.asarray(True), jnp.asarray(True)
+    extra = {}
+    if self.data_method == "acco":
+      # the previous flushes' gradients: reduced, applied and gathered with no dependence on
+      # this flush, which runs at the weights of the state (pipe.reduce_lanes' docstring)
+      count = state.buf_count
+      grads = pipe.reduce_lanes(state.buf, self.mesh, jnp.maximum(count, 1))
+      loss, lane_grads = self._loss_and_grad(state.w, mbs)
+      commits, keep = methods.alternation(state.opt_state.stage)  # ACCO's own stage count
+      valid = count > 0  # the first flush only fills the buffer
+      committed = valid & commits
+      buf = jax.tree.map(
+        lambda b, g: jnp.where(keep, b, 0).astype(jnp.float32) + g, state.buf, lane_grads
+      )
+      extra = dict(
+        buf=jax.tree.map(lambda b: b.astype(self.comm_dtype), buf),
+        buf_count=jnp.where(keep, count, 0) + 1,
+      )
+    elif self.data_method == "zero1":
+      loss, grads = self._loss_and_grad(self._gathered(state.params), mbs)
+    else:
+      loss, grads = self._loss_and_grad(state.params, mbs)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    params, opt_state = jax.tree.map(
+      lambda a, b: jnp.where(valid, a, b), (params, opt_state), (state.params, state.opt_state)
+    )
+    if self.data_method == "acco":
+      extra["w"] = self._gathered(params)
+    metrics = {
+      "loss": loss,
+      "grad_norm": optax.tree.norm(grads),
+      "microbatches": jnp.asarray(self.microbatches_per_stage, jnp.float32),
+      "committed": committed,
+      "skipped": jnp.zeros((), jnp.float32),
+      "stage": state.stage + 1,
+    }
+    return PipeState(params, opt_state, state.stage + 1, **extra), metrics
+
+  def step(self, state: PipeState, batch, counts=None):
+    """One schedule and one optimizer update. ``batch`` leaves: [M * lanes * B, ...] rows."""
+    if counts is not None:
+      raise ValueError("pipeline steps run every microbatch (no per-device counts)")
+    if "step" not in self.programs:
+      sharding = jax.tree.map(lambda s: s.sharding, state)
+      rep = NamedSharding(self.mesh, P())
+      self.programs["step"] = jax.jit(
+        self.stage_fn, donate_argnums=(0,), out_shardings=(sharding, rep)
+      )
+    return self.programs["step"](state, batch)
+
+  def run(self, state: PipeState, batches: list, stage: int, total: int, counts=None):
+    """:meth:`step` on the one batch of a stage (the trainer's call)."""
+    (batch,) = batches
+    return self.step(state, batch, counts)
+
+  def params(self, state: PipeState):
+    """The model's (committed) parameters, original structure, replicated."""
+    committed = lambda s: methods.committed_params(s.opt_state, s.params)
+    return self.helper("params", lambda s: self.packing.unpack(committed(s)))(state)
+
+  def optimizer_state(self, state: PipeState):
+    return state.opt_state
+
+  def comm_bytes_per_stage(self) -> float:
+    """Bytes one device sends per flush to the other lanes of its stage: the all-reduce of its
+    stage's gradients (``ddp``, float32) or their reduce-scatter and the weights' all-gather
+    (``zero1``, ``acco``, in ``comm_dtype``), ``2 (L-1)/L`` of the stage's buffers with ring
+    collectives. What crosses between stages (activations) is not counted."""
+    lanes = self.lanes
+    if lanes <= 1:
+      return 0.0
+    per_stage = sum(self.packing.sizes.values())
+    itemsize = self.comm_dtype.itemsize if self.sharded else 4
+    return 2 * (lanes - 1) * per_stage * itemsize / lanes

@@ -1,4 +1,4 @@
-"""Tick tables: a pipeline schedule as the static program :mod:`acco_jax.pipeline.step` runs.
+"""Tick tables: a pipeline schedule as the static program :mod:`acco_jax.pipeline.programs` runs.
 
 Pure host code (NumPy). A microbatch ``m`` on path ``p = (p_1, ..., p_k)`` (see
 :mod:`acco_jax.skippipe.paths`) is a chain of ``2k + 3`` operations, each on one device (a *column*
@@ -212,9 +212,14 @@ def _run(chains, num_columns, choose):
     ]
     pick = choose(waiting)
     row = dict(
-      kind=[IDLE] * C, mb=[0] * C, op=[-1] * C, slot_x=[-1] * C, slot_g=[-1] * C, local=[-1] * C,
+      kind=[IDLE] * C,
+      mb=[0] * C,
+      op=[-1] * C,
+      slot_x=[-1] * C,
+      slot_g=[-1] * C,
+      local=[-1] * C,
       sends=[],
-    )  # fmt: skip
+    )
     release = []
     for c in range(C):
       if pick[c] is None:
@@ -361,9 +366,22 @@ def _tables(paths, S, policy, rows, slots, C, columns, lanes) -> Schedule:
     return np.where(a < 0, slots, a) if key.startswith(("slot", "local")) else a
 
   return Schedule(
-    paths, S, policy, arr("kind"), arr("mb"), arr("slot_x"), arr("slot_g"), arr("local"), perm,
-    recv, tuple(perms), slots, arr("op"), columns, lanes,
-  )  # fmt: skip
+    paths,
+    S,
+    policy,
+    arr("kind"),
+    arr("mb"),
+    arr("slot_x"),
+    arr("slot_g"),
+    arr("local"),
+    perm,
+    recv,
+    tuple(perms),
+    slots,
+    arr("op"),
+    columns,
+    lanes,
+  )
 
 
 def describe(schedule: Schedule) -> str:

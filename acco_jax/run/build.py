@@ -5,14 +5,13 @@ family shares and hands the config to the family that runs the method
 (:mod:`acco_jax.run.registry`). ACCO and its baselines build an :class:`acco_jax.dp.step.TrainStep`
 over a ``data`` mesh (:mod:`acco_jax.dp.build`), the low-communication methods an
 :class:`acco_jax.loco.step.LocoStep` over a ``(replica, data)`` mesh (:mod:`acco_jax.loco.build`),
-``method=pipeline`` a step over a ``stage`` mesh (:mod:`acco_jax.pipeline.train`); the helpers here
+``method=pipeline`` a step over a ``stage`` mesh (:mod:`acco_jax.pipeline.step`); the helpers here
 are what they share. Every value that cannot work is refused before anything is written, with a
 one-line :class:`acco_jax.errors.UserError`.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import os
 from typing import Any, NamedTuple
@@ -24,6 +23,7 @@ from acco_jax import data, errors, model
 from acco_jax.data import examples, instruct
 from acco_jax.data.tokenizer import declared_vocab_size
 from acco_jax.run import optim, parallel, presets, pretrained, profile, registry
+from acco_jax.run import step as step_api
 
 
 class Run(NamedTuple):
@@ -33,13 +33,14 @@ class Run(NamedTuple):
   tokens: data.TokenData
   model_cfg: model.ModelConfig
   params_shapes: Any  # ShapeDtypeStruct tree of the model's parameters
-  train: Any  # the family's step: acco_jax.dp.step.TrainStep, loco.step.LocoStep, ...
+  train: (
+    Any  # the family's step (acco_jax.run.step.Step): dp.step.TrainStep, loco.step.LocoStep, ...
+  )
   stages_per_update: int
   total_stages: int
   base_microbatches: int  # per device per stage without heterogeneous budgets
   budgets: np.ndarray | None  # fixed per-device budgets per stage (hetero.budgets), else None
   batch_axis: Any = parallel.DATA  # the mesh axes a batch's rows are sharded over
-  loco: bool = False  # a low-communication method (train is an acco_jax.loco.step.LocoStep)
   orders: Any = None  # SkipPipe paths: acco_jax.skippipe.orders.LayerOrders (pipeline.stages > 0)
   policy: Any = None  # hetero.adaptive's per-device budgets: acco_jax.dp.hetero.BudgetPolicy
   # every process reads the whole global batch (a pipeline: a lane's devices sit on several
@@ -61,18 +62,17 @@ def model_config(config, vocab_size: int) -> model.ModelConfig:
   return presets.named(config, vocab_size, **presets.settings(config))
 
 
-# set while :func:`build` checks a config: the families build against the declared vocabulary
-_CHECKING = contextvars.ContextVar("checking_config", default=False)
+def declared_tokens(config) -> data.TokenData:
+  """No data: empty streams of the tokenizer's declared vocabulary, which a family builds its run
+  against to check the config (:func:`build` with ``check_only``) before any data is prepared."""
+  name = pretrained.tokenizer_name(config)
+  empty = np.zeros((0,), np.int32)
+  return data.TokenData(empty, empty, _Declared(name, declared_vocab_size(name)), "")
 
 
 def prepare_tokens(config) -> data.TokenData:
-  """The config's corpus, tokenized, split and cached (``data.prepare``); while :func:`build`
-  checks the config, no data: empty streams of the tokenizer's declared vocabulary."""
+  """The config's corpus, tokenized, split and cached (``data.prepare``)."""
   name = pretrained.tokenizer_name(config)
-  if _CHECKING.get():
-    vocab = declared_vocab_size(name)
-    empty = np.zeros((0,), np.int32)
-    return data.TokenData(empty, empty, _Declared(name, vocab), "")
   cache = config.data.cache_dir or os.path.expanduser("~/.cache/acco_jax")
   # a model directory's tokenizer is keyed by its contents (a name is a path, whose file may change)
   tokenizer = data.get_tokenizer(name) if name.startswith("hf:") else name
@@ -87,10 +87,14 @@ def prepare_tokens(config) -> data.TokenData:
       cache_dir=cache,
     )
   return data.prepare(
-    config.data.source, tokenizer, cache_dir=cache,
-    eval_fraction=config.data.eval_fraction, seed=config.data.split_seed,
-    data_dir=config.data.data_dir or None, text_key=config.data.text_key,
-  )  # fmt: skip
+    config.data.source,
+    tokenizer,
+    cache_dir=cache,
+    eval_fraction=config.data.eval_fraction,
+    seed=config.data.split_seed,
+    data_dir=config.data.data_dir or None,
+    text_key=config.data.text_key,
+  )
 
 
 def batch_stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None):
@@ -115,11 +119,15 @@ def batch_stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True
       bucket=int(config.data.bucket),
     )
   return data.batches(
-    tokens, seq_len=config.data.seq_len, global_batch_rows=rows, seed=seed,
+    tokens,
+    seq_len=config.data.seq_len,
+    global_batch_rows=rows,
+    seed=seed,
     process_index=0 if shared else jax.process_index(),
     process_count=1 if shared else jax.process_count(),
-    shuffle=shuffle, num_epochs=epochs,
-  )  # fmt: skip
+    shuffle=shuffle,
+    num_epochs=epochs,
+  )
 
 
 def prime_batch(run: Run, config):
@@ -152,8 +160,14 @@ def inner_optimizer(config, shapes, decay_mask=model.decay_mask, view=None):
   return optim.inner_optimizer(config.opt, config.train.num_updates, mask, muon)
 
 
-def build(config) -> Run:
-  """The run of ``config``, built by the family of its method (one-line errors before that)."""
+def build(config, *, check_only: bool = False) -> Run:
+  """The run of ``config``, built by the family of its method (one-line errors before that).
+
+  Every refusal the config alone decides comes before any data is prepared or anything is
+  written: the family first builds the run against the tokenizer's declared vocabulary
+  (:func:`declared_tokens`: no data; the steps are built, not compiled), which is all
+  ``check_only`` does, then for real from the prepared data.
+  """
   family = registry.lookup(config.method)
   if family.build is None:
     raise errors.UserValueError(
@@ -161,15 +175,23 @@ def build(config) -> Run:
       "with train.py"
     )
   _check_config(config)
-  # every refusal the config alone decides comes before any data is prepared or anything is
-  # written: the family builds once against the tokenizer's declared vocabulary (no data; the
-  # steps are built, not compiled), then for real
-  checking = _CHECKING.set(True)
-  try:
-    family.build(config)
-  finally:
-    _CHECKING.reset(checking)
-  return family.build(config)
+  checked = family.build(config, declared_tokens(config))
+  _check_probes(config, checked.train)
+  if check_only:
+    return checked
+  return family.build(config, prepare_tokens(config))
+
+
+def _check_probes(config, train: step_api.Step) -> None:
+  """Timing probes (slow workers, adaptive budgets) need a step that times its devices apart."""
+  asked = [
+    k for k in ("health.probe_every", "hetero.adaptive") if config[k.split(".")[0]][k.split(".")[1]]
+  ]
+  if asked and not isinstance(train, step_api.Probed):
+    raise errors.UserValueError(
+      f"{asked[0]}: method={config.method} cannot time its devices apart from training (only "
+      "the data-parallel methods probe): leave it at its default"
+    )
 
 
 class _Declared(NamedTuple):
@@ -180,10 +202,15 @@ class _Declared(NamedTuple):
 
 
 _AT_LEAST = {
-  "batch.microbatches": 1, "batch.microbatch_size": 1, "train.num_updates": 1,
-  "train.log_every": 1, "train.eval_every": 0, "train.eval_batches": 1, "ckpt.every": 0,
+  "batch.microbatches": 1,
+  "batch.microbatch_size": 1,
+  "train.num_updates": 1,
+  "train.log_every": 1,
+  "train.eval_every": 0,
+  "train.eval_batches": 1,
+  "ckpt.every": 0,
   "ckpt.keep": 1,
-}  # fmt: skip
+}
 
 
 # Every dtype field of the config and the values it takes (floating types the step computes in).
@@ -204,7 +231,6 @@ def _check_config(config) -> None:
     raise errors.UserValueError(
       f"train.on_nonfinite={config.train.on_nonfinite!r}: choose 'stop' or 'skip'"
     )
-  _check_layout(config)
   _check_instruction(config)
   profile.parse(config.train.get("profile_stages", ""), float("inf"))
   for key, allowed in _DTYPES.items():
@@ -239,19 +265,6 @@ def _check_instruction(config) -> None:
     raise errors.UserValueError(
       f"method={config.method} with data.packing=False: a LoCo call takes several stages' "
       "batches at once, which buckets would give different widths: set data.packing=True"
-    )
-
-
-LAYOUTS = ("auto", "elementwise", "owner")
-
-
-def _check_layout(config) -> None:
-  """``comm.layout``: a known value (which one a method runs is the family's choice)."""
-  comm = config.get("comm")
-  layout = "auto" if comm is None else comm.get("layout", "auto")
-  if layout not in LAYOUTS:
-    raise errors.UserValueError(
-      f"comm.layout={layout!r} is unknown: choose one of {', '.join(LAYOUTS)}"
     )
 
 
@@ -299,7 +312,7 @@ def comm_meta(config, train) -> dict:
   return {
     "quantize": config.comm.quantize,
     "error_feedback": bool(config.comm.error_feedback),
-    "residual": bool(getattr(train, "keeps_residual", False)),
+    "residual": bool(train.keeps_residual),
   }
 
 

@@ -39,6 +39,7 @@ import ml_collections
 from acco_jax import data, errors, model
 from acco_jax.run import build as build_lib
 from acco_jax.run import registry
+from acco_jax.run import step as step_api
 from acco_jax.run.checkpoint import open_read_only
 
 
@@ -68,9 +69,10 @@ def _checkpoints(path: str) -> str:
     )
     example = os.path.join(path, jobs[0]) if jobs else os.path.join(path, "<job>")
     raise _refuse(
-      path, "is an HDEE recipe (method=hdee), an ensemble of runs with a checkpoint each: start "
-      f"from one of its jobs, e.g. ckpt.init_from={example}"
-    )  # fmt: skip
+      path,
+      "is an HDEE recipe (method=hdee), an ensemble of runs with a checkpoint each: start "
+      f"from one of its jobs, e.g. ckpt.init_from={example}",
+    )
   directory = os.path.join(path, "checkpoints")
   if os.path.isdir(directory):
     with open_read_only(directory) as ckpt:
@@ -86,10 +88,16 @@ def _source_config(path: str, extra: dict):
 
 
 _MODEL_KEYS = {
-  "arch": "model.arch", "D": "model.D", "N": "model.N", "H": "model.H", "F": "model.F",
-  "num_kv_heads": "model.kv_heads", "L": "data.seq_len", "V": "data.tokenizer",
+  "arch": "model.arch",
+  "D": "model.D",
+  "N": "model.N",
+  "H": "model.H",
+  "F": "model.F",
+  "num_kv_heads": "model.kv_heads",
+  "L": "data.seq_len",
+  "V": "data.tokenizer",
   "padded_vocab": "model.vocab_multiple",
-}  # fmt: skip
+}
 
 
 def _check_model(path: str, src, extra: dict, mine: model.ModelConfig) -> model.ModelConfig:
@@ -107,9 +115,10 @@ def _check_model(path: str, src, extra: dict, mine: model.ModelConfig) -> model.
   ]
   if diff:
     raise _refuse(
-      path, f"the source's model is not this run's: {'; '.join(diff)}. Its parameters carry "
-      "over onto the same model only"
-    )  # fmt: skip
+      path,
+      f"the source's model is not this run's: {'; '.join(diff)}. Its parameters carry "
+      "over onto the same model only",
+    )
   return theirs
 
 
@@ -123,37 +132,44 @@ def _check_optimizer(path: str, src, config, shapes) -> None:
   )
   if not same:
     keys = ("name", "clip_norm", "b1", "decay")
-    diff = [f"opt.{k}={src.opt[k]} there, {config.opt[k]} here" for k in keys
-            if src.opt[k] != config.opt[k]]  # fmt: skip
+    diff = [
+      f"opt.{k}={src.opt[k]} there, {config.opt[k]} here"
+      for k in keys
+      if src.opt[k] != config.opt[k]
+    ]
     raise _refuse(
-      path, f"the source's inner optimizer keeps another state than this run's "
-      f"({'; '.join(diff) or 'another structure'}): its state carries over to the same optimizer"
-    )  # fmt: skip
+      path,
+      f"the source's inner optimizer keeps another state than this run's "
+      f"({'; '.join(diff) or 'another structure'}): its state carries over to the same optimizer",
+    )
 
 
-def _check_source(path: str, src, extra: dict, train) -> registry.Family:
+def _check_source(path: str, src, extra: dict, config, train) -> registry.Family:
   family = registry.lookup(src.method)
   if family.name == "loco":
     raise _refuse(
-      path, f"the source is a method={src.method} run: its state is per worker (each worker's "
+      path,
+      f"the source is a method={src.method} run: its state is per worker (each worker's "
       "parameters and inner optimizer) plus the outer optimizer's (the global parameters and "
       "outer momentum), which no other run kind has a place for: start from a ddp, zero1, acco, "
-      "dpu, wp or pipeline run"
-    )  # fmt: skip
+      "dpu, wp or pipeline run",
+    )
   if "plan" in extra:  # a pipeline's scheduled SkipPipe plan: its nodes are the source's devices
-    if not hasattr(train, "check_checkpoint"):
+    if registry.lookup(config.method).name != "pipeline":
       raise _refuse(
-        path, "the source trained on a scheduled SkipPipe plan (pipeline.schedule=skippipe, "
+        path,
+        "the source trained on a scheduled SkipPipe plan (pipeline.schedule=skippipe, "
         "pipeline.paths=scheduled), which routes microbatches over the source's own mesh: it "
         "does not move onto another mesh; start from a run with pipeline.paths=random or another "
-        "schedule"
-      )  # fmt: skip
+        "schedule",
+      )
     train.check_checkpoint(extra)  # the same plan settings on the same mesh, or refused
   if family.source_step is None:
     raise _refuse(
-      path, f"checkpoints of method={src.method} cannot start another run yet (its family "
-      "exports none: acco_jax.run.portable)"
-    )  # fmt: skip
+      path,
+      f"checkpoints of method={src.method} cannot start another run yet (its family "
+      "exports none: acco_jax.run.portable)",
+    )
   return family
 
 
@@ -176,32 +192,35 @@ def start(run, config, stream, rows_per_stage: int) -> Started:
   """
   path = config.ckpt.init_from
   train = run.train
-  if run.loco or not hasattr(train, "import_state"):
+  if not isinstance(train, step_api.Portable):
     raise _refuse(
-      path, f"a method={config.method} run cannot start from another run's checkpoint"
-      + (" (a LoCo run's outer state would have no source)" if run.loco else " yet")
-    )  # fmt: skip
+      path,
+      f"a method={config.method} run cannot start from another run's checkpoint: its "
+      "state has parts no other run kind holds (a LoCo run's outer state)",
+    )
   directory = _checkpoints(path)
   found = {}
 
   def target_of(extra: dict):
     src = _source_config(path, extra)
-    family = _check_source(path, src, extra, train)
+    family = _check_source(path, src, extra, config, train)
     src_model = _check_model(path, src, extra, run.model_cfg)
     _check_optimizer(path, src, config, run.params_shapes)
     found.update(config=src, step=family.source_step(src, src_model, run.mesh.size))
     return found["step"].abstract_state(run.params_shapes)
 
   with open_read_only(directory) as ckpt:
-    saved_like = lambda shapes: getattr(found["step"], "saved_like", lambda _: None)(shapes)
-    saved, extra = ckpt.restore_host(None, target_of, saved_like)
+    saved, extra = ckpt.restore_host(
+      None, target_of, lambda shapes: found["step"].saved_like(shapes)
+    )
   src, portable = found["config"], found["step"].export_state(saved)
   if portable.updates >= config.train.num_updates:
     raise _refuse(
-      path, f"the source has done {portable.updates} updates and train.num_updates="
+      path,
+      f"the source has done {portable.updates} updates and train.num_updates="
       f"{config.train.num_updates} counts from its first: raise train.num_updates above "
-      f"{portable.updates}"
-    )  # fmt: skip
+      f"{portable.updates}",
+    )
   stage = _first_stage(config, portable.updates)
   position = data.data_state(extra["data"], rows_per_stage)
   try:
@@ -215,9 +234,13 @@ def start(run, config, stream, rows_per_stage: int) -> Started:
   except ValueError as e:
     raise _refuse(path, f"the source's state does not fit this run: {e}") from None
   event = dict(
-    workdir=path, method=src.method, source_stage=int(extra["stage"]), updates=portable.updates,
-    stage=stage, dropped=portable.dropped,
-  )  # fmt: skip
+    workdir=path,
+    method=src.method,
+    source_stage=int(extra["stage"]),
+    updates=portable.updates,
+    stage=stage,
+    dropped=portable.dropped,
+  )
   line = (
     f"ckpt.init_from: the {src.method} run in {path} (stage {extra['stage']}, "
     f"{portable.updates} updates) continues as {config.method} at stage {stage} on "

@@ -71,8 +71,9 @@ def probe(train, state, batch, stage: int, slow_factor: float, writer) -> np.nda
   (:meth:`TrainStep.probe`, gathered); logged, and slow processes named in a warning."""
   mb_s, comm_s = train.probe(state, batch)
   times = np.asarray(multihost_utils.process_allgather(np.array([mb_s, comm_s]))).reshape(-1, 2)
-  writer.event("probe", stage=stage, mb_time_s=times[:, 0].tolist(),
-               comm_time_s=times[:, 1].tolist())  # fmt: skip
+  writer.event(
+    "probe", stage=stage, mb_time_s=times[:, 0].tolist(), comm_time_s=times[:, 1].tolist()
+  )
   warning = slow_message(times[:, 0], slow_factor, stage)
   if warning:
     writer.event("slow_workers", stage=stage, message=warning)
@@ -99,8 +100,14 @@ class SlowStreak:
     return [(p, s) for p, s in slow.items() if self.streak[p] >= self.patience]
 
 
-_TRANSPORT_ERRORS = ("Gloo", "NCCL", "onnection", "coordination service", "UNAVAILABLE",
-                     "DEADLINE_EXCEEDED")  # fmt: skip
+_TRANSPORT_ERRORS = (
+  "Gloo",
+  "NCCL",
+  "onnection",
+  "coordination service",
+  "UNAVAILABLE",
+  "DEADLINE_EXCEEDED",
+)
 
 
 class Preemption:
@@ -190,10 +197,16 @@ class Watchdog:
   """
 
   def __init__(
-    self, timeout_s: float, *, process_index: int, process_count: int,
-    interval_s: float | None = None, on_hang: Callable[[str], None] | None = None, client=None,
+    self,
+    timeout_s: float,
+    *,
+    process_index: int,
+    process_count: int,
+    interval_s: float | None = None,
+    on_hang: Callable[[str], None] | None = None,
+    client=None,
     compile_clock: CompileClock | None = None,
-  ):  # fmt: skip
+  ):
     self.timeout_s = float(timeout_s)
     self.process_index, self.process_count = process_index, process_count
     self.interval_s = interval_s or min(self.timeout_s / 10, 5.0)

@@ -53,9 +53,15 @@ def sample(run: Run, config, params, workdir: str) -> str:
   tok = run.tokens.tokenizer
   prompt = np.asarray(tok.encode(config.train.sample_prompt) or [tok.eot_id], np.int32)
   out = sampling.generate(
-    params, run.model_cfg, prompt, config.train.sample_tokens, jax.random.key(config.train.seed),
-    temperature=0.8, top_k=40, window=config.data.seq_len,
-  )  # fmt: skip
+    params,
+    run.model_cfg,
+    prompt,
+    config.train.sample_tokens,
+    jax.random.key(config.train.seed),
+    temperature=0.8,
+    top_k=40,
+    window=config.data.seq_len,
+  )
   text = tok.decode([int(t) for t in np.asarray(out).reshape(-1)])
   with open(os.path.join(workdir, "sample.txt"), "w") as f:
     f.write(text + "\n")
@@ -115,10 +121,21 @@ def answers(run: Run, config, params, workdir: str | None, lead: bool = True) ->
 # evaluates on the way (or the rerun of a finished run) before them, and a resumed run may evaluate
 # before its first log line. Keys not listed follow in the order they came.
 SUMMARY_KEYS = (
-  "unigram_baseline", "loss", "tokens_per_s", "eval_loss", "eval_ppl", "exact_match",
-  "wire_bytes_per_worker", "peak_sync_bytes", "payload_bytes_per_sync", "sent_density",
-  "stages", "updates", "stopped", "sample",
-)  # fmt: skip
+  "unigram_baseline",
+  "loss",
+  "tokens_per_s",
+  "eval_loss",
+  "eval_ppl",
+  "exact_match",
+  "wire_bytes_per_worker",
+  "peak_sync_bytes",
+  "payload_bytes_per_sync",
+  "sent_density",
+  "stages",
+  "updates",
+  "stopped",
+  "sample",
+)
 
 
 def in_order(summary: dict) -> dict:
@@ -127,22 +144,13 @@ def in_order(summary: dict) -> dict:
   return {**known, **{k: v for k, v in summary.items() if k not in known}}
 
 
-def loco_summary(train, wire_bytes: float) -> dict:
-  """A LoCo run's communication figures for its summary."""
-  return dict(
-    wire_bytes_per_worker=wire_bytes, peak_sync_bytes=train.peak_sync_bytes(),
-    payload_bytes_per_sync=train.payload_bytes(0), sent_density=train.density(),
-  )  # fmt: skip
-
-
 def finished(run: Run, config, workdir: str, stage: int, wire_bytes: float, lead: bool) -> dict:
   """The summary of a run whose checkpoint is at (or past) its last stage, from the checkpoint and
   ``metrics.jsonl``, with the keys the run printed when it finished; no step runs."""
   logged = metrics_lib.last_logged(workdir)
   at = logged.pop("eval_step", None)
   summary = {"unigram_baseline": data.unigram_entropy(data.loss_tokens(run.tokens.train)), **logged}
-  if run.loco:
-    summary.update(loco_summary(run.train, wire_bytes))
+  summary.update(run.train.summary(wire_bytes))
   summary.update(stages=stage, updates=updates_done(config, stage))
   sample_path = os.path.join(workdir, "sample.txt")
   if config.train.sample_tokens and os.path.exists(sample_path):

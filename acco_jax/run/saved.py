@@ -63,15 +63,17 @@ def devices_needed(workdir: str, step: int | None = None) -> int:
   for _, run_dir in runs_of(workdir):
     metas = meta_steps(os.path.join(run_dir, "checkpoints"))
     extra = next((e for s, e in metas if step is None or s == step), {})
-    need = max(need, int(extra.get("num_devices", 0)) or _configured_devices(extra))
+    need = max(need, recorded_devices(extra) or 1)
   return need
 
 
-def _configured_devices(extra: dict) -> int:
-  """A checkpoint without ``num_devices`` (written before it was recorded): its config's count."""
-  config = json.loads(extra.get("config", "{}"))
-  mesh = config.get("mesh", {})
-  return int(mesh.get("num_devices") or mesh.get("cpu_devices") or 1)
+def recorded_devices(extra: dict) -> int | None:
+  """The devices a checkpoint's state is laid out over, as its metadata records them (before the
+  count was recorded: its config's mesh, when that named a count), or ``None``."""
+  if extra.get("num_devices"):
+    return int(extra["num_devices"])
+  mesh = json.loads(extra.get("config", "{}")).get("mesh", {})
+  return int(mesh.get("num_devices") or mesh.get("cpu_devices") or 0) or None
 
 
 def read_params(workdir: str, step: int | None = None):
@@ -114,6 +116,7 @@ def read_params(workdir: str, step: int | None = None):
   with open_read_only(os.path.join(workdir, "checkpoints")) as ckpt:
     if not ckpt.all_steps():
       raise errors.UserValueError(f"{workdir}: holds no checkpoint to read")
-    saved_like = lambda shapes: getattr(found["step"], "saved_like", lambda _: None)(shapes)
-    saved, extra = ckpt.restore_host(step, target_of, saved_like)
+    saved, extra = ckpt.restore_host(
+      step, target_of, lambda shapes: found["step"].saved_like(shapes)
+    )
   return found["step"].export_params(saved), found["cfg"], {**extra, "source": found["src"]}

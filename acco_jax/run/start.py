@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from acco_jax import data, model
 from acco_jax.run import checkpoint, pretrained
 from acco_jax.run import init_from as init_from_lib
+from acco_jax.run import saved as saved_runs
 from acco_jax.run.build import Run, check_comm, check_vocab, prime_batch
 
 
@@ -58,74 +59,89 @@ def restore_or_init(
   run: Run, config, workdir: str, stream, rows_per_stage: int, init_params, lead: bool
 ) -> Begun:
   """The state the run starts from, and the data ``stream`` set to its position."""
-  train, n = run.train, run.mesh.size
   has_dir = os.path.isdir(os.path.join(workdir, "checkpoints"))
   ckpt = open_checkpointer(config, workdir) if has_dir else None
-  start, tokens_seen, events, extra = (ckpt and ckpt.latest_step()), 0, [], {}
-  resumed = start is not None
-  if ckpt is not None and not resumed:  # no step saved yet: opened again to save the first
-    ckpt = ckpt.close()
-  if resumed:
-    saved_n = []
-
-    def reshard(saved):
-      state = train.reshard(saved)  # LoCo and pipeline steps refuse another mesh
-      saved_n.append(train.saved_num_devices(saved))
-      return state
-
-    def check(extra):  # before any array is read: the clearest message for a config change
-      check_vocab(extra, run.model_cfg)
-      check_comm(extra, config, train)  # LoCo steps keep no residual: always the same
-      if hasattr(train, "check_checkpoint"):  # e.g. a pipeline's scheduled plan
-        train.check_checkpoint(extra)
-
-    target = train.abstract_state(run.params_shapes)
-    restore_t0 = time.time()
+  if ckpt is not None and ckpt.latest_step() is not None:
     try:
-      saved_like = getattr(train, "saved_like", None)  # the owner layout: other slots
-      state, extra = ckpt.restore(
-        None, target, reshard=reshard, check_extra=check, saved_like=saved_like
-      )
-      start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
-      position = extra["data"]
-      if saved_n:
-        position = data.data_state(position, rows_per_stage)
-      stream.set_state(position)
+      return _restore(run, config, workdir, ckpt, stream, rows_per_stage, lead)
     except BaseException:
       ckpt.close()
       raise
-    if saved_n:
-      events.append(("resharded", dict(stage=start, from_devices=saved_n[-1], to_devices=n)))
-      if lead:
-        print(f"resharded the checkpoint of stage {start} from {saved_n[-1]} to {n} devices; "
-              f"data continues at global batch {position['step']}", flush=True)  # fmt: skip
-    events.append(("restored", dict(stage=start, workdir=workdir, restore_s=time.time() - restore_t0,
-                                    time=time.time())))  # fmt: skip
-    if config.ckpt.init_from and lead:
-      print(f"ckpt.init_from ignored: resuming from this workdir's checkpoint of stage {start}",
-            flush=True)  # fmt: skip
-  elif config.ckpt.init_from:  # another run's checkpoint, maybe of another kind (init_from.py)
+  if ckpt is not None:  # no step saved yet: opened again to save the first
+    ckpt.close()
+  events = []
+  if config.ckpt.init_from:  # another run's checkpoint, maybe of another kind (init_from.py)
     started = init_from_lib.start(run, config, stream, rows_per_stage)
     state, start, tokens_seen = started.state, started.stage, started.tokens_seen
     events.append(("initialized_from", started.event))
     if lead:
       print(started.line, flush=True)
   else:
-    start = 0
-    if pretrained.source(config) is not None:  # pretrained weights (model.init)
-      t0 = time.time()
-      params = pretrained.load_params(config, run.model_cfg, run.mesh)
-      events.append(("pretrained", dict(init=config.model.init, load_s=time.time() - t0)))
-      if lead:
-        took = time.time() - t0
-        line = f"initialized from {config.model.init} ({run.model_cfg.arch}, {took:.1f} s)"
-        print(f"{line}: update 0, a fresh optimizer", flush=True)
-    else:
-      params = _initializer(run.mesh)(run.model_cfg, config.train.seed)
-    if init_params is not None:
-      params = jax.tree.map(lambda p, q: jax.device_put(jnp.asarray(q, p.dtype), p.sharding),
-                            params, init_params)  # fmt: skip
-    state = train.init(params, prime_batch(run, config))  # a delayed method primes its buffer
-  if not resumed:
-    events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
+    start, tokens_seen = 0, 0
+    state = run.train.init(
+      _params(run, config, init_params, events, lead), prime_batch(run, config)
+    )
+  events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
+  return Begun(state, start, tokens_seen, {}, events, None)
+
+
+def _restore(run: Run, config, workdir: str, ckpt, stream, rows_per_stage: int, lead) -> Begun:
+  """The newest intact checkpoint of this workdir, on this run's mesh (another device count:
+  resharded), and the data position it recorded."""
+  train, n, events, moved = run.train, run.mesh.size, [], []
+
+  def reshard(saved):
+    moved.append(True)
+    return train.reshard(saved)  # LoCo and pipeline steps refuse another mesh
+
+  def check(extra):  # before any array is read: the clearest message for a config change
+    check_vocab(extra, run.model_cfg)
+    check_comm(extra, config, train)  # LoCo steps keep no residual: always the same
+    train.check_checkpoint(extra)  # e.g. a pipeline's scheduled plan
+
+  target = train.abstract_state(run.params_shapes)
+  restore_t0 = time.time()
+  state, extra = ckpt.restore(
+    None, target, reshard=reshard, check_extra=check, saved_like=train.saved_like
+  )
+  start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
+  position = extra["data"]
+  if moved:
+    position = data.data_state(position, rows_per_stage)
+  stream.set_state(position)
+  if moved:
+    old = saved_runs.recorded_devices(extra)  # None: written before the count was recorded
+    events.append(("resharded", dict(stage=start, from_devices=old, to_devices=n)))
+    if lead:
+      print(
+        f"resharded the checkpoint of stage {start} from {old or 'another count of'} to {n} "
+        f"devices; data continues at global batch {position['step']}",
+        flush=True,
+      )
+  took = time.time() - restore_t0
+  events.append(("restored", dict(stage=start, workdir=workdir, restore_s=took, time=time.time())))
+  if config.ckpt.init_from and lead:
+    print(
+      f"ckpt.init_from ignored: resuming from this workdir's checkpoint of stage {start}",
+      flush=True,
+    )
   return Begun(state, start, tokens_seen, extra, events, ckpt)
+
+
+def _params(run: Run, config, init_params, events: list, lead: bool):
+  """A fresh run's parameters: pretrained (``model.init``), given (``init_params``) or drawn."""
+  if pretrained.source(config) is not None:  # pretrained weights (model.init)
+    t0 = time.time()
+    params = pretrained.load_params(config, run.model_cfg, run.mesh)
+    events.append(("pretrained", dict(init=config.model.init, load_s=time.time() - t0)))
+    if lead:
+      took = time.time() - t0
+      line = f"initialized from {config.model.init} ({run.model_cfg.arch}, {took:.1f} s)"
+      print(f"{line}: update 0, a fresh optimizer", flush=True)
+  else:
+    params = _initializer(run.mesh)(run.model_cfg, config.train.seed)
+  if init_params is not None:
+    params = jax.tree.map(
+      lambda p, q: jax.device_put(jnp.asarray(q, p.dtype), p.sharding), params, init_params
+    )
+  return params

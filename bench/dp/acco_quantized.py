@@ -234,7 +234,7 @@ def bytes_worker(args) -> dict:
         loss, tx, mesh, num_microbatches=k, params=shapes, has_aux=True
       )
       state = train.abstract_state(shapes)
-      fn = train._jit("delayed" if train.plan.delayed else "sync", state)
+      fn = train.stage_program("delayed" if train.plan.delayed else "sync", state)
       data = NamedSharding(train.mesh, P("data"))
       batch = {
         key: jax.ShapeDtypeStruct((n * k, s["seq_len"]), jnp.int32, sharding=data)

@@ -78,7 +78,7 @@ def worker(args) -> dict:
       )
       state = train.abstract_state(shapes)
       kind = "delayed" if train.plan.delayed else "sync"
-      fn = train._jit(kind, state)
+      fn = train.stage_program(kind, state)
       data = NamedSharding(train.mesh, P("data"))
       batch = {
         key: jax.ShapeDtypeStruct((n * args.k * args.rows, cfg.L), jnp.int32, sharding=data)

@@ -180,7 +180,7 @@ def worker(args) -> dict:
     )
     state = train.abstract_state(params)
     kind = "delayed" if train.plan.delayed else "sync"
-    fn = train._jit(kind, state)
+    fn = train.stage_program(kind, state)
     batch = abstract_inputs(train, args.rows, args.seq)
     committed = acco_jax.committed_params(state.opt_state, None)
     comp = {

@@ -61,6 +61,7 @@ def build(preset: str, method: str, opt: str, n: int):
 
   from acco_jax import model
   from acco_jax.dp import build as dp_build
+  from acco_jax.dp import layouts
   from acco_jax.dp.step import make_train_step
   from acco_jax.run import build as run_build
   from acco_jax.run import parallel
@@ -80,7 +81,7 @@ def build(preset: str, method: str, opt: str, n: int):
     params=shapes,
     has_aux=True,
     owned=owned,
-    elementwise=dp_build.optimizer_is_elementwise(config),
+    elementwise=layouts.optimizer_is_elementwise(config),
   )
   return config, model_cfg, shapes, train
 
@@ -163,7 +164,7 @@ def worker(args) -> dict:
 
 def compile_stats(train, state, args) -> dict:
   """``memory_analysis()`` of the stage program and its lower/compile times."""
-  fn = train._jit("delayed" if train.plan.delayed else "sync", state)
+  fn = train.stage_program("delayed" if train.plan.delayed else "sync", state)
   batch = memory.abstract_inputs(train, args.rows, args.seq)
   t0 = time.perf_counter()
   lowered = fn.lower(state, batch)

@@ -123,9 +123,9 @@ def worker(args) -> dict:
     first = jax.tree.map(lambda x: x[:b], host_batch)
     state = train.init(params, first if train.plan.delayed else None)
     kind = "delayed" if train.plan.delayed else "sync"
-    placed = train._put_batch(host_batch, per_device=k)
+    placed = train.put_batch(host_batch, per_device=k)
     t = time.perf_counter()
-    compiled = train._jit(kind, state).lower(state, placed).compile()
+    compiled = train.stage_program(kind, state).lower(state, placed).compile()
     compile_s[method] = time.perf_counter() - t
     static[method] = static_costs(compiled)
 

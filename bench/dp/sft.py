@@ -197,6 +197,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.smoke:  # the test fixtures: a tiny GPT-2 directory, a file of short examples
     args.seeds, args.variants, args.updates, args.eval_every = "0", "acco", 2, 1
+    args.rows = 1  # 8 rows a stage: the fixture file keeps 10 examples of data.seq_len=48
     args.init, args.preset = str(common.REPO / "tests" / "data" / "hf" / "gpt2"), "tiny"
     args.source = f"jsonl:{common.REPO / 'tests' / 'data' / 'reversals.jsonl'}"
   root = args.out / "runs" / "sft"

@@ -83,14 +83,14 @@ def compile_program(args, overlap: int) -> dict:
   state = train.abstract_state(shapes)
   rows = n * args.k * args.rows
   batch = {
-    key: jax.ShapeDtypeStruct((rows, args.seq), jnp.int32, sharding=train._batch_sharding())
+    key: jax.ShapeDtypeStruct((rows, args.seq), jnp.int32, sharding=train.batch_sharding())
     for key in ("inputs", "targets")
   }
   if overlap:
-    fn = train._program("window", 0, state)
+    fn = train.program("window", 0, state)
     text = fn.lower(state, [batch] * overlap).compile().as_text()
   else:
-    text = train._program("sync", 0, state).lower(state).compile().as_text()
+    text = train.program("sync", 0, state).lower(state).compile().as_text()
   from acco_jax.analysis import hlo
 
   comps, entry = hlo.parse_hlo(text)

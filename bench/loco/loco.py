@@ -107,6 +107,7 @@ def comm_worker(args) -> None:
   import jax
 
   from acco_jax.analysis import hlo
+  from acco_jax.loco.step import LocoStep
   from acco_jax.run import build
 
   out = {}
@@ -117,9 +118,11 @@ def comm_worker(args) -> None:
       run = build.build(config)
       tokens = convergence.tokens_per_update(s)
       params = run.params_shapes
-      if not run.loco:  # DDP: the stage's all-reduce over every device, every step
+      if not isinstance(
+        run.train, LocoStep
+      ):  # DDP: the stage's all-reduce over every device, every step
         state = run.train.abstract_state(params)
-        fn = run.train._jit("sync", state)
+        fn = run.train.stage_program("sync", state)
         batch = {
           k: jax.ShapeDtypeStruct(
             (tokens // s["seq_len"], s["seq_len"]),
@@ -142,7 +145,7 @@ def comm_worker(args) -> None:
       state = train.abstract_state(params)
       comps = []
       for p in range(len(train.parts)):
-        text = train._program("sync", p, state).lower(state).compile().as_text()
+        text = train.program("sync", p, state).lower(state).compile().as_text()
         comps.append(hlo.bytes_across(text, train.num_devices))
       out[f"{label}@{setting}"] = {
         "workers": train.num_workers,

@@ -126,6 +126,7 @@ def programs_worker(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   from acco_jax.analysis import hlo
+  from acco_jax.loco.step import LocoStep
   from acco_jax.run import metrics, trainer
   from bench.loco import loco_compare as lc
 
@@ -145,23 +146,23 @@ def programs_worker(args) -> dict:
       for k in ("inputs", "targets")
     }
     progs = {}
-    if run.loco:
+    if isinstance(train, LocoStep):
       m = train.num_workers
       per = train.num_devices  # devices per worker
-      progs["stage"] = (train._program("stage", None, state), (state, batch))
+      progs["stage"] = (train.program("stage", None, state), (state, batch))
       meth = train.method
       for p in range(len(train.parts)):
         if meth.overlap_steps:
           stacked = [batch] * meth.overlap_steps
-          progs[f"window{p}"] = (train._program("window", p, state), (state, stacked))
-          progs[f"apply{p}"] = (train._program("apply", p, state), (state,))
+          progs[f"window{p}"] = (train.program("window", p, state), (state, stacked))
+          progs[f"apply{p}"] = (train.program("apply", p, state), (state,))
         else:
-          progs[f"sync{p}"] = (train._program("sync", p, state), (state,))
+          progs[f"sync{p}"] = (train.program("sync", p, state), (state,))
       group_of = lambda i, per=per: i // per
     else:
       m, per = n_dev, 1
       kind = "delayed" if train.plan.delayed else "sync"
-      progs[kind] = (train._jit(kind, state), (state, batch))
+      progs[kind] = (train.stage_program(kind, state), (state, batch))
       group_of = lambda i: i  # every device is a worker
     found = {}
     for name, (fn, fn_args) in progs.items():
@@ -175,7 +176,7 @@ def programs_worker(args) -> dict:
       part: common.shard_bytes(getattr(state, part) if hasattr(state, part) else ())
       for part in ("inner", "outer", "inflight", "comp", "params", "opt_state", "buf", "w")
     }
-    if run.loco:
+    if isinstance(train, LocoStep):
       inner = state.inner
       split = {
         "params": common.shard_bytes((inner.params, inner.w)),

@@ -90,7 +90,7 @@ def cpu_worker(args) -> dict:
   import numpy as np
 
   from acco_jax import model
-  from acco_jax.pipeline import step as pipe
+  from acco_jax.pipeline import programs as pipe
 
   S, lanes, M, B = 4, 2, args.microbatches, 2
   cfg = model.get_config("tiny", D=256, N=4, H=4, L=128, V=2048, dtype="float32")
@@ -221,14 +221,14 @@ def abstract_devices(num_devices: int):
 
 
 def compile_memory(train, state, mesh, cfg, lanes: int, M: int, B: int) -> dict:
-  """Compiles ``train._step`` (state donated) for ``M`` microbatches of ``B`` rows per lane; the
+  """Compiles ``train.stage_fn`` (state donated) for ``M`` microbatches of ``B`` rows per lane; the
   state's bytes per device (each field's) and XLA's per-device memory estimate, in GiB."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from acco_jax.pipeline import step as pipe
+  from acco_jax.pipeline import programs as pipe
 
   spec = P(pipe.DATA) if lanes > 1 else P()
   batch = {
@@ -236,7 +236,7 @@ def compile_memory(train, state, mesh, cfg, lanes: int, M: int, B: int) -> dict:
     for k in ("inputs", "targets")
   }
   t0 = time.perf_counter()
-  compiled = jax.jit(train._step, donate_argnums=(0,)).lower(state, batch).compile()
+  compiled = jax.jit(train.stage_fn, donate_argnums=(0,)).lower(state, batch).compile()
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   gib = lambda b: round(b / 2**30, 3)
@@ -270,8 +270,8 @@ def aot_worker(args) -> dict:
 
   from acco_jax import model
   from acco_jax.pipeline import packing, ticks
-  from acco_jax.pipeline import step as pipe
-  from acco_jax.pipeline import train as pipe_train
+  from acco_jax.pipeline import programs as pipe
+  from acco_jax.pipeline import step as pipe_train
   from acco_jax.run import optim, parallel
   from acco_jax.skippipe import paths
 
@@ -295,7 +295,7 @@ def aot_worker(args) -> dict:
   mesh = pipe.make_mesh(S, lanes, devices)
   buffers = pipe.packing_for(shapes, S, counts, lanes)
   tx = optim.inner_optimizer(adamw(), 100, buffers.decay_mask())
-  train = pipe_train.PipelineTrainStep(
+  train = pipe_train.PipelineStep(
     cfg, tx, mesh, sched, shapes, None, counts, r["data_method"], jnp.bfloat16
   )
   state = train.abstract_state(shapes)
