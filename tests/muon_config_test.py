@@ -8,6 +8,7 @@ import pytest
 
 from acco_jax import errors, model
 from acco_jax.dp import build as dp_build
+from acco_jax.dp import layouts
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.run import build, optim, trainer
 from configs import (
@@ -29,8 +30,8 @@ def shapes():
 def test_auto_layout_is_owner_for_muon_and_elementwise_for_adamw(module):
   p = shapes()
   muon = tiny(module, **{"opt.name": "muon"})
-  assert dp_build.choose_layout(muon, 8, p) == "owner"
-  assert dp_build.choose_layout(tiny(module), 8, p) == "elementwise"
+  assert layouts.for_config(muon, 8) == "owner"
+  assert layouts.for_config(tiny(module), 8) == "elementwise"
   tx, owned = dp_build.method(muon, 8, p)
   assert tx.plan.layout == "owner" and owned == model.muon_mask(p)
   # Muon owns the blocks' kernels; embeddings, head, biases and LayerNorms are elementwise AdamW
@@ -46,13 +47,13 @@ def test_muon_is_refused_where_it_cannot_run():
   p = shapes()
   config = tiny(gpt2_acco, **{"opt.name": "muon", "comm.layout": "elementwise"})
   with pytest.raises(errors.UserValueError, match="set comm.layout=owner \\(or auto\\)"):
-    dp_build.choose_layout(config, 8, p)
+    layouts.for_config(config, 8)
   config = tiny(gpt2_dpu, **{"opt.name": "muon"})
   with pytest.raises(errors.UserValueError, match="method=dpu shards its optimizer elementwise"):
-    dp_build.choose_layout(config, 8, p)
+    layouts.for_config(config, 8)
   config = tiny(gpt2_zero1, **{"opt.name": "muon", "comm.quantize": "int8"})
   with pytest.raises(errors.UserValueError, match="does not run with the owner layout"):
-    dp_build.choose_layout(config, 8, p)
+    layouts.for_config(config, 8)
   config = tiny(gpt2_diloco, **{"opt.name": "muon", "loco.inner": "ddp"})
   with pytest.raises(errors.UserValueError, match="set loco.inner=zero1"):
     build.build(config)

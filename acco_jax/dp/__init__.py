@@ -12,6 +12,7 @@ shell: ``family`` (the registry entry), ``updates`` (stages per update) and ``bu
 """
 
 # What the other families may import of this one: the LoCo workers run this step and its method
-# transforms (their ``loco.inner``), the pipeline's lanes run ACCO's transform and its all-gather
+# transforms (their ``loco.inner``) on the layout ``layouts`` chooses, the pipeline's lanes run
+# ACCO's transform and its all-gather, and every family checks comm.layout with ``layouts``
 # (tests/import_graph_test.py holds every family to its neighbours' lists).
-SHARED = ("build", "methods", "owner", "quantized_comm", "step")
+SHARED = ("build", "layouts", "methods", "owner", "quantized_comm", "step")

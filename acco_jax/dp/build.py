@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acco_jax import errors, model
-from acco_jax.dp import hetero, methods, quantize
+from acco_jax import data, errors, model
+from acco_jax.dp import hetero, layouts, methods, quantize
 from acco_jax.dp.flat import FlatLayout
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.dp.step import make_train_step
@@ -26,12 +26,11 @@ from acco_jax.run import health, parallel
 from acco_jax.skippipe import orders as pipeline_orders
 
 
-def build_run(config) -> build_lib.Run:
+def build_run(config, tokens: data.TokenData) -> build_lib.Run:
   """The :class:`acco_jax.run.build.Run` of a data-parallel method."""
   health.check_config(config)
   skippipe = config.get("pipeline") is not None and config.pipeline.stages != 0
   mesh = parallel.make_mesh(config.mesh.num_devices)
-  tokens = build_lib.prepare_tokens(config)
   model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
   k, per_update, total = stage_plan(config)
   shapes = model.param_shapes(model_cfg)
@@ -48,27 +47,45 @@ def build_run(config) -> build_lib.Run:
     delays = hetero.parse_slowdown(config.hetero.slowdown, mesh.size)
     loss = hetero.slowed(loss, delays, tx.plan.axis_name)
   train = make_train_step(
-    loss, tx, mesh, num_microbatches=k_max, params=shapes, has_aux=True,
-    skip_nonfinite=config.train.on_nonfinite == "skip", owned=owned,
-    elementwise=optimizer_is_elementwise(config),
-  )  # fmt: skip
+    loss,
+    tx,
+    mesh,
+    num_microbatches=k_max,
+    params=shapes,
+    has_aux=True,
+    skip_nonfinite=config.train.on_nonfinite == "skip",
+    owned=owned,
+    elementwise=layouts.optimizer_is_elementwise(config),
+  )
   _for_checkpoints(train, config, shapes)
   policy = None
   if config.hetero.adaptive:
     policy = hetero.BudgetPolicy(
-      mesh.size, base=k, k_max=train.num_microbatches, policy=config.hetero.adaptive,
+      mesh.size,
+      base=k,
+      k_max=train.num_microbatches,
+      policy=config.hetero.adaptive,
       hysteresis=config.hetero.hysteresis,
-    )  # fmt: skip
+    )
   return build_lib.Run(
-    mesh, tokens, model_cfg, shapes, train, per_update, total, k, budgets, orders=orders,
+    mesh,
+    tokens,
+    model_cfg,
+    shapes,
+    train,
+    per_update,
+    total,
+    k,
+    budgets,
+    orders=orders,
     policy=policy,
-  )  # fmt: skip
+  )
 
 
 def method(config, n: int, shapes):
   """The config's method transform on ``n`` devices, around its inner optimizer, and the leaves
   the owner layout owns whole (``None``: every leaf, or not the owner layout)."""
-  layout = choose_layout(config, n, shapes)
+  layout = layouts.for_config(config, n)
   owned = model.muon_mask(shapes) if layout == "owner" and config.opt.name == "muon" else None
   view = OwnerLayout(shapes, n, owned).view if layout == "owner" else None
   inner = build_lib.inner_optimizer(config, shapes, view=view)
@@ -80,42 +97,6 @@ def method(config, n: int, shapes):
   return methods.get_method(config.method, inner, **kwargs), owned
 
 
-def choose_layout(config, n: int, shapes, method: str | None = None) -> str:
-  """``comm.layout`` resolved for ``method`` (default the config's; a LoCo run's inner step:
-  ``loco.inner``): ``owner`` (each weight matrix whole on one device) or ``elementwise``; ``auto``
-  takes ``owner`` exactly when the inner optimizer is not elementwise (``opt.name=muon``). One-line
-  errors for what cannot run."""
-  asked, method = config.comm.get("layout", "auto"), method or config.method
-  if method not in ("acco", "zero1", "dpu", "wp"):  # ddp: every device has every leaf
-    return "elementwise"
-  elementwise = optimizer_is_elementwise(config)
-  if method in ("dpu", "wp"):
-    if asked == "owner" or not elementwise:
-      raise errors.UserValueError(
-        f"method={method} shards its optimizer elementwise only: opt.name="
-        f"{config.opt.name} with the owner layout runs under acco, zero1 (or ddp)"
-      )
-    return "elementwise"
-  if asked == "elementwise" and not elementwise:
-    raise errors.UserValueError(
-      f"comm.layout=elementwise cuts every matrix into {n} chunks, but opt.name="
-      f"{config.opt.name} updates whole matrices: set comm.layout=owner (or auto)"
-    )
-  layout = asked if asked != "auto" else "elementwise" if elementwise else "owner"
-  if layout == "owner" and config.comm.quantize != "none":
-    raise errors.UserValueError(
-      f"comm.quantize={config.comm.quantize} does not run with the owner layout (comm.layout="
-      f"{asked}, opt.name={config.opt.name}) yet: set comm.quantize=none"
-    )
-  return layout
-
-
-def optimizer_is_elementwise(config) -> bool:
-  """Whether ``opt.name``'s update is elementwise: all but Muon (whose state is, so that
-  :func:`acco_jax.dp.methods.is_elementwise`, which reads state shapes, would not tell)."""
-  return config.opt.name != "muon"
-
-
 def source_step(config, model_cfg: model.ModelConfig, num_devices: int):
   """The step of a run of ``config`` on this process's first ``num_devices`` devices, never run:
   it reads that run's checkpoints (written on any device count) and exports them
@@ -124,8 +105,15 @@ def source_step(config, model_cfg: model.ModelConfig, num_devices: int):
   shapes = model.param_shapes(model_cfg)
   no_loss = lambda p, b: 0.0  # the step is not run: its stage program is never traced
   tx, owned = method(config, mesh.size, shapes)
-  step = make_train_step(no_loss, tx, mesh, num_microbatches=1, params=shapes, owned=owned,
-                         elementwise=optimizer_is_elementwise(config))  # fmt: skip
+  step = make_train_step(
+    no_loss,
+    tx,
+    mesh,
+    num_microbatches=1,
+    params=shapes,
+    owned=owned,
+    elementwise=layouts.optimizer_is_elementwise(config),
+  )
   return _for_checkpoints(step, config, shapes)
 
 

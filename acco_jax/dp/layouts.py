@@ -14,6 +14,11 @@ On the owner layout a transform that reads every leaf sees one device's slots on
 optax.clip_by_global_norm(c), ...)``, found by :func:`leading_global_clip`) is applied by the step
 to the whole gradient before the per-slot update, where its copy then never triggers (a slot's norm
 is at most the clipped whole one); any other coupling is refused (:func:`check_per_leaf`).
+
+This module is the one place that validates and chooses a layout: a transform's ``layout=``
+(:func:`check_name`), a config's ``comm.layout`` (:func:`asked`, :func:`for_config`: one-line
+errors before anything is built) and the step's resolution of ``auto`` on the actual optimizer
+(:func:`choose`).
 """
 
 from __future__ import annotations
@@ -24,10 +29,70 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from acco_jax import errors
 from acco_jax.dp.flat import FlatLayout, TreeLayout
 from acco_jax.dp.owner import OwnerLayout
 
+LAYOUTS = ("auto", "elementwise", "owner")
 OWNER_METHODS = ("acco", "zero1")  # the sharded methods whose optimizer can own whole matrices
+SHARDED_METHODS = ("acco", "zero1", "dpu", "wp")
+
+
+def check_name(layout: str, quantize: str) -> str:
+  """A method transform's ``layout=`` argument, checked (one-line ``ValueError``)."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout={layout!r} is unknown: choose one of {', '.join(LAYOUTS)}")
+  if layout == "owner" and quantize != "none":
+    raise ValueError(f"layout='owner' does not take quantize={quantize!r} yet: use quantize='none'")
+  return layout
+
+
+def asked(config) -> str:
+  """The config's ``comm.layout``, a known value (every family checks it, whether it reads it or
+  not: a typo is refused, never ignored)."""
+  comm = config.get("comm")
+  layout = "auto" if comm is None else comm.get("layout", "auto")
+  if layout not in LAYOUTS:
+    raise errors.UserValueError(
+      f"comm.layout={layout!r} is unknown: choose one of {', '.join(LAYOUTS)}"
+    )
+  return layout
+
+
+def optimizer_is_elementwise(config) -> bool:
+  """Whether ``opt.name``'s update is elementwise: all but Muon (whose state is, so that
+  :func:`is_elementwise`, which reads state shapes, would not tell)."""
+  return config.opt.name != "muon"
+
+
+def for_config(config, n: int, method: str | None = None) -> str:
+  """``comm.layout`` resolved for ``method`` (default the config's; a LoCo run's inner step:
+  ``loco.inner``) on ``n`` devices: ``owner`` (each weight matrix whole on one device) or
+  ``elementwise``; ``auto`` takes ``owner`` exactly when the inner optimizer is not elementwise
+  (``opt.name=muon``). One-line errors for what cannot run."""
+  layout, method = asked(config), method or config.method
+  if method not in SHARDED_METHODS:  # ddp: every device has every leaf
+    return "elementwise"
+  elementwise = optimizer_is_elementwise(config)
+  if method in ("dpu", "wp"):
+    if layout == "owner" or not elementwise:
+      raise errors.UserValueError(
+        f"method={method} shards its optimizer elementwise only: opt.name="
+        f"{config.opt.name} with the owner layout runs under acco, zero1 (or ddp)"
+      )
+    return "elementwise"
+  if layout == "elementwise" and not elementwise:
+    raise errors.UserValueError(
+      f"comm.layout=elementwise cuts every matrix into {n} chunks, but opt.name="
+      f"{config.opt.name} updates whole matrices: set comm.layout=owner (or auto)"
+    )
+  resolved = layout if layout != "auto" else "elementwise" if elementwise else "owner"
+  if resolved == "owner" and config.comm.quantize != "none":
+    raise errors.UserValueError(
+      f"comm.quantize={config.comm.quantize} does not run with the owner layout (comm.layout="
+      f"{layout}, opt.name={config.opt.name}) yet: set comm.quantize=none"
+    )
+  return resolved
 
 
 def choose(tx, plan, params_like, num_devices: int, owned, elementwise, replica_axis):
