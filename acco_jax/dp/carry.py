@@ -181,10 +181,14 @@ def import_state(step, portable: Portable, stage: int, microbatch=None):
     opt = inner
   zeros = lambda x: None if x is None else np.zeros(x.shape, x.dtype)
   host = abstract._replace(
-    w=w, params=theta, opt_state=opt,
-    buf=zeros(abstract.buf), buf_count=zeros(abstract.buf_count), stage=np.asarray(stage, np.int32),
+    w=w,
+    params=theta,
+    opt_state=opt,
+    buf=zeros(abstract.buf),
+    buf_count=zeros(abstract.buf_count),
+    stage=np.asarray(stage, np.int32),
     residual=zeros(abstract.residual),
-  )  # fmt: skip
+  )
   state = place(host, abstract)
   if plan.delayed and (plan.warmup_steps == 0 or stage > plan.warmup_steps):
     state = step.prime(state, microbatch, "import_state")

@@ -28,28 +28,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from acco_jax.dp.owner import OwnerLayout
-from acco_jax.dp.reshard_owner import _TAG, _holders, _per_device
+from acco_jax.dp.reshard import probe_tags
+from acco_jax.dp.reshard_owner import per_device
 
 PyTree = Any
-
-
-def _tagged(init, tree_like, tagged_leaves) -> tuple[list, list]:
-  """Per leaf of ``init``'s state on ``tree_like`` with its leaves replaced by ``tagged_leaves``
-  (leaf ``t`` shaped ``(..., _TAG + t)``): the leaf of ``tree_like`` it is shaped like (or None),
-  and the path of the subtree it belongs to (the state's path without the tree's own)."""
-  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree_like)[0]]
-  tagged = jax.tree.structure(tree_like).unflatten(tagged_leaves)
-  tags, prefixes = [], []
-  for path, x in jax.tree_util.tree_flatten_with_path(jax.eval_shape(init, tagged))[0]:
-    t = x.shape[-1] - _TAG if x.ndim and all(d == 1 for d in x.shape[:-1]) else -1
-    t = t if 0 <= t < len(paths) else None
-    tags.append(t)
-    prefixes.append(None if t is None else jax.tree_util.keystr(path[: len(path) - len(paths[t])]))
-  return tags, prefixes
 
 
 def _copies(tags: list, prefixes: list) -> dict[str, list[int]]:
@@ -64,16 +49,11 @@ def _copies(tags: list, prefixes: list) -> dict[str, list[int]]:
 def _pairs(layout: OwnerLayout, inner_tx, tree_tx, params_like):
   """The owner state's structure and tags, the tree state's shapes and tags, the copies paired
   by their subtree's path, and the other leaves paired in order."""
-  view = layout.shard_shapes(1)
-  owner_tags, owner_prefixes = _tagged(inner_tx.init, view, [
-    jax.ShapeDtypeStruct((1,) * (x.ndim - 2) + (_TAG + t,), jnp.float32)
-    for t, x in enumerate(jax.tree.leaves(view))
-  ])  # fmt: skip
+  owner_tags, owner_prefixes = probe_tags(
+    inner_tx.init, layout.shard_shapes(1), lambda x: x.ndim - 1
+  )
   owner_def = jax.tree.structure(jax.eval_shape(jax.vmap(inner_tx.init), layout.shard_shapes()))
-  tree_tags, tree_prefixes = _tagged(tree_tx.init, params_like, [
-    jax.ShapeDtypeStruct((1,) * (len(x.shape) - 1) + (_TAG + i,), jnp.float32)
-    for i, x in enumerate(jax.tree.leaves(params_like))
-  ])  # fmt: skip
+  tree_tags, tree_prefixes = probe_tags(tree_tx.init, params_like, lambda x: len(x.shape))
   owner_copies, tree_copies = _copies(owner_tags, owner_prefixes), _copies(tree_tags, tree_prefixes)
   plain_owner = [i for i, t in enumerate(owner_tags) if t is None]
   plain_tree = [i for i, t in enumerate(tree_tags) if t is None]
@@ -97,7 +77,7 @@ def _pairs(layout: OwnerLayout, inner_tx, tree_tx, params_like):
 
 def _covers(layout: OwnerLayout, owner_copy: list, owner_tags: list, tree_params: set) -> None:
   """A copy on the owner layout and its pair on the model's tree hold the same parameters."""
-  held = _holders(layout)
+  held = layout.holders()
   if set().union(*(held[owner_tags[i]] for i in owner_copy)) != tree_params:
     raise ValueError("the optimizer state covers other parameters on the model's tree")
 
@@ -126,7 +106,7 @@ def to_model(inner_state, layout: OwnerLayout, inner_tx, tree_tx, params_like) -
   paths = jax.tree_util.tree_flatten_with_path(inner_state)[0]
   for i, j in plain:
     where = f"opt_state{jax.tree_util.keystr(paths[i][0])}"
-    out[j] = _per_device(leaves[i], layout.num_shards, 1, where)[0]
+    out[j] = per_device(leaves[i], layout.num_shards, 1, where)[0]
     if out[j].shape != tuple(like[j].shape):
       raise ValueError(f"{where} is {out[j].shape} per device, {like[j].shape} on the model's tree")
   return jax.tree.structure(tree_like).unflatten(out)

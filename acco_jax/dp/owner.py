@@ -153,6 +153,17 @@ class OwnerLayout:
     """Elements of the slots that hold no item: ``N * slot_size - owned_elements``."""
     return self.num_shards * self.slot_size - self.owned_elements
 
+  def holders(self) -> list[set[int]]:
+    """Per shards leaf (slot or elementwise chunk, in the view's leaf order): the parameter
+    leaves it holds items of."""
+    held = [set() for _ in range(sum(self.slots))]
+    first = np.cumsum([0, *self.slots])
+    for i, places in enumerate(self.places):
+      for p in places or ():
+        held[int(first[p.group]) + p.slot].add(i)
+    view = {"owned": held, "elementwise": [{i} for i in self.elem]}  # as shard_shapes() flattens
+    return jax.tree.leaves(view, is_leaf=lambda x: isinstance(x, set))
+
   def view(self, tree: PyTree) -> dict:
     """Per-leaf values (a tree like the params, e.g. a mask) -> the same values in the structure
     the optimizer sees on each device: ``{"owned": [one per slot], "elementwise": [one per
@@ -171,8 +182,10 @@ class OwnerLayout:
             f"slot {p.slot} of the {self.groups[p.group]} items holds leaves whose values differ "
             f"({owned[k]!r}, {leaves[i]!r}): own only leaves that share them"
           )
-    return {"owned": [owned[k] for k in range(int(first[-1]))],
-            "elementwise": [leaves[i] for i in self.elem]}  # fmt: skip
+    return {
+      "owned": [owned[k] for k in range(int(first[-1]))],
+      "elementwise": [leaves[i] for i in self.elem],
+    }
 
   def shard_shapes(self, leading: int | None = None) -> dict:
     """``ShapeDtypeStruct`` tree of the shards view (leading dim ``N`` unless given)."""

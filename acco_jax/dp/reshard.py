@@ -9,7 +9,7 @@ target's as host numpy arrays and hands them to a ``reshard`` callable, normally
 - ``params`` and every optimizer-state leaf shaped like a parameter (Adam's moments, the committed
   copy of ACCO and WP), ``[N, s_l]`` chunks: :func:`acco_jax.dp.flat.reshard_chunks`, bit-identical.
   Which state leaves those are is found by running the optimizer's ``init`` on a tagged shards tree
-  (parameter ``l`` shaped ``(1, _TAG + l)``), so any elementwise optax chain works.
+  (parameter ``l`` shaped ``(1, TAG + l)``: :func:`probe_tags`), so any elementwise optax chain works.
 - ``buf`` ``[N, N*S]`` and ``buf_count`` ``[N]`` (delayed methods), per-device gradient sums and
   microbatch counts: the step only ever uses their sums over devices.
   :meth:`acco_jax.dp.stage.StageProgram.reduce` reduce-scatters (or psums) the rows and psums the
@@ -46,7 +46,32 @@ import numpy as np
 from acco_jax.dp.flat import FlatLayout, reshard_chunks, reshard_flat
 
 PyTree = Any
-_TAG = 1_000_003  # parameter l is shaped (1, _TAG + l) when tagging the optimizer state
+TAG = 1_000_003  # a size no real leaf has: leaf t of a probe tree ends in a dimension TAG + t
+
+
+def probe_tags(init, tree_like, ndim=lambda x: x.ndim) -> tuple[list, list]:
+  """What each leaf of an optimizer's state holds, found by running ``init`` abstractly on a probe
+  of ``tree_like`` whose leaf ``t`` is shaped ``(1, ..., 1, TAG + t)`` with ``ndim(x)`` dimensions.
+
+  Returns:
+    ``(tags, prefixes)``, per leaf of the state: the leaf of ``tree_like`` it is shaped like (or
+    ``None``), and the path of the subtree it belongs to (the state's path without the leaf's own
+    path in ``tree_like``: a momentum, a second moment; ``None`` when untagged).
+  """
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree_like)[0]]
+  probe = jax.tree.structure(tree_like).unflatten(
+    [
+      jax.ShapeDtypeStruct((1,) * (ndim(x) - 1) + (TAG + t,), jnp.float32)
+      for t, x in enumerate(jax.tree.leaves(tree_like))
+    ]
+  )
+  tags, prefixes = [], []
+  for path, x in jax.tree_util.tree_flatten_with_path(jax.eval_shape(init, probe))[0]:
+    t = x.shape[-1] - TAG if x.ndim and all(d == 1 for d in x.shape[:-1]) else -1
+    t = t if 0 <= t < len(paths) else None
+    tags.append(t)
+    prefixes.append(None if t is None else jax.tree_util.keystr(path[: len(path) - len(paths[t])]))
+  return tags, prefixes
 
 
 def saved_num_devices(saved) -> int:
@@ -65,14 +90,10 @@ def _state_shapes(layout: FlatLayout, tx, delayed: bool, residual: bool) -> list
 
 
 def _param_index(tx, layout: FlatLayout) -> list[int | None]:
-  """For each leaf of ``tx``'s state: the parameter leaf it is shaped like, or ``None``."""
-  count = len(layout.specs)
-  tagged = [jax.ShapeDtypeStruct((1, _TAG + i), jnp.float32) for i in range(count)]
-  out = []
-  for x in jax.tree.leaves(jax.eval_shape(tx.init, layout.treedef.unflatten(tagged))):
-    tag = x.shape[1] - _TAG if len(x.shape) == 2 and x.shape[0] == 1 else -1
-    out.append(tag if 0 <= tag < count else None)
-  return out
+  """For each leaf of ``tx``'s state: the parameter leaf it is shaped like, or ``None`` (the
+  flat layout's leaves are ``[N, chunk]``)."""
+  like = [jax.ShapeDtypeStruct((1, 1), jnp.float32)] * len(layout.specs)
+  return probe_tags(tx.init, layout.treedef.unflatten(like))[0]
 
 
 def merge_rows(buf: np.ndarray, count: np.ndarray, num_new: int, padded_new: int, convert):
@@ -147,9 +168,12 @@ def reshard_state(saved, layout: FlatLayout, tx):
   convert = lambda row: reshard_flat(row, old, layout)
   if delayed:
     buf, count = merge_rows(
-      np.asarray(saved.buf), np.asarray(saved.buf_count), layout.num_shards, layout.padded_size,
+      np.asarray(saved.buf),
+      np.asarray(saved.buf_count),
+      layout.num_shards,
+      layout.padded_size,
       convert,
-    )  # fmt: skip
+    )
     out = out._replace(buf=buf, buf_count=count)
   if residual:
     rest = np.asarray(saved.residual)

@@ -10,7 +10,7 @@ bit):
   the old shards are put back into the parameters' shapes (:meth:`OwnerLayout.from_shards`) and cut
   again for the new owners (:meth:`OwnerLayout.to_shards`). Which state leaves those are is found
   as in :mod:`acco_jax.dp.reshard`, by running the optimizer's ``init`` on a tagged view (slot ``t``
-  shaped ``(..., _TAG + t)``). The leaves tagged with strictly increasing slots form one *copy* of
+  shaped ``(..., TAG + t)``). The leaves tagged with strictly increasing slots form one *copy* of
   the view (a momentum, a second moment); the old and new states have the same copies in the same
   order, each over the slots of the same parameters.
 - every other optimizer-state leaf (step counts, injected hyperparameters, Newton–Schulz
@@ -31,23 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from acco_jax.dp.owner import OwnerLayout
-from acco_jax.dp.reshard import merge_rows, saved_num_devices
+from acco_jax.dp.reshard import merge_rows, probe_tags, saved_num_devices
 
 PyTree = Any
-_TAG = 1_000_003
 
 
 def _tags(tx, layout: OwnerLayout):
   """``(treedef of the vmapped state, per leaf: the shards leaf it is shaped like, or None)``."""
-  like = jax.tree.leaves(layout.shard_shapes(1))
-  tagged = [
-    jax.ShapeDtypeStruct((1,) * (x.ndim - 2) + (_TAG + t,), jnp.float32) for t, x in enumerate(like)
-  ]
-  view = jax.tree.structure(layout.shard_shapes(1)).unflatten(tagged)
-  tags = []
-  for x in jax.tree.leaves(jax.eval_shape(tx.init, view)):
-    t = x.shape[-1] - _TAG if x.ndim and all(d == 1 for d in x.shape[:-1]) else -1
-    tags.append(t if 0 <= t < len(like) else None)
+  tags, _ = probe_tags(tx.init, layout.shard_shapes(1), lambda x: x.ndim - 1)
   whole = jax.tree.structure(jax.eval_shape(jax.vmap(tx.init), layout.shard_shapes()))
   return whole, tags
 
@@ -64,18 +55,6 @@ def _copies(tags: list) -> list[list[int]]:
   return out
 
 
-def _holders(layout: OwnerLayout) -> list[set[int]]:
-  """Per shards leaf (slot or elementwise chunk, in the view's leaf order): the parameter leaves it
-  holds items of."""
-  held = [set() for _ in range(sum(layout.slots))]
-  first = np.cumsum([0, *layout.slots])
-  for i, places in enumerate(layout.places):
-    for p in places or ():
-      held[int(first[p.group]) + p.slot].add(i)
-  view = {"owned": held, "elementwise": [{i} for i in layout.elem]}  # as shard_shapes() flattens
-  return jax.tree.leaves(view, is_leaf=lambda x: isinstance(x, set))
-
-
 def _move(values: dict[int, np.ndarray], old: OwnerLayout, new: OwnerLayout, want: list[int]):
   """The new shards ``want`` of one copy from the old shards ``values`` (tag -> array)."""
   like = jax.tree.leaves(old.shard_shapes())
@@ -83,13 +62,13 @@ def _move(values: dict[int, np.ndarray], old: OwnerLayout, new: OwnerLayout, wan
   leaves = [values.get(t, np.zeros(x.shape, dtype)) for t, x in enumerate(like)]
   tree = old.from_shards(jax.tree.structure(old.shard_shapes()).unflatten(leaves), dtype)
   got = jax.tree.leaves(new.to_shards(tree, dtype))
-  covered = set().union(*(h for t, h in enumerate(_holders(old)) if t in values))
-  if not set().union(*(_holders(new)[t] for t in want)) <= covered:
+  covered = set().union(*(h for t, h in enumerate(old.holders()) if t in values))
+  if not set().union(*(new.holders()[t] for t in want)) <= covered:
     raise ValueError("the optimizer state covers other parameters on this device count")
   return [np.asarray(got[t]) for t in want]
 
 
-def _per_device(x, n_old: int, n_new: int, where: str) -> np.ndarray:
+def per_device(x, n_old: int, n_new: int, where: str) -> np.ndarray:
   """A leaf with one (equal) value per device -> ``n_new`` copies of it."""
   x = np.asarray(x)
   if x.shape[:1] != (n_old,) or not all(np.array_equal(x[0], r, equal_nan=True) for r in x):
@@ -167,7 +146,7 @@ def reshard_owner_state(saved, old_tx, layout: OwnerLayout, tx, comm_dtype):
       out[i] = x
   paths = jax.tree_util.tree_flatten_with_path(saved.opt_state)[0]
   for i, j in zip(plain_old, plain_new, strict=True):
-    out[j] = _per_device(opt[i], n_old, n_new, f"opt_state{jax.tree_util.keystr(paths[i][0])}")
+    out[j] = per_device(opt[i], n_old, n_new, f"opt_state{jax.tree_util.keystr(paths[i][0])}")
   every = range(len(jax.tree.leaves(layout.shard_shapes())))
   params = _move(dict(enumerate(np.asarray(x) for x in shards_old)), old, layout, list(every))
   convert = lambda flat: np.asarray(layout.ravel(old.unravel(flat, flat.dtype), flat.dtype))
