@@ -116,8 +116,9 @@ def read(workdir: str) -> dict | None:
   return verdict
 
 
-def exclusion(mode: str, workdir: str, *, coordinator_address: str, num_processes: int,
-              process_id: int) -> tuple[Launch | None, dict]:  # fmt: skip
+def exclusion(
+  mode: str, workdir: str, *, coordinator_address: str, num_processes: int, process_id: int
+) -> tuple[Launch | None, dict]:
   """The launch this process belongs to, and the ``jax.distributed`` arguments of its restart.
 
   With ``mode='auto'``, an explicit launch (``dist.coordinator_address``, ``num_processes``,
@@ -131,8 +132,9 @@ def exclusion(mode: str, workdir: str, *, coordinator_address: str, num_processe
     Excluded: this process is excluded.
     UserValueError: the file is unreadable or from a launch of another size.
   """
-  args = dict(coordinator_address=coordinator_address, num_processes=num_processes,
-              process_id=process_id)  # fmt: skip
+  args = dict(
+    coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+  )
   if mode not in ("off", "auto"):
     raise errors.UserValueError(f"health.exclude={mode!r}: choose 'off' or 'auto'")
   verdict = read(workdir) if mode == "auto" else None
@@ -226,9 +228,16 @@ class Recorder:
     self.probe: dict | None = None
     self.verdict: dict | None = None
     self._lock = threading.Lock()
-    self._set(f"{_IDENTITY}{watchdog.process_index}", json.dumps({
-      "host": host_name(), "pid": os.getpid(),
-      "launch_id": self.launch.launch_ids[watchdog.process_index]}))  # fmt: skip
+    self._set(
+      f"{_IDENTITY}{watchdog.process_index}",
+      json.dumps(
+        {
+          "host": host_name(),
+          "pid": os.getpid(),
+          "launch_id": self.launch.launch_ids[watchdog.process_index],
+        }
+      ),
+    )
 
   def _set(self, key: str, value: str, overwrite: bool = True) -> bool:
     try:
@@ -247,9 +256,12 @@ class Recorder:
     """The last speed probe: ``times[p] = (seconds per microbatch, seconds of communication)``."""
     t = np.asarray(times, np.float64)
     self.probe = {
-      "stage": stage, "mb_time_s": t[:, 0].tolist(), "comm_time_s": t[:, 1].tolist(),
-      "mb_vs_median": _ratios(t[:, 0]), "comm_vs_median": _ratios(t[:, 1]),
-    }  # fmt: skip
+      "stage": stage,
+      "mb_time_s": t[:, 0].tolist(),
+      "comm_time_s": t[:, 1].tolist(),
+      "mb_vs_median": _ratios(t[:, 0]),
+      "comm_vs_median": _ratios(t[:, 1]),
+    }
 
   def peer_fault(self) -> dict | None:
     """The verdict another process published, if any (the watchdog polls it)."""
@@ -271,8 +283,6 @@ class Recorder:
 
   def _decide(self, error, slow) -> dict:
     dog, me = self.dog, self.dog.process_index
-    ids = {int(k[len(_IDENTITY) :]): json.loads(v) for k, v in self._dir(_IDENTITY).items()}
-    here, done = host_name(), {int(k[len(_DONE) :]) for k in self._dir(_DONE)}
     published = None if slow else self.peer_fault()
     settle = time.time() + 3.5 * dog.interval_s  # a peer that died just now must look silent
     while error is not None and published is None and time.time() < settle:
@@ -282,22 +292,8 @@ class Recorder:
       beats, reachable = dog.heartbeats(), True
     except Exception:
       beats, reachable = {}, False
-    now, procs = time.time(), []
-    for p in range(dog.process_count):
-      info = ids.get(p, {})
-      stage, at = beats.get(p, (None, None))
-      row = {"process": p, "launch_id": self.launch.launch_ids[p], "host": info.get("host"),
-             "pid": info.get("pid"), "heartbeat_stage": stage,
-             "heartbeat_age_s": None if at is None else round(now - at, 2)}  # fmt: skip
-      if info.get("host") == here and info.get("pid") and p != me:
-        row["state"] = process_state(info["pid"])
-      procs.append(row)
-
-    def silent(row):
-      return row["process"] not in done and (
-        row["heartbeat_age_s"] is None or row["heartbeat_age_s"] > 3 * dog.interval_s
-      )
-
+    now = time.time()
+    procs = self._processes(beats, now)
     if slow:
       kind = "slow"
       suspects = [(p, f"{s:.1f}x the others' microbatch time") for p, s in slow]
@@ -308,57 +304,119 @@ class Recorder:
     elif not reachable:
       kind, suspects = "dead", [(0, "the coordinator (process 0) is unreachable")]
     else:
-      suspects = []
-      for row in procs:
-        if row["process"] == me or not silent(row):
-          continue
-        state = row.get("state")
-        dead = state == "gone" or (state is None and error is not None)
-        reason = ("process gone" if state == "gone" else "process stopped" if state == "stopped"
-                  else "collective failed" if error is not None else "no heartbeat")  # fmt: skip
-        suspects.append((row["process"], f"{'dead' if dead else 'hung'}: {reason}, silent since "
-                         f"stage {row['heartbeat_stage']}"))  # fmt: skip
-      kind = "dead" if any(r.startswith("dead") for _, r in suspects) else "hung"
+      kind, suspects = self._silent_ones(procs, error)
     rows = {r["process"]: r for r in procs}
-    named = [{"process": p, "launch_id": self.launch.launch_ids[p], "host": rows[p]["host"],
-              "reason": reason} for p, reason in suspects]  # fmt: skip
-    if not suspects:
-      cause = ("every process still sends heartbeats: a link or a collective is stuck; nothing to "
-               "exclude, the restart uses the same processes")  # fmt: skip
-    else:
-      cause = "; ".join(f"process {s['process']} ({s['reason']})" for s in named)
-    exclude = sorted(set(self.launch.excluded) | {s["launch_id"] for s in named})
-    verdict = {
-      "verdict": kind, "suspects": named, "cause": cause, "exclude": exclude,
-      "exclude_hosts": sorted({s["host"] for s in named if s["host"]}),
-      "launched_processes": self.launch.launched, "detected_by": me,
-      "detected_at": now, "detected_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-      "stage": dog.stage, "last_checkpoint_step": last_checkpoint_step(self.workdir),
-      "hang_timeout_s": dog.timeout_s, "heartbeat_interval_s": dog.interval_s,
-      "error": None if error is None else " ".join(str(error).split())[:500],
-      "first_detected_by": me if published is None else published.get("detected_by"),
-      "first_detected_at": now if published is None else published.get("detected_at"),
-      "processes": procs, "probe": self.probe,
-    }  # fmt: skip
+    named = [
+      {
+        "process": p,
+        "launch_id": self.launch.launch_ids[p],
+        "host": rows[p]["host"],
+        "reason": reason,
+      }
+      for p, reason in suspects
+    ]
+    verdict = self._verdict(kind, named, error, published, now, procs)
     if published is None and kind != "slow":  # the first verdict of the job: the others adopt it
-      first = {"verdict": kind, "suspects": named, "error": verdict["error"], "detected_by": me,
-               "detected_at": now}  # fmt: skip
+      first = {
+        "verdict": kind,
+        "suspects": named,
+        "error": verdict["error"],
+        "detected_by": me,
+        "detected_at": now,
+      }
       self._set(_FAULT, json.dumps(first), overwrite=False)
       theirs = self.peer_fault()
       if theirs and theirs["suspects"] != named:  # another process decided first
         return self._decide_from(verdict, theirs)
     return verdict
 
+  def _processes(self, beats: dict, now: float) -> list[dict]:
+    """A row per process: its identity, its last heartbeat and, on this host, its OS state."""
+    dog, me, here = self.dog, self.dog.process_index, host_name()
+    ids = {int(k[len(_IDENTITY) :]): json.loads(v) for k, v in self._dir(_IDENTITY).items()}
+    done = {int(k[len(_DONE) :]) for k in self._dir(_DONE)}
+    procs = []
+    for p in range(dog.process_count):
+      info = ids.get(p, {})
+      stage, at = beats.get(p, (None, None))
+      row = {
+        "process": p,
+        "launch_id": self.launch.launch_ids[p],
+        "host": info.get("host"),
+        "pid": info.get("pid"),
+        "heartbeat_stage": stage,
+        "heartbeat_age_s": None if at is None else round(now - at, 2),
+      }
+      if info.get("host") == here and info.get("pid") and p != me:
+        row["state"] = process_state(info["pid"])
+      row["silent"] = p not in done and (
+        row["heartbeat_age_s"] is None or row["heartbeat_age_s"] > 3 * dog.interval_s
+      )
+      procs.append(row)
+    return procs
+
+  def _silent_ones(self, procs: list[dict], error) -> tuple[str, list]:
+    """``(kind, [(process, reason)])`` of the other processes whose heartbeat stopped: dead (gone,
+    or silent when a collective failed) or hung."""
+    suspects = []
+    for row in procs:
+      if row["process"] == self.dog.process_index or not row["silent"]:
+        continue
+      state = row.get("state")
+      dead = state == "gone" or (state is None and error is not None)
+      if state in ("gone", "stopped"):
+        reason = f"process {state}"
+      else:
+        reason = "collective failed" if error is not None else "no heartbeat"
+      since = f"silent since stage {row['heartbeat_stage']}"
+      suspects.append((row["process"], f"{'dead' if dead else 'hung'}: {reason}, {since}"))
+    kind = "dead" if any(r.startswith("dead") for _, r in suspects) else "hung"
+    return kind, suspects
+
+  def _verdict(self, kind, named, error, published, now, procs) -> dict:
+    """The verdict written to health.json: who is suspected, why, and what the restart
+    excludes."""
+    dog, me = self.dog, self.dog.process_index
+    if not named:
+      cause = (
+        "every process still sends heartbeats: a link or a collective is stuck; nothing to "
+        "exclude, the restart uses the same processes"
+      )
+    else:
+      cause = "; ".join(f"process {s['process']} ({s['reason']})" for s in named)
+    return {
+      "verdict": kind,
+      "suspects": named,
+      "cause": cause,
+      "exclude": sorted(set(self.launch.excluded) | {s["launch_id"] for s in named}),
+      "exclude_hosts": sorted({s["host"] for s in named if s["host"]}),
+      "launched_processes": self.launch.launched,
+      "detected_by": me,
+      "detected_at": now,
+      "detected_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+      "stage": dog.stage,
+      "last_checkpoint_step": last_checkpoint_step(self.workdir),
+      "hang_timeout_s": dog.timeout_s,
+      "heartbeat_interval_s": dog.interval_s,
+      "error": None if error is None else " ".join(str(error).split())[:500],
+      "first_detected_by": me if published is None else published.get("detected_by"),
+      "first_detected_at": now if published is None else published.get("detected_at"),
+      "processes": [{k: v for k, v in r.items() if k != "silent"} for r in procs],
+      "probe": self.probe,
+    }
+
   def _decide_from(self, verdict: dict, published: dict) -> dict:
     named = published["suspects"]
     verdict.update(
-      verdict=published["verdict"], suspects=named, first_detected_by=published.get("detected_by"),
+      verdict=published["verdict"],
+      suspects=named,
+      first_detected_by=published.get("detected_by"),
       first_detected_at=published.get("detected_at"),
       error=verdict["error"] or published.get("error"),
       cause="; ".join(f"process {s['process']} ({s['reason']})" for s in named) or verdict["cause"],
       exclude=sorted(set(self.launch.excluded) | {s["launch_id"] for s in named}),
       exclude_hosts=sorted({s["host"] for s in named if s["host"]}),
-    )  # fmt: skip
+    )
     return verdict
 
   def _leave(self) -> None:
