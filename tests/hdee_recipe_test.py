@@ -66,11 +66,25 @@ def test_one_command_runs_seed_experts_and_evaluation(straight):
 
 def _command(workdir: pathlib.Path) -> list[str]:
   """``train.py`` with the ``tiny()`` recipe, a checkpoint every stage and every stage logged."""
-  flags = {"data.cache_dir": CACHE, "ckpt.async_save": False, "hdee.modes": "steps",
-           "hdee.domains": tiny().hdee.domains, "hdee.budget_flops": 1.5e9,
-           "train.sample_tokens": 0, "ckpt.every": 1, "train.log_every": 1}  # fmt: skip
-  return [sys.executable, str(REPO / "train.py"), "--config", "configs/hdee.py:tiny",
-          "--workdir", str(workdir), *(f"--config.{k}={v}" for k, v in flags.items())]  # fmt: skip
+  flags = {
+    "data.cache_dir": CACHE,
+    "ckpt.async_save": False,
+    "hdee.modes": "steps",
+    "hdee.domains": tiny().hdee.domains,
+    "hdee.budget_flops": 1.5e9,
+    "train.sample_tokens": 0,
+    "ckpt.every": 1,
+    "train.log_every": 1,
+  }
+  return [
+    sys.executable,
+    str(REPO / "train.py"),
+    "--config",
+    "configs/hdee.py:tiny",
+    "--workdir",
+    str(workdir),
+    *(f"--config.{k}={v}" for k, v in flags.items()),
+  ]
 
 
 def _saved_stages(checkpoints: pathlib.Path) -> list[int]:
@@ -128,8 +142,10 @@ def test_a_job_starts_from_its_parents_parameters(straight, tmp_path):
   got = []
   trainer.train_and_evaluate(
     jobs.job_config(tiny(), job, plan.source_of["kjv_law"], plan.sizes["M"]),
-    str(tmp_path / "one"), init_params=start, on_params=got.append,
-  )  # fmt: skip
+    str(tmp_path / "one"),
+    init_params=start,
+    on_params=got.append,
+  )
   sq = lambda t: sum(float(np.sum(np.square(x))) for x in jax.tree.leaves(t))  # noqa: E731
   moved = sq(jax.tree.map(lambda a, b: np.asarray(a) - b, got[0], start)) / sq(start)
   assert moved < 1e-3, moved  # one AdamW step of lr <= 2e-3 per weight
@@ -162,10 +178,14 @@ def test_jobs_split_over_runs_sharing_a_workdir(straight, tmp_path, capsys):
   ids=["glob-matching-nothing", "parent-not-done"],
 )
 def test_bad_job_selection_writes_nothing(selection, match, tmp_path):
+  """Refused before any domain's data is prepared (an empty data cache stays empty) and before
+  anything is written."""
+  config = tiny(**{"hdee.jobs": selection, "data.cache_dir": str(tmp_path / "cache")})
   with pytest.raises(ValueError, match=match) as info:
-    recipe.run(tiny(**{"hdee.jobs": selection}), str(tmp_path / "W"))
+    recipe.run(config, str(tmp_path / "W"))
   assert "\n" not in str(info.value)
   assert not (tmp_path / "W").exists()
+  assert not list((tmp_path / "cache").rglob("*")), "data was prepared before the refusal"
 
 
 def test_every_job_exports_to_hugging_face(straight, tmp_path):

@@ -220,8 +220,9 @@ def expert_jobs(
         "step): raise hdee.budget_flops or lower the batch"
       )
     prev = f"{mode}/{d.group}-{d.iteration - 1}" if d.iteration > 1 else f"seed-{size_of[d.group]}"
-    jobs.append(Job(f"{mode}/{d.group}-{d.iteration}", size_of[d.group], d.name, steps,
-                    steps * c, prev))  # fmt: skip
+    jobs.append(
+      Job(f"{mode}/{d.group}-{d.iteration}", size_of[d.group], d.name, steps, steps * c, prev)
+    )
   return jobs
 
 
@@ -232,8 +233,9 @@ def dense_job(size: str, flops_per_token: float, tokens_per_step: int, budget_fl
     raise errors.UserValueError(
       f"hdee.budget_flops={budget_flops:.3g} buys the dense model less than one step: raise it"
     )
-  return Job("dense", size, "mixture", steps, steps * flops_per_token * tokens_per_step,
-             f"seed-{size}")  # fmt: skip
+  return Job(
+    "dense", size, "mixture", steps, steps * flops_per_token * tokens_per_step, f"seed-{size}"
+  )
 
 
 def measured_groups(

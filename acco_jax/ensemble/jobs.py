@@ -62,12 +62,17 @@ def run_job(plan, workdir: str, job: budgets.Job, source: str, max_stages=None) 
     return True
   cfg = plan.model_cfgs[job.size]
   init = load_params(os.path.join(workdir, job.init, "params.npz"), cfg) if job.init else None
-  print(f"hdee: {job.name}: size {job.size}, {job.steps} steps on {job.domain}, "
-        f"{job.flops:.3g} FLOPs", flush=True)  # fmt: skip
+  print(
+    f"hdee: {job.name}: size {job.size}, {job.steps} steps on {job.domain}, {job.flops:.3g} FLOPs",
+    flush=True,
+  )
   trainer.train_and_evaluate(
-    job_config(plan.config, job, source, plan.sizes[job.size]), jobdir, max_stages=max_stages,
-    init_params=init, on_params=lambda p: save_params(out, p),
-  )  # fmt: skip
+    job_config(plan.config, job, source, plan.sizes[job.size]),
+    jobdir,
+    max_stages=max_stages,
+    init_params=init,
+    on_params=lambda p: save_params(out, p),
+  )
   return os.path.isfile(out)
 
 
@@ -99,7 +104,9 @@ def selector(globs: list[str], jobs: list[budgets.Job], workdir: str):
 
 
 def left_to_others(pending: list[str], why: str) -> dict:
-  print(f"hdee: this run's jobs are done; {len(pending)} job(s) of the recipe are not: "
-        f"{', '.join(pending)}; {why} (rerun with their hdee.jobs, or without it)",
-        flush=True)  # fmt: skip
+  print(
+    f"hdee: this run's jobs are done; {len(pending)} job(s) of the recipe are not: "
+    f"{', '.join(pending)}; {why} (rerun with their hdee.jobs, or without it)",
+    flush=True,
+  )
   return {}

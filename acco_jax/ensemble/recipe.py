@@ -101,10 +101,14 @@ def _model_cfg(config, overrides: dict[str, int], vocab: int) -> model.ModelConf
 def _tokens(config, name: str, source: str) -> data.TokenData:
   try:
     tok = data.prepare(
-      source, config.data.tokenizer, cache_dir=_cache_dir(config),
-      eval_fraction=config.data.eval_fraction, seed=config.data.split_seed,
-      data_dir=config.data.data_dir or None, text_key=config.data.text_key,
-    )  # fmt: skip
+      source,
+      config.data.tokenizer,
+      cache_dir=_cache_dir(config),
+      eval_fraction=config.data.eval_fraction,
+      seed=config.data.split_seed,
+      data_dir=config.data.data_dir or None,
+      text_key=config.data.text_key,
+    )
   except errors.UserError as e:
     raise type(e)(f"hdee domain {name!r}: {e}") from None
   seq = config.data.seq_len
@@ -116,9 +120,9 @@ def _tokens(config, name: str, source: str) -> data.TokenData:
   return tok
 
 
-def make_plan(config) -> Plan:
+def make_plan(config, *, prepare: bool = True) -> Plan:
   """Parses and checks the ``hdee`` group (every one-line refusal before any data), then prepares
-  every domain's tokens (cache only)."""
+  every domain's tokens (cache only; not with ``prepare=False``: :func:`prepare_domains`)."""
   h = config.hdee
   if config.data.tokenizer.startswith("bpe:") and config.data.tokenizer[4:].isdigit():
     raise errors.UserValueError(
@@ -161,8 +165,13 @@ def make_plan(config) -> Plan:
   n_dev = config.mesh.num_devices or jax.device_count()
   T = n_dev * config.batch.microbatches * config.batch.microbatch_size * config.data.seq_len
   fpt = {s: model.flops_per_token(c, config.data.seq_len) for s, c in model_cfgs.items()}
-  kw = dict(flops_per_token=fpt, tokens_per_step=T, budget_flops=float(h.budget_flops),
-            homogeneous_size=h.homogeneous_size, step_weights=weights)  # fmt: skip
+  kw = dict(
+    flops_per_token=fpt,
+    tokens_per_step=T,
+    budget_flops=float(h.budget_flops),
+    homogeneous_size=h.homogeneous_size,
+    step_weights=weights,
+  )
   for m in modes:  # every budget error now, before anything runs
     budgets.expert_jobs(m, experts, doms, **kw)
   needed = {h.homogeneous_size} if set(modes) - {"sizes"} or h.dense else set()
@@ -176,23 +185,37 @@ def make_plan(config) -> Plan:
   dense = None
   if h.dense:
     dense = budgets.dense_job(h.homogeneous_size, fpt[h.homogeneous_size], T, h.budget_flops)
-  cache = _cache_dir(config)  # every refusal above came before this: the domains' data
-  source_of = {d.name: domains.source(d.name, d.source, cache, h.max_domain_chars) for d in doms}
-  tokens = {d.name: _tokens(config, d.name, source_of[d.name]) for d in doms}
+  plan = Plan(config, experts, doms, sizes, model_cfgs, {}, {}, T, seeds, modes, rules, dense)
+  return prepare_domains(plan) if prepare else plan
+
+
+def prepare_domains(plan: Plan) -> Plan:
+  """``plan`` with every domain's source and tokens (the cache's; prepared once)."""
+  config, h = plan.config, plan.config.hdee
+  cache = _cache_dir(config)  # every refusal of make_plan came before this: the domains' data
+  source_of = {
+    d.name: domains.source(d.name, d.source, cache, h.max_domain_chars) for d in plan.domains
+  }
+  tokens = {d.name: _tokens(config, d.name, source_of[d.name]) for d in plan.domains}
+  vocab = declared_vocab_size(config.data.tokenizer)
   if {t.tokenizer.vocab_size for t in tokens.values()} != {vocab}:
     raise RuntimeError(f"the domains' tokenizers do not have the declared {vocab} ids")
-  return Plan(config, experts, doms, sizes, model_cfgs, tokens, source_of, T, seeds, modes, rules,
-              dense)  # fmt: skip
+  return dataclasses.replace(plan, tokens=tokens, source_of=source_of)
 
 
 def expert_jobs(plan: Plan, mode: str, doms: list[budgets.Domain]) -> list[budgets.Job]:
   h = plan.config.hdee
   fpt = {s: model.flops_per_token(c, plan.config.data.seq_len) for s, c in plan.model_cfgs.items()}
   return budgets.expert_jobs(
-    mode, plan.experts, doms, flops_per_token=fpt, tokens_per_step=plan.tokens_per_step,
-    budget_flops=float(h.budget_flops), homogeneous_size=h.homogeneous_size,
+    mode,
+    plan.experts,
+    doms,
+    flops_per_token=fpt,
+    tokens_per_step=plan.tokens_per_step,
+    budget_flops=float(h.budget_flops),
+    homogeneous_size=h.homogeneous_size,
     step_weights=budgets.parse_weights(h.step_weights, [e.group for e in plan.experts]),
-  )  # fmt: skip
+  )
 
 
 def _check_recipe(config, workdir: str) -> None:
@@ -246,11 +269,12 @@ def run(config, workdir: str, *, interrupt: tuple[str, int] | None = None) -> di
     )
   compile_cache.configure(config.compile.cache_dir)
   _check_recipe(config, workdir)
-  plan = make_plan(config)
+  plan = make_plan(config, prepare=False)
   h = config.hdee
   every = plan.seeds + [j for m in plan.modes for j in expert_jobs(plan, m, plan.domains)]
   every += [plan.dense] if plan.dense else []  # names do not depend on difficulty=measured
-  mine = jobs_lib.selector(_list(h.jobs), every, workdir)  # before anything is written
+  mine = jobs_lib.selector(_list(h.jobs), every, workdir)  # before any data or anything written
+  plan = prepare_domains(plan)
   os.makedirs(workdir, exist_ok=True)
   mixture = os.path.join(workdir, "mixture.txt")
   if not os.path.isfile(mixture):  # training documents only: the eval splits stay unseen
@@ -261,7 +285,7 @@ def run(config, workdir: str, *, interrupt: tuple[str, int] | None = None) -> di
           plan.source_of[d.name],
           data_dir=_data_dir(config, plan.source_of[d.name]),
           text_key=config.data.text_key,
-        ),  # fmt: skip
+        ),
         config.data.eval_fraction,
         config.data.split_seed,
       )[0]
@@ -321,13 +345,13 @@ def _measured(plan: Plan, workdir: str) -> list[budgets.Domain]:
     losses = {}
     for d in plan.domains:
       if d.iteration:
-        rows = _rows(plan.tokens[d.name].train, plan.config.data.seq_len,
-                     plan.config.hdee.prior_sequences)  # fmt: skip
+        rows = _rows(
+          plan.tokens[d.name].train, plan.config.data.seq_len, plan.config.hdee.prior_sequences
+        )
         losses[d.name] = -float(np.mean(infer.token_log_probs(params, plan.model_cfgs[size], rows)))
   groups = [e.group for e in plan.experts]
   doms = budgets.measured_groups(plan.domains, losses, groups)
-  _write_json(path, {"seed_loss": losses,
-                     "groups": {d.name: [d.group, d.iteration] for d in doms}})  # fmt: skip
+  _write_json(path, {"seed_loss": losses, "groups": {d.name: [d.group, d.iteration] for d in doms}})
   return doms
 
 
@@ -349,9 +373,12 @@ def evaluate(plan: Plan, workdir: str, doms, jobs) -> dict:
   results = {
     "domains": {d.name: {"group": d.group, "iteration": d.iteration} for d in doms},
     "plan": [j._asdict() for j in plan.seeds + jobs + ([plan.dense] if plan.dense else [])],
-    "tokens_per_step": plan.tokens_per_step, "budget_flops": float(h.budget_flops),
-    "ppl": {}, "experts": {}, "priors": {},
-  }  # fmt: skip
+    "tokens_per_step": plan.tokens_per_step,
+    "budget_flops": float(h.budget_flops),
+    "ppl": {},
+    "experts": {},
+    "priors": {},
+  }
   for job in plan.seeds + ([plan.dense] if plan.dense else []):
     ev, _ = score(job.name, job.size)
     results["ppl"][job.name] = {n: infer.perplexity(v) for n, v in ev.items()}
@@ -401,10 +428,12 @@ def _samples(plan: Plan, workdir: str, jobs) -> None:
   for mode in plan.modes:
     finals = [j for j in jobs if j.name.startswith(f"{mode}/") and j.name.endswith(f"-{iters}")]
     experts = [
-      (jobs_lib.load_params(os.path.join(workdir, j.name, "params.npz"), plan.model_cfgs[j.size]),
-       plan.model_cfgs[j.size])
+      (
+        jobs_lib.load_params(os.path.join(workdir, j.name, "params.npz"), plan.model_cfgs[j.size]),
+        plan.model_cfgs[j.size],
+      )
       for j in finals
-    ]  # fmt: skip
+    ]
     out = infer.generate(experts, prompt, c.train.sample_tokens, c.train.seed, temperature=0.8)
     text = tok.decode([int(t) for t in out])
     with open(os.path.join(workdir, f"sample-{mode}.txt"), "w") as f:
