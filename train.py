@@ -90,18 +90,22 @@ def main(argv):
     parallel.configure_platform(cpu_devices=config.mesh.cpu_devices)
     try:  # health.exclude=auto: the launch's processes less those health.json names
       launch, dist = health.exclusion(
-        config.health.exclude, flags.FLAGS.workdir,
+        config.health.exclude,
+        flags.FLAGS.workdir,
         coordinator_address=config.dist.coordinator_address,
-        num_processes=config.dist.num_processes, process_id=config.dist.process_id,
-      )  # fmt: skip
+        num_processes=config.dist.num_processes,
+        process_id=config.dist.process_id,
+      )
     except health.Excluded as e:
       print(e, flush=True)
       sys.exit(0)
     hang = config.health.hang_timeout_s  # jax.distributed's own abort must not come first
     parallel.initialize_distributed(
-      config.dist.initialize, **dist, timeout_s=config.dist.timeout_s,
+      config.dist.initialize,
+      **dist,
+      timeout_s=config.dist.timeout_s,
       heartbeat_timeout_s=max(100, int(hang) + 60) if hang > 0 else 0,
-    )  # fmt: skip
+    )
     try:  # start the backend: JAX fails on JAX_PLATFORMS=cuda without its plugin with no message
       parallel.jax.devices()
     except AssertionError:

@@ -29,6 +29,8 @@ PRESETS = (
 GPU_PRESETS = ("gpt2", "gpt2-medium", "gpt_neo-125m", "gpt_neo-2.7b", "llama-1b")
 
 
+# Over 80 lines: every field of a run's config with its default and a comment, one group after
+# another (big_vision's configs as code); the presets' overrides are at the end.
 def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.ConfigDict:
   if preset not in PRESETS:
     raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
@@ -51,8 +53,9 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.comm.node_size = 0
   # How the sharded methods (acco, zero1, dpu, wp) split the optimizer over the data axis:
   # elementwise (acco_jax.dp.flat: every leaf cut into N chunks; any elementwise optimizer) or
-  # owner (acco_jax.dp.owner: each weight matrix whole on one device, for Muon and Adafactor;
-  # through the API only so far, issue 39). auto: elementwise.
+  # owner (acco_jax.dp.owner: each weight matrix whole on one device, for Muon and Adafactor).
+  # auto: owner for an inner optimizer that is not elementwise (opt.name=muon), else elementwise
+  # (acco_jax.dp.layouts.choose).
   c.comm.layout = "auto"  # auto | elementwise | owner
 
   c.model = ml_collections.ConfigDict()
@@ -214,7 +217,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
     "stop"  # stop: a non-finite loss ends the run; the last good checkpoint stays
   )
   # 'a:b': a jax.profiler trace of stages a to b into <workdir>/profile (Perfetto JSON; read it with
-  # ui.perfetto.dev or `python bench/gpu/profile_table.py TRACE`); '' = none
+  # ui.perfetto.dev or `python -m bench.gpu.profile_table TRACE`); '' = none
   c.train.profile_stages = ""
 
   c.ckpt = ml_collections.ConfigDict()

@@ -4,7 +4,7 @@ r"""GPT-2 trained with SkipPipe paths (acco_jax.pipeline) on the `zero1` method.
   python train.py --config configs/gpt2_skippipe.py:gpt2 --workdir runs/skippipe-124m  # GPUs
   python train.py --config configs/gpt2_skippipe.py --workdir runs/skippipe-pipe \
     --config.method=pipeline   # the scheduler's plan on a ('data', 'stage') pipeline mesh
-  python bench/pipeline/skippipe.py --part plan --config configs/gpt2_skippipe.py:tiny   # print that plan
+  python -m bench.pipeline.skippipe --part plan --config configs/gpt2_skippipe.py:tiny   # print that plan
 
 With method=pipeline every device is a node of the topology (a preset drawn with the device count),
 each stage has one node per data lane, and microbatches cross lanes on the routes the scheduler

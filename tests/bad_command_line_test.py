@@ -23,9 +23,13 @@ def train_py(*args, env=None, timeout=120):
   """Runs train.py; returns its stderr, which must be one line ``error: ...`` with exit status 2."""
   base = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
   proc = subprocess.run(
-    [sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, cwd=REPO,
-    env={**base, **(env or {})}, timeout=timeout,
-  )  # fmt: skip
+    [sys.executable, str(REPO / "train.py"), *args],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    env={**base, **(env or {})},
+    timeout=timeout,
+  )
   assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
   lines = proc.stderr.splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
@@ -35,36 +39,77 @@ def train_py(*args, env=None, timeout=120):
 
 TINY = "configs/gpt2_acco.py:tiny"
 CLI = [
-  ("missing-config", ["--workdir", "W"], {},
-   r"^error: flag --config=None: Flag --config must have a value other than None\.$"),
+  (
+    "missing-config",
+    ["--workdir", "W"],
+    {},
+    r"^error: flag --config=None: Flag --config must have a value other than None\.$",
+  ),
   ("missing-workdir", ["--config", TINY], {}, r"^error: flag --workdir=None"),
-  ("missing-config-file", ["--config", "configs/nope.py", "--workdir", "W"], {},
-   r"^error: flag --config: \[Errno 2\] No such file or directory: 'configs/nope.py'$"),
-  ("unknown-preset", ["--config", "configs/gpt2_acco.py:huge", "--workdir", "W"], {},
-   r"^error: flag --config=configs/gpt2_acco.py:huge: Error whilst parsing config file: "
-   r"ValueError: unknown preset 'huge': choose one of cpu, tiny"),
-  ("unknown-override", ["--config", TINY, "--workdir", "W", "--config.nope=1"], {},
-   r"^error: flag --config.nope: the config has no field 'nope' \(fields"),
-  ("misspelt-override", ["--config", TINY, "--workdir", "W", "--config.train.num_update=5"], {},
-   r"^error: flag --config.train.num_update: the config has no field 'num_update'; Did you "
-   r"mean \"num_updates\""),
-  ("override-of-wrong-type", ["--config", TINY, "--workdir", "W", "--config.train.num_updates=x"],
-   {}, r"^error: flag --config.train.num_updates=x: invalid literal for int"),
-  ("stray-argument", ["--config", TINY, "--workdir", "W", "configs/gpt2_zero1.py"], {},
-   r"^error: unexpected arguments: configs/gpt2_zero1.py; pass options as --config"),
-  ("dist-on-without-coordinator",
-   ["--config", TINY, "--workdir", "W", "--config.dist.initialize=on"], {},
-   r"^error: jax.distributed.initialize: coordinator_address should be defined. Set "
-   r"dist.coordinator_address"),
-  ("coordinator-env-without-count", ["--config", TINY, "--workdir", "W"],
-   {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
-   r"^error: jax.distributed.initialize: Number of processes must be defined. Set"),
-  ("unknown-xla-flag", ["--config", TINY, "--workdir", "W"], {"XLA_FLAGS": "--xla_bogus_flag=1"},
-   r"^error: Unknown flag in XLA_FLAGS: --xla_bogus_flag=1: remove or correct it in the XLA_FLAGS"),
-  ("hdee-unknown-mode",
-   ["--config", "configs/hdee.py:tiny", "--workdir", "W", "--config.hdee.modes=steps,bogus"], {},
-   r"^error: hdee.modes: unknown mode 'bogus': choose from homogeneous, steps, sizes$"),
-]  # fmt: skip
+  (
+    "missing-config-file",
+    ["--config", "configs/nope.py", "--workdir", "W"],
+    {},
+    r"^error: flag --config: \[Errno 2\] No such file or directory: 'configs/nope.py'$",
+  ),
+  (
+    "unknown-preset",
+    ["--config", "configs/gpt2_acco.py:huge", "--workdir", "W"],
+    {},
+    r"^error: flag --config=configs/gpt2_acco.py:huge: Error whilst parsing config file: "
+    r"ValueError: unknown preset 'huge': choose one of cpu, tiny",
+  ),
+  (
+    "unknown-override",
+    ["--config", TINY, "--workdir", "W", "--config.nope=1"],
+    {},
+    r"^error: flag --config.nope: the config has no field 'nope' \(fields",
+  ),
+  (
+    "misspelt-override",
+    ["--config", TINY, "--workdir", "W", "--config.train.num_update=5"],
+    {},
+    r"^error: flag --config.train.num_update: the config has no field 'num_update'; Did you "
+    r"mean \"num_updates\"",
+  ),
+  (
+    "override-of-wrong-type",
+    ["--config", TINY, "--workdir", "W", "--config.train.num_updates=x"],
+    {},
+    r"^error: flag --config.train.num_updates=x: invalid literal for int",
+  ),
+  (
+    "stray-argument",
+    ["--config", TINY, "--workdir", "W", "configs/gpt2_zero1.py"],
+    {},
+    r"^error: unexpected arguments: configs/gpt2_zero1.py; pass options as --config",
+  ),
+  (
+    "dist-on-without-coordinator",
+    ["--config", TINY, "--workdir", "W", "--config.dist.initialize=on"],
+    {},
+    r"^error: jax.distributed.initialize: coordinator_address should be defined. Set "
+    r"dist.coordinator_address",
+  ),
+  (
+    "coordinator-env-without-count",
+    ["--config", TINY, "--workdir", "W"],
+    {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
+    r"^error: jax.distributed.initialize: Number of processes must be defined. Set",
+  ),
+  (
+    "unknown-xla-flag",
+    ["--config", TINY, "--workdir", "W"],
+    {"XLA_FLAGS": "--xla_bogus_flag=1"},
+    r"^error: Unknown flag in XLA_FLAGS: --xla_bogus_flag=1: remove or correct it in the XLA_FLAGS",
+  ),
+  (
+    "hdee-unknown-mode",
+    ["--config", "configs/hdee.py:tiny", "--workdir", "W", "--config.hdee.modes=steps,bogus"],
+    {},
+    r"^error: hdee.modes: unknown mode 'bogus': choose from homogeneous, steps, sizes$",
+  ),
+]
 
 
 @pytest.mark.parametrize("args,env,match", [pytest.param(*c[1:], id=c[0]) for c in CLI])
@@ -82,9 +127,14 @@ def test_command_line_and_environment(tmp_path, args, env, match):
 # other message is checked in-process (bad_input_test) and reaches the terminal through the same
 # handler in train.py.
 THROUGH_TRAIN_PY = [
-  "unknown-method", "heads-not-dividing-width", "negative-seq-len", "more-devices-than-visible",
-  "zero-microbatch-size", "unknown-comm-dtype", "zero-log-every",
-]  # fmt: skip
+  "unknown-method",
+  "heads-not-dividing-width",
+  "negative-seq-len",
+  "more-devices-than-visible",
+  "zero-microbatch-size",
+  "unknown-comm-dtype",
+  "zero-log-every",
+]
 
 
 def _override(key, value):
@@ -97,9 +147,14 @@ def test_bad_config_through_train_py(tmp_path, case):
   config = "configs/gpt2_zero1.py:tiny" if overrides.get("method") == "zero1" else TINY
   args = [_override(k, v) for k, v in overrides.items() if k != "method" or v != "zero1"]
   line = train_py(
-    "--config", config, "--workdir", str(tmp_path / "W"),
-    f"--config.data.cache_dir={CACHE}", "--config.train.num_updates=2", *args,
-  )  # fmt: skip
+    "--config",
+    config,
+    "--workdir",
+    str(tmp_path / "W"),
+    f"--config.data.cache_dir={CACHE}",
+    "--config.train.num_updates=2",
+    *args,
+  )
   with pytest.raises(error, match=match) as info:  # the same message as in-process
     trainer.build(tiny(gpt2_zero1 if config != TINY else gpt2_acco, **overrides))
   assert line == f"error: {one_line(info.value)}"
@@ -109,18 +164,26 @@ def test_bad_config_through_train_py(tmp_path, case):
 def test_seq_len_longer_than_the_corpus_through_train_py(tmp_path):
   """Fails after the model and step are built, when the stream is packed: still nothing written."""
   line = train_py(
-    "--config", TINY, "--workdir", str(tmp_path / "W"), f"--config.data.cache_dir={CACHE}",
+    "--config",
+    TINY,
+    "--workdir",
+    str(tmp_path / "W"),
+    f"--config.data.cache_dir={CACHE}",
     "--config.data.seq_len=10000000",
-  )  # fmt: skip
+  )
   assert re.match(r"^error: a stream of \d+ tokens packs into 0 rows of seq_len\+1", line), line
   assert not (tmp_path / "W").exists()
 
 
 def test_help_exits_zero():
   proc = subprocess.run(
-    [sys.executable, str(REPO / "train.py"), "--help"], capture_output=True, text=True, cwd=REPO,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=60,
-  )  # fmt: skip
+    [sys.executable, str(REPO / "train.py"), "--help"],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    timeout=60,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "--config" in proc.stdout and "--workdir" in proc.stdout and not proc.stderr
 

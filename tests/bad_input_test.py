@@ -142,78 +142,207 @@ CONFIGS = [
   ),
 ]
 CONFIGS += [  # sizes and counts (trainer._check_config); the last field: what happened before it
-  ("zero1-zero-microbatches", {"method": "zero1", "batch.microbatches": 0}, ValueError,
-   r"batch.microbatches=0 must be >= 1", "step.py says num_microbatches, not the config key"),
-  ("zero-microbatch-size", {"batch.microbatch_size": 0}, ValueError,
-   r"batch.microbatch_size=0 must be >= 1", "fails later, as global_batch_rows=0"),
-  ("zero-updates", {"train.num_updates": 0}, ValueError, r"train.num_updates=0 must be >= 1",
-   "blames opt.warmup_updates; negative values train 0 stages silently"),
-  ("unknown-comm-dtype", {"comm_dtype": "int7"}, ValueError,
-   r"^comm_dtype='int7' is not a dtype this field takes: choose one of bfloat16, float32, float16",
-   "a bare TypeError: data type 'int7' not understood"),
-  ("zero-log-every", {"train.log_every": 0}, ValueError, r"train.log_every=0 must be >= 1",
-   "ZeroDivisionError after compiling and running the first stage"),
-  ("zero-eval-batches", {"train.eval_batches": 0}, ValueError, r"train.eval_batches=0 must be >= 1",
-   "silently reports eval_loss=0.0"),
-  ("zero-ckpt-keep", {"ckpt.keep": 0}, ValueError, r"ckpt.keep=0 must be >= 1",
-   "'keep must be >= 1 or None, got 0' after the workdir is created"),
-  ("profile-stages-backwards", {"train.profile_stages": "5:3"}, ValueError,
-   r"train.profile_stages='5:3' must be 'a:b', the first and last stage to trace", "new key"),
-]  # fmt: skip
+  (
+    "zero1-zero-microbatches",
+    {"method": "zero1", "batch.microbatches": 0},
+    ValueError,
+    r"batch.microbatches=0 must be >= 1",
+    "step.py says num_microbatches, not the config key",
+  ),
+  (
+    "zero-microbatch-size",
+    {"batch.microbatch_size": 0},
+    ValueError,
+    r"batch.microbatch_size=0 must be >= 1",
+    "fails later, as global_batch_rows=0",
+  ),
+  (
+    "zero-updates",
+    {"train.num_updates": 0},
+    ValueError,
+    r"train.num_updates=0 must be >= 1",
+    "blames opt.warmup_updates; negative values train 0 stages silently",
+  ),
+  (
+    "unknown-comm-dtype",
+    {"comm_dtype": "int7"},
+    ValueError,
+    r"^comm_dtype='int7' is not a dtype this field takes: choose one of bfloat16, float32, float16",
+    "a bare TypeError: data type 'int7' not understood",
+  ),
+  (
+    "zero-log-every",
+    {"train.log_every": 0},
+    ValueError,
+    r"train.log_every=0 must be >= 1",
+    "ZeroDivisionError after compiling and running the first stage",
+  ),
+  (
+    "zero-eval-batches",
+    {"train.eval_batches": 0},
+    ValueError,
+    r"train.eval_batches=0 must be >= 1",
+    "silently reports eval_loss=0.0",
+  ),
+  (
+    "zero-ckpt-keep",
+    {"ckpt.keep": 0},
+    ValueError,
+    r"ckpt.keep=0 must be >= 1",
+    "'keep must be >= 1 or None, got 0' after the workdir is created",
+  ),
+  (
+    "profile-stages-backwards",
+    {"train.profile_stages": "5:3"},
+    ValueError,
+    r"train.profile_stages='5:3' must be 'a:b', the first and last stage to trace",
+    "new key",
+  ),
+]
 CONFIGS += [  # quantized communication (the comm group)
-  ("unknown-comm-quantize", {"comm.quantize": "int2"}, ValueError,
-   r"comm.quantize='int2' is unknown: choose one of none, int8, int4"),
-  ("comm-block-zero", {"comm.quantize": "int8", "comm.block": 0}, ValueError,
-   r"comm.block=0 must be a positive integer \(values per scale\)"),
-  ("comm-int4-odd-block", {"comm.quantize": "int4", "comm.block": 255}, ValueError,
-   r"comm.block=255 is odd: int4 packs two values per byte, use an even block"),
-  ("comm-block-larger-than-shard", {"comm.quantize": "int8", "comm.block": 1 << 20}, ValueError,
-   r"comm.block=1048576 is larger than a device's shard of [\d,]+ values: use a block of at most"),
-  ("comm-node-size-not-dividing", {"comm.quantize": "int8", "comm.node_size": 3}, ValueError,
-   r"comm.node_size=3 does not divide the 8 devices of the 'data' axis"),
-  ("comm-quantize-with-dpu", {"method": "dpu", "comm.quantize": "int8"}, ValueError,
-   r"comm.quantize='int8' applies to method acco or zero1, not dpu; set comm.quantize=none"),
-  ("unknown-comm-layout", {"comm.layout": "rows"}, ValueError,
-   r"comm.layout='rows' is unknown: choose one of auto, elementwise, owner"),
-  ("muon-elementwise-layout", {"opt.name": "muon", "comm.layout": "elementwise"}, ValueError,
-   r"opt.name=muon updates whole matrices: set comm.layout=owner \(or auto\)"),
-]  # fmt: skip
+  (
+    "unknown-comm-quantize",
+    {"comm.quantize": "int2"},
+    ValueError,
+    r"comm.quantize='int2' is unknown: choose one of none, int8, int4",
+  ),
+  (
+    "comm-block-zero",
+    {"comm.quantize": "int8", "comm.block": 0},
+    ValueError,
+    r"comm.block=0 must be a positive integer \(values per scale\)",
+  ),
+  (
+    "comm-int4-odd-block",
+    {"comm.quantize": "int4", "comm.block": 255},
+    ValueError,
+    r"comm.block=255 is odd: int4 packs two values per byte, use an even block",
+  ),
+  (
+    "comm-block-larger-than-shard",
+    {"comm.quantize": "int8", "comm.block": 1 << 20},
+    ValueError,
+    r"comm.block=1048576 is larger than a device's shard of [\d,]+ values: use a block of at most",
+  ),
+  (
+    "comm-node-size-not-dividing",
+    {"comm.quantize": "int8", "comm.node_size": 3},
+    ValueError,
+    r"comm.node_size=3 does not divide the 8 devices of the 'data' axis",
+  ),
+  (
+    "comm-quantize-with-dpu",
+    {"method": "dpu", "comm.quantize": "int8"},
+    ValueError,
+    r"comm.quantize='int8' applies to method acco or zero1, not dpu; set comm.quantize=none",
+  ),
+  (
+    "unknown-comm-layout",
+    {"comm.layout": "rows"},
+    ValueError,
+    r"comm.layout='rows' is unknown: choose one of auto, elementwise, owner",
+  ),
+  (
+    "muon-elementwise-layout",
+    {"opt.name": "muon", "comm.layout": "elementwise"},
+    ValueError,
+    r"opt.name=muon updates whole matrices: set comm.layout=owner \(or auto\)",
+  ),
+]
 CONFIGS += [  # health (acco_jax.run.health.check_config)
-  ("unknown-on-slow", {"health.on_slow": "drop"}, ValueError,
-   r"health.on_slow='drop': choose 'keep', 'exclude' or 'auto'"),
-  ("unknown-exclude", {"health.exclude": "yes"}, ValueError,
-   r"health.exclude='yes': choose 'off' or 'auto'"),
-  ("zero-slow-patience", {"health.slow_patience": 0}, ValueError,
-   r"health.slow_patience=0 must be >= 1 \(probes\)"),
-]  # fmt: skip
+  (
+    "unknown-on-slow",
+    {"health.on_slow": "drop"},
+    ValueError,
+    r"health.on_slow='drop': choose 'keep', 'exclude' or 'auto'",
+  ),
+  (
+    "unknown-exclude",
+    {"health.exclude": "yes"},
+    ValueError,
+    r"health.exclude='yes': choose 'off' or 'auto'",
+  ),
+  (
+    "zero-slow-patience",
+    {"health.slow_patience": 0},
+    ValueError,
+    r"health.slow_patience=0 must be >= 1 \(probes\)",
+  ),
+]
 
 CONFIGS += [  # SkipPipe paths (the pipeline group; the tiny model has 2 blocks)
-  ("pipeline-more-stages-than-blocks", {"pipeline.stages": 4}, ValueError,
-   r"pipeline.stages=4 does not split the model's 2 blocks into equal stages"),
-  ("pipeline-skip-leaves-no-stage", {"pipeline.stages": 2, "pipeline.skip": 0.9}, ValueError,
-   r"pipeline.skip=0.9 leaves no stage to run with pipeline.stages=2"),
-  ("pipeline-negative-memory", {"pipeline.stages": 2, "pipeline.memory": -1}, ValueError,
-   r"pipeline.memory=-1 and pipeline.balance=0 must be >= 1 microbatch"),
-  ("pipeline-memory-too-small", {"pipeline.stages": 2, "pipeline.memory": 1}, ValueError,
-   r"pipeline.memory=1 microbatches per node cannot hold 8 microbatches"),
-  ("pipeline-unknown-paths", {"pipeline.stages": 2, "pipeline.paths": "astar"}, ValueError,
-   r"pipeline.paths='astar' is unknown: choose one of scheduled, random"),
-  ("pipeline-unknown-topology", {"pipeline.stages": 2, "pipeline.topology": "moon"}, ValueError,
-   r"pipeline.topology='moon' is neither a preset nor a .json file"),
-  ("pipeline-missing-topology-file", {"pipeline.stages": 2, "pipeline.topology": "/no/such.json"},
-   FileNotFoundError, r"topology file /no/such.json does not exist"),
-  ("pipeline-with-loco", {"method": "diloco", "pipeline.stages": 2}, ValueError,
-   r"pipeline.stages=2: SkipPipe paths run with the data-parallel methods"),
-  ("pipeline-split-not-summing", {"method": "pipeline", "pipeline.stages": 2,
-   "pipeline.blocks_per_stage": "2,1"}, ValueError,
-   r"pipeline.blocks_per_stage='2,1' must list 2 block counts .* sum to the model's 2 blocks"),
-  ("pipeline-unknown-data-method", {"method": "pipeline", "pipeline.stages": 2,
-   "pipeline.data_method": "fsdp"}, ValueError,
-   r"pipeline.data_method='fsdp' is unknown: choose one of ddp, zero1, acco"),
-  ("pipeline-acco-odd-microbatches", {"method": "pipeline", "pipeline.stages": 2,
-   "pipeline.data_method": "acco", "batch.microbatches": 3}, ValueError,
-   r"batch.microbatches=3: pipeline.data_method=acco splits an update into two flushes"),
-]  # fmt: skip
+  (
+    "pipeline-more-stages-than-blocks",
+    {"pipeline.stages": 4},
+    ValueError,
+    r"pipeline.stages=4 does not split the model's 2 blocks into equal stages",
+  ),
+  (
+    "pipeline-skip-leaves-no-stage",
+    {"pipeline.stages": 2, "pipeline.skip": 0.9},
+    ValueError,
+    r"pipeline.skip=0.9 leaves no stage to run with pipeline.stages=2",
+  ),
+  (
+    "pipeline-negative-memory",
+    {"pipeline.stages": 2, "pipeline.memory": -1},
+    ValueError,
+    r"pipeline.memory=-1 and pipeline.balance=0 must be >= 1 microbatch",
+  ),
+  (
+    "pipeline-memory-too-small",
+    {"pipeline.stages": 2, "pipeline.memory": 1},
+    ValueError,
+    r"pipeline.memory=1 microbatches per node cannot hold 8 microbatches",
+  ),
+  (
+    "pipeline-unknown-paths",
+    {"pipeline.stages": 2, "pipeline.paths": "astar"},
+    ValueError,
+    r"pipeline.paths='astar' is unknown: choose one of scheduled, random",
+  ),
+  (
+    "pipeline-unknown-topology",
+    {"pipeline.stages": 2, "pipeline.topology": "moon"},
+    ValueError,
+    r"pipeline.topology='moon' is neither a preset nor a .json file",
+  ),
+  (
+    "pipeline-missing-topology-file",
+    {"pipeline.stages": 2, "pipeline.topology": "/no/such.json"},
+    FileNotFoundError,
+    r"topology file /no/such.json does not exist",
+  ),
+  (
+    "pipeline-with-loco",
+    {"method": "diloco", "pipeline.stages": 2},
+    ValueError,
+    r"pipeline.stages=2: SkipPipe paths run with the data-parallel methods",
+  ),
+  (
+    "pipeline-split-not-summing",
+    {"method": "pipeline", "pipeline.stages": 2, "pipeline.blocks_per_stage": "2,1"},
+    ValueError,
+    r"pipeline.blocks_per_stage='2,1' must list 2 block counts .* sum to the model's 2 blocks",
+  ),
+  (
+    "pipeline-unknown-data-method",
+    {"method": "pipeline", "pipeline.stages": 2, "pipeline.data_method": "fsdp"},
+    ValueError,
+    r"pipeline.data_method='fsdp' is unknown: choose one of ddp, zero1, acco",
+  ),
+  (
+    "pipeline-acco-odd-microbatches",
+    {
+      "method": "pipeline",
+      "pipeline.stages": 2,
+      "pipeline.data_method": "acco",
+      "batch.microbatches": 3,
+    },
+    ValueError,
+    r"batch.microbatches=3: pipeline.data_method=acco splits an update into two flushes",
+  ),
+]
 
 
 @pytest.mark.parametrize(
@@ -253,11 +382,14 @@ def test_pipeline_topology_file_of_another_size(tmp_path):
         "latency_ms": [[1] * m] * m,
         "bandwidth_gbps": [[10] * m] * m,
       }
-    )  # fmt: skip
+    )
   )
   config = tiny(gpt2_skippipe, **{"method": "pipeline", "pipeline.topology": str(path)})
-  with pytest.raises(ValueError, match=r"six.json has 6 nodes, this pipeline has 8 devices \(one "
-                     r"node each\): write a topology of 8 nodes or run on 6 devices") as info:  # fmt: skip
+  with pytest.raises(
+    ValueError,
+    match=r"six.json has 6 nodes, this pipeline has 8 devices \(one "
+    r"node each\): write a topology of 8 nodes or run on 6 devices",
+  ) as info:
     trainer.build(config)
   one_line(info.value)
 
@@ -277,14 +409,21 @@ def data_cases(tmp: pathlib.Path):
     "one-paragraph": (f"text:{tmp}/one.txt", ValueError, r"cannot hold out 1 of 1 document"),
     "unknown-source-prefix": ("hf:wikitext", ValueError, r"unknown source 'hf:wikitext': use"),
     "unknown-tfds-dataset": ("tfds:no_such_dataset_xyz", ValueError, r"unknown TFDS dataset"),
-  }  # fmt: skip
+  }
 
 
 @pytest.mark.parametrize(
   "case",
-  ["missing-text-file", "empty-glob", "text-directory", "empty-text-file", "one-paragraph",
-   "unknown-source-prefix", "unknown-tfds-dataset"],
-)  # fmt: skip
+  [
+    "missing-text-file",
+    "empty-glob",
+    "text-directory",
+    "empty-text-file",
+    "one-paragraph",
+    "unknown-source-prefix",
+    "unknown-tfds-dataset",
+  ],
+)
 def test_bad_data_source(tmp_path, case, no_network):
   source, error, match = data_cases(tmp_path)[case]
   config = tiny(**{"data.source": source, "data.data_dir": str(tmp_path / "prepared")})
@@ -309,11 +448,13 @@ def test_tfds_dataset_without_network_fails_fast(tmp_path, no_network):
 
 @pytest.mark.parametrize(
   "tokenizer,error,match",
-  [("sentencepiece", ValueError, r"unknown tokenizer 'sentencepiece': use 'byte', 'gpt2'"),
-   ("bpe:10", ValueError, r"tokenizer 'bpe:10': vocab size must be >= 258"),
-   ("bpe:/nonexistent/tok.json", FileNotFoundError, r"no such tokenizer JSON file")],
+  [
+    ("sentencepiece", ValueError, r"unknown tokenizer 'sentencepiece': use 'byte', 'gpt2'"),
+    ("bpe:10", ValueError, r"tokenizer 'bpe:10': vocab size must be >= 258"),
+    ("bpe:/nonexistent/tok.json", FileNotFoundError, r"no such tokenizer JSON file"),
+  ],
   ids=["unknown-tokenizer", "tiny-bpe-vocab", "missing-bpe-file"],
-)  # fmt: skip
+)
 def test_bad_tokenizer(tmp_path, tokenizer, error, match):
   config = tiny(**{"data.tokenizer": tokenizer, "data.cache_dir": str(tmp_path)})
   with pytest.raises(error, match=match) as info:
@@ -367,17 +508,32 @@ def test_unreachable_coordinator_is_an_error_not_an_abort():
 # -- pipeline configs (method=pipeline, configs/gpt2_pipeline.py) ----------------------------------
 
 PIPELINE_CONFIGS = [
-  ("pipeline-stages-not-dividing-devices", {"pipeline.stages": 3},
-   r"pipeline.stages=3 must be >= 2 and divide the 8 devices"),
-  ("pipeline-more-stages-than-blocks", {"pipeline.stages": 8},
-   r"pipeline.stages=8 must be between 1 and the model's 4 blocks \(each stage holds one or more\)"),
-  ("pipeline-unknown-schedule", {"pipeline.schedule": "zb"},
-   r"pipeline.schedule='zb' is unknown: choose one of gpipe, 1f1b, skippipe"),
-  ("pipeline-skip-leaves-no-stage", {"pipeline.schedule": "skippipe", "pipeline.skip": 1.0},
-   r"pipeline.skip=1.0 leaves no stage to run"),
-  ("pipeline-quantized-comm", {"comm.quantize": "int8"},
-   r"comm.quantize is not supported with method=pipeline"),
-]  # fmt: skip
+  (
+    "pipeline-stages-not-dividing-devices",
+    {"pipeline.stages": 3},
+    r"pipeline.stages=3 must be >= 2 and divide the 8 devices",
+  ),
+  (
+    "pipeline-more-stages-than-blocks",
+    {"pipeline.stages": 8},
+    r"pipeline.stages=8 must be between 1 and the model's 4 blocks \(each stage holds one or more\)",
+  ),
+  (
+    "pipeline-unknown-schedule",
+    {"pipeline.schedule": "zb"},
+    r"pipeline.schedule='zb' is unknown: choose one of gpipe, 1f1b, skippipe",
+  ),
+  (
+    "pipeline-skip-leaves-no-stage",
+    {"pipeline.schedule": "skippipe", "pipeline.skip": 1.0},
+    r"pipeline.skip=1.0 leaves no stage to run",
+  ),
+  (
+    "pipeline-quantized-comm",
+    {"comm.quantize": "int8"},
+    r"comm.quantize is not supported with method=pipeline",
+  ),
+]
 
 
 @pytest.mark.parametrize(

@@ -57,15 +57,25 @@ def workdir(tmp_path, saved):
 
 @pytest.mark.parametrize(
   "module,overrides,match",
-  [(gpt2_acco, {"model.D": 128}, r"it holds another model or optimizer: \.w is \[118592\], but "
-                                 r"\[433792\] .*; resume with the config it was written with"),
-   (gpt2_acco, {"data.tokenizer": "bpe:512"}, r"it holds another model or optimizer"),
-   (gpt2_acco, {"model.N": 3}, r"was written for a different state: target leaf .*\['2'\]"),
-   (gpt2_zero1, {}, r"was written for a different state: target leaf \.opt_state"),
-   (gpt2_acco, {"batch.microbatches": 4}, r"the saved data position is for another stream, "
-                                          r"\{'global_batch_rows': \(8, 16\)\}.*batch\.\*")],
+  [
+    (
+      gpt2_acco,
+      {"model.D": 128},
+      r"it holds another model or optimizer: \.w is \[118592\], but "
+      r"\[433792\] .*; resume with the config it was written with",
+    ),
+    (gpt2_acco, {"data.tokenizer": "bpe:512"}, r"it holds another model or optimizer"),
+    (gpt2_acco, {"model.N": 3}, r"was written for a different state: target leaf .*\['2'\]"),
+    (gpt2_zero1, {}, r"was written for a different state: target leaf \.opt_state"),
+    (
+      gpt2_acco,
+      {"batch.microbatches": 4},
+      r"the saved data position is for another stream, "
+      r"\{'global_batch_rows': \(8, 16\)\}.*batch\.\*",
+    ),
+  ],
   ids=["wider-model", "other-tokenizer", "deeper-model", "other-method", "other-batch"],
-)  # fmt: skip
+)
 def test_resuming_with_another_config_changes_nothing(workdir, module, overrides, match):
   before = snapshot(workdir)
   with pytest.raises(ValueError, match=match) as info:

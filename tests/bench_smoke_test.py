@@ -132,8 +132,10 @@ def test_memory_muon_smoke(tmp_path):
   rows = {(r["method"], r["opt"]): r for r in data["rows"]}
   assert set(rows) == {(m, o) for m in ("ddp", "zero1", "acco") for o in ("adamw", "muon")}
   layouts = {k: r["layout"] for k, r in rows.items()}
-  assert layouts == {k: "owner" if k[1] == "muon" and k[0] != "ddp" else "tree" if k == ("ddp", "muon")
-                     else "flat" for k in rows}  # fmt: skip
+  assert layouts == {
+    k: "owner" if k[1] == "muon" and k[0] != "ddp" else "tree" if k == ("ddp", "muon") else "flat"
+    for k in rows
+  }
   opt = lambda m, o: rows[(m, o)]["state_components"]["opt"]
   owner, n = rows[("zero1", "muon")], rows[("zero1", "muon")]["N"]
   assert n == 8
@@ -196,14 +198,19 @@ def _fake_run(out, method, opt, lr, muon_lr, seed, loss, updates=4, tokens_per_s
 
   d = muon.run_dir(out, "cpu", updates, method, opt, lr, muon_lr, seed)
   d.mkdir(parents=True)
-  config = {"mesh": {"num_devices": 8}, "batch": {"microbatches": 4, "microbatch_size": 2},
-            "data": {"seq_len": 128}}  # fmt: skip
+  config = {
+    "mesh": {"num_devices": 8},
+    "batch": {"microbatches": 4, "microbatch_size": 2},
+    "data": {"seq_len": 128},
+  }
   result = {"status": "ok", "final_eval_loss": loss, "wall_s": 1.0, "config": config}
   (d / "result.json").write_text(json.dumps(result))
   per = 2 if method == "acco" else 1
   step = tokens_per_stage or 8 * 4 * 2 * 128 // per
-  rows = [{"stage": s, "update": s // per, "loss": loss + 1 / s, "tokens_seen": s * step}
-          for s in range(1, updates * per + 1)]  # fmt: skip
+  rows = [
+    {"stage": s, "update": s // per, "loss": loss + 1 / s, "tokens_seen": s * step}
+    for s in range(1, updates * per + 1)
+  ]
   rows.append({"update": updates, "eval_loss": loss})
   (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 

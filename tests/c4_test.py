@@ -39,9 +39,15 @@ CACHE = REPO / ".pytest_cache" / "acco_data"
 def write_health(workdir: Path, exclude, launched=4, hosts=None) -> None:
   hosts = hosts or {}
   procs = [{"process": p, "launch_id": p, "host": hosts.get(p, "h")} for p in range(launched)]
-  health.write_atomic(str(workdir / "health.json"), {
-    "verdict": "dead", "exclude": list(exclude), "launched_processes": launched,
-    "processes": procs})  # fmt: skip
+  health.write_atomic(
+    str(workdir / "health.json"),
+    {
+      "verdict": "dead",
+      "exclude": list(exclude),
+      "launched_processes": launched,
+      "processes": procs,
+    },
+  )
 
 
 def test_exclusion_renumbers_the_remaining_processes(tmp_path):
@@ -115,8 +121,10 @@ def test_verdict_tells_a_gone_process_from_a_stopped_one(tmp_path):
     store, old = DirStore(), time.time() - 60
     for p, pid, beat in ((1, gone.pid, old), (2, stopped.pid, old), (3, os.getpid(), time.time())):
       store.key_value_set(f"acco_jax/heartbeat/{p}", f"7 {beat:.3f}")
-      store.key_value_set(f"acco_jax/identity/{p}", json.dumps(
-        {"host": health.host_name(), "pid": pid, "launch_id": p}))  # fmt: skip
+      store.key_value_set(
+        f"acco_jax/identity/{p}",
+        json.dumps({"host": health.host_name(), "pid": pid, "launch_id": p}),
+      )
     dog = monitor.Watchdog(5, process_index=0, process_count=4, interval_s=0.05, client=store)
     rec = health.Recorder(str(tmp_path), dog, grace_s=0.01)
     rec.probed(6, [[0.01, 0.1], [0.01, 0.1], [0.01, 0.1], [0.04, 0.1]])
@@ -186,11 +194,23 @@ echo "Submitted batch job 43"
 def test_slurm_script_resubmits_without_the_named_hosts(tmp_path, srun_exit, verdict):
   """srun reports its worst task: a killed one's code while the survivors exit 75."""
   bin_dir = fake_bin(tmp_path, srun_exit, '"node03", "node07"' if verdict else None)
-  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="42",
-             SLURM_JOB_NUM_NODES="4", C4_WORKDIR=str(tmp_path / "run"), C4_RESTARTS="1",
-             C4_PYTHON=sys.executable)  # fmt: skip
-  done = subprocess.run(["bash", str(SCRIPT), "--config.train.num_updates=5"], env=env,
-                        capture_output=True, text=True, cwd=REPO, timeout=30)  # fmt: skip
+  env = dict(
+    os.environ,
+    PATH=f"{bin_dir}:{os.environ['PATH']}",
+    SLURM_JOB_ID="42",
+    SLURM_JOB_NUM_NODES="4",
+    C4_WORKDIR=str(tmp_path / "run"),
+    C4_RESTARTS="1",
+    C4_PYTHON=sys.executable,
+  )
+  done = subprocess.run(
+    ["bash", str(SCRIPT), "--config.train.num_updates=5"],
+    env=env,
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    timeout=30,
+  )
   calls = (tmp_path / "calls").read_text().splitlines()
   assert calls[0].startswith("srun ") and "--config.train.num_updates=5" in calls[0], calls
   assert f"--workdir={tmp_path / 'run'}" in calls[0], calls
@@ -204,18 +224,27 @@ def test_slurm_script_resubmits_without_the_named_hosts(tmp_path, srun_exit, ver
   # the hosts already excluded, and health.json's, each once; one node fewer than before
   assert "--exclude=node03,node07,node08" in args and "--nodes=3" in args, args
   assert "--export=ALL,C4_RESTARTS=2" in args and args[-2:] == [
-    str(SCRIPT), "--config.train.num_updates=5"
-  ], args  # fmt: skip
+    str(SCRIPT),
+    "--config.train.num_updates=5",
+  ], args
   assert "resubmitted without node03,node07,node08" in done.stdout, done.stdout
 
 
 def test_slurm_script_stops_after_max_restarts(tmp_path):
   bin_dir = fake_bin(tmp_path, 75, '"node03"')
-  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="42",
-             SLURM_JOB_NUM_NODES="4", C4_WORKDIR=str(tmp_path / "run"), C4_RESTARTS="3",
-             C4_MAX_RESTARTS="3", C4_PYTHON=sys.executable)  # fmt: skip
-  done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, cwd=REPO,
-                        timeout=30)  # fmt: skip
+  env = dict(
+    os.environ,
+    PATH=f"{bin_dir}:{os.environ['PATH']}",
+    SLURM_JOB_ID="42",
+    SLURM_JOB_NUM_NODES="4",
+    C4_WORKDIR=str(tmp_path / "run"),
+    C4_RESTARTS="3",
+    C4_MAX_RESTARTS="3",
+    C4_PYTHON=sys.executable,
+  )
+  done = subprocess.run(
+    ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, cwd=REPO, timeout=30
+  )
   assert done.returncode == 75 and "C4_MAX_RESTARTS=3" in done.stderr, done.stderr
   assert not any(c.startswith("sbatch") for c in (tmp_path / "calls").read_text().splitlines())
 
@@ -225,29 +254,60 @@ def test_slurm_script_stops_after_max_restarts(tmp_path):
 TIMEOUT_S = 12  # above a checkpoint save of 4 processes on 2 loaded cores (over 6 s seen)
 PROCESSES = 4
 UPDATES = 8  # 16 ACCO stages
-SMALL = {"model.D": 16, "model.N": 1, "model.H": 1, "data.seq_len": 8, "model.dtype": "float32",
-         "comm_dtype": "float32", "train.num_updates": UPDATES, "train.log_every": 1,
-         "train.eval_every": 0, "train.eval_batches": 1, "train.sample_tokens": 0,
-         "ckpt.every": 2, "ckpt.async_save": False, "data.cache_dir": str(CACHE),
-         "opt.name": "sgd"}  # fmt: skip
+SMALL = {
+  "model.D": 16,
+  "model.N": 1,
+  "model.H": 1,
+  "data.seq_len": 8,
+  "model.dtype": "float32",
+  "comm_dtype": "float32",
+  "train.num_updates": UPDATES,
+  "train.log_every": 1,
+  "train.eval_every": 0,
+  "train.eval_batches": 1,
+  "train.sample_tokens": 0,
+  "ckpt.every": 2,
+  "ckpt.async_save": False,
+  "data.cache_dir": str(CACHE),
+  "opt.name": "sgd",
+}
 # SGD: the resumed runs are compared with another program (gloo across processes, XLA within one);
 # AdamW would turn a last-bit difference in a near-zero gradient into an lr-sized step.
 
 
 def command(workdir: Path, port: int, pid: int, exclude: str) -> list[str]:
-  flags = {**SMALL, "mesh.cpu_devices": 2, "dist.coordinator_address": f"127.0.0.1:{port}",
-           "dist.num_processes": PROCESSES, "dist.process_id": pid, "dist.timeout_s": 30,
-           "health.hang_timeout_s": TIMEOUT_S, "health.exclude": exclude}  # fmt: skip
-  return [sys.executable, str(REPO / "train.py"), "--config", "configs/gpt2_acco.py:tiny",
-          "--workdir", str(workdir), *(f"--config.{k}={v}" for k, v in flags.items())]  # fmt: skip
+  flags = {
+    **SMALL,
+    "mesh.cpu_devices": 2,
+    "dist.coordinator_address": f"127.0.0.1:{port}",
+    "dist.num_processes": PROCESSES,
+    "dist.process_id": pid,
+    "dist.timeout_s": 30,
+    "health.hang_timeout_s": TIMEOUT_S,
+    "health.exclude": exclude,
+  }
+  return [
+    sys.executable,
+    str(REPO / "train.py"),
+    "--config",
+    "configs/gpt2_acco.py:tiny",
+    "--workdir",
+    str(workdir),
+    *(f"--config.{k}={v}" for k, v in flags.items()),
+  ]
 
 
 def launch(workdir: Path, tag: str, pids, port: int, exclude="off") -> dict[int, subprocess.Popen]:
   procs = {}
   for i in pids:
     log = open(workdir.parent / f"{tag}-p{i}.log", "w")
-    procs[i] = subprocess.Popen(command(workdir, port, i, exclude), cwd=REPO, env=worker_env(),
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    procs[i] = subprocess.Popen(
+      command(workdir, port, i, exclude),
+      cwd=REPO,
+      env=worker_env(),
+      stdout=log,
+      stderr=subprocess.STDOUT,
+    )
   return procs
 
 
@@ -339,8 +399,10 @@ def test_faulty_process_is_named_and_the_run_resumes_without_it(tmp_path):
   for path in want:  # float32 sums in another order (gloo across processes, XLA within one)
     np.testing.assert_allclose(got[path], want[path], rtol=2e-4, atol=2e-6, err_msg=path)
   assert step < resumed_step <= max(stages(reference))  # both trained after the restore
-  print(f"4x2 processes: SIGKILL -> exit 75 in {killed_s:.1f} s; 3x2 resumed at stage {step} on "
-        f"6 devices; SIGSTOP -> exit 75 in {frozen_s:.1f} s (timeout {TIMEOUT_S} s)")  # fmt: skip
+  print(
+    f"4x2 processes: SIGKILL -> exit 75 in {killed_s:.1f} s; 3x2 resumed at stage {step} on "
+    f"6 devices; SIGSTOP -> exit 75 in {frozen_s:.1f} s (timeout {TIMEOUT_S} s)"
+  )
 
 
 @pytest.mark.slow
@@ -381,10 +443,12 @@ def test_jax_heartbeat_timeout_stays_above_the_watchdog(monkeypatch):
 
   seen = {}
   monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
-  parallel.initialize_distributed("on", coordinator_address="127.0.0.1:1", num_processes=1,
-                                  process_id=0, heartbeat_timeout_s=660)  # fmt: skip
+  parallel.initialize_distributed(
+    "on", coordinator_address="127.0.0.1:1", num_processes=1, process_id=0, heartbeat_timeout_s=660
+  )
   assert seen["heartbeat_timeout_seconds"] == 660
   seen.clear()
-  parallel.initialize_distributed("on", coordinator_address="127.0.0.1:1", num_processes=1,
-                                  process_id=0)  # fmt: skip
+  parallel.initialize_distributed(
+    "on", coordinator_address="127.0.0.1:1", num_processes=1, process_id=0
+  )
   assert "heartbeat_timeout_seconds" not in seen  # JAX's default

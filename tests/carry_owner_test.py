@@ -91,9 +91,12 @@ def test_owner_state_moves_to_other_owners_bit_for_bit(runs):
   exported = owner.export_state(s_owner)
   mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
   acco = acco_jax.make_train_step(
-    loss_with_stack, acco_jax.acco(muon(), layout="owner"), mesh, num_microbatches=K,
+    loss_with_stack,
+    acco_jax.acco(muon(), layout="owner"),
+    mesh,
+    num_microbatches=K,
     params=params,
-  )  # fmt: skip
+  )
   mb = jax.tree.map(lambda x: x[: 4 * B], first_microbatch())
   state = portable.to_host(acco.import_state(exported, 2 * exported.updates, mb))
   assert acco.owner and int(np.ravel(state.opt_state.stage)[0]) == 6
@@ -130,9 +133,12 @@ def test_a_checkpoint_of_another_count_is_read_and_exported(runs, tmp_path):
     ckpt.save(3, jax.tree.map(jax.numpy.asarray, s_owner), extra={"stage": 3})
   mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
   four = acco_jax.make_train_step(
-    loss_with_stack, acco_jax.zero1(muon(), layout="owner"), mesh, num_microbatches=K,
+    loss_with_stack,
+    acco_jax.zero1(muon(), layout="owner"),
+    mesh,
+    num_microbatches=K,
     params=params,
-  )  # fmt: skip
+  )
   with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
     host, extra = ckpt.restore_host(None, lambda e: four.abstract_state(params), four.saved_like)
   assert extra == {"stage": 3} and jax.tree.leaves(host.params)[0].shape[0] == N

@@ -32,8 +32,11 @@ def test_param_subtrees_are_found_in_any_optimizer_state():
   assert len(found) == 2  # Adam's mu and nu, not the counts or the injected hyperparameters
   doubled = portable.map_param_subtrees(lambda t: jax.tree.map(lambda x: x + 1, t), state, params)
   assert [float(x.sum()) for x in jax.tree.leaves(portable.param_subtrees(doubled, params))] == [
-    6.0, 4.0, 6.0, 4.0,
-  ]  # fmt: skip
+    6.0,
+    4.0,
+    6.0,
+    4.0,
+  ]
   assert int(doubled[1].inner_state[0].count) == 0  # other leaves as they were
   assert doubled[1].hyperparams["learning_rate"] == np.float32(1e-3)
   one = np.zeros(3, np.float32)  # one array: every leaf has its structure, only two its shape
@@ -62,9 +65,11 @@ def carried(name, state):
   theta = state.opt_state.committed if apart else state.params
   adam = (state.opt_state.inner_state if apart else state.opt_state)[1][0]
   return {
-    "theta": logical_shards(theta), "mu": logical_shards(adam.mu), "nu": logical_shards(adam.nu),
+    "theta": logical_shards(theta),
+    "mu": logical_shards(adam.mu),
+    "nu": logical_shards(adam.nu),
     "count": np.asarray(adam.count),
-  }  # fmt: skip
+  }
 
 
 def through_checkpoint(tmp_path, name, saved, n):
@@ -154,8 +159,9 @@ def test_pipeline_and_data_parallel_both_ways(tmp_path):
   each run reading its own layout (the DP one with its layout's from_shards)."""
   from acco_jax.pipeline import build as pipe_build
 
-  source = pipe_run(**{"pipeline.stages": 2, "pipeline.blocks_per_stage": "1,3",
-                       "pipeline.data_method": "acco"})  # fmt: skip
+  source = pipe_run(
+    **{"pipeline.stages": 2, "pipeline.blocks_per_stage": "1,3", "pipeline.data_method": "acco"}
+  )
   train = source.train
   state = train.init(jax.tree.map(jnp.asarray, model_params(source)))
   rows = train.microbatches_per_stage * 2
@@ -166,8 +172,15 @@ def test_pipeline_and_data_parallel_both_ways(tmp_path):
   saved = portable.to_host(state)
   with Checkpointer(tmp_path / "pipe", async_save=False) as ckpt:
     ckpt.save(4, state, extra={"stage": 4})
-  config = tiny(gpt2_pipeline, **{"model.N": 4, "pipeline.stages": 2, "pipeline.data_method": "acco",
-                                  "pipeline.blocks_per_stage": "1,3"})  # fmt: skip
+  config = tiny(
+    gpt2_pipeline,
+    **{
+      "model.N": 4,
+      "pipeline.stages": 2,
+      "pipeline.data_method": "acco",
+      "pipeline.blocks_per_stage": "1,3",
+    },
+  )
   reader = pipe_build.source_step(config, source.model_cfg, 8)
   with Checkpointer(tmp_path / "pipe", read_only=True) as ckpt:
     host, _ = ckpt.restore_host(None, lambda extra: reader.abstract_state(source.params_shapes))
@@ -179,8 +192,13 @@ def test_pipeline_and_data_parallel_both_ways(tmp_path):
   assert "2 flushes' gradients in flight" in exported.dropped
 
   zero1 = build.build(tiny(gpt2_zero1, **{"model.N": 4, "mesh.num_devices": 4}))
-  into = portable.to_host(zero1.train.import_state(exported, 1, build.prime_batch(zero1, tiny(
-    gpt2_zero1, **{"model.N": 4, "mesh.num_devices": 4}))))  # fmt: skip
+  into = portable.to_host(
+    zero1.train.import_state(
+      exported,
+      1,
+      build.prime_batch(zero1, tiny(gpt2_zero1, **{"model.N": 4, "mesh.num_devices": 4})),
+    )
+  )
   got = view(into, zero1.train.layout)
   same_bits(got["theta"], want["theta"], "pipeline -> zero1 theta")
   same_bits(got["opt"], want["opt"], "pipeline -> zero1 inner state")

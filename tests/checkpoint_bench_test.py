@@ -14,8 +14,16 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_checkpoint_bench_smoke(tmp_path):
   out = tmp_path / "checkpoint_time.json"
-  cmd = [sys.executable, "-m", "bench.run.checkpoint_time", "--methods", "acco", "--smoke",
-         "--out", str(out)]  # fmt: skip
+  cmd = [
+    sys.executable,
+    "-m",
+    "bench.run.checkpoint_time",
+    "--methods",
+    "acco",
+    "--smoke",
+    "--out",
+    str(out),
+  ]
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   data = json.loads(out.read_text())

@@ -36,7 +36,8 @@ def test_the_page_is_current_and_every_refusal_is_one_line():
 
   parallel.configure_platform(cpu_devices=8)
   results = compat.collect()
-  refusals = [t for rows in results.values() for by in rows.values() for t, _ in by.values()
-              if t != "runs"]  # fmt: skip
+  refusals = [
+    t for rows in results.values() for by in rows.values() for t, _ in by.values() if t != "runs"
+  ]
   assert refusals and all("\n" not in t for t in refusals), [t for t in refusals if "\n" in t]
   assert compat.render_all(results) == compat.OUT.read_text(), "run python bench/run/compat.py"

@@ -69,9 +69,17 @@ def test_off_and_unwritable(tmp_path, capfd, restore_cache_config):
 
 
 def test_same_config_hits_and_changed_config_misses(tmp_path, restore_cache_config, cache_events):
-  small = {"model.D": 16, "model.N": 1, "model.H": 1, "model.dtype": "float32",
-           "train.num_updates": 1, "opt.warmup_updates": 0, "train.eval_every": 0, "train.eval_batches": 1,
-           "compile.cache_dir": str(tmp_path / "xla")}  # fmt: skip
+  small = {
+    "model.D": 16,
+    "model.N": 1,
+    "model.H": 1,
+    "model.dtype": "float32",
+    "train.num_updates": 1,
+    "opt.warmup_updates": 0,
+    "train.eval_every": 0,
+    "train.eval_batches": 1,
+    "compile.cache_dir": str(tmp_path / "xla"),
+  }
 
   def train(name, **overrides):
     cache_events.clear()

@@ -185,10 +185,19 @@ def config_for(method: str):
 def train_cmd(method: str, workdir: pathlib.Path) -> list[str]:
   module, top = MODULES[method]
   config = f"{REPO / 'configs' / (module.__name__.split('.')[-1] + '.py')}:tiny"
-  flags = [f"--config.{k}={str(v).lower() if isinstance(v, bool) else v}"
-           for k, v in {**top, **overrides_for(method)}.items()]  # fmt: skip
-  return [sys.executable, str(REPO / "train.py"), "--config", config, "--workdir", str(workdir),
-          *flags]  # fmt: skip
+  flags = [
+    f"--config.{k}={str(v).lower() if isinstance(v, bool) else v}"
+    for k, v in {**top, **overrides_for(method)}.items()
+  ]
+  return [
+    sys.executable,
+    str(REPO / "train.py"),
+    "--config",
+    config,
+    "--workdir",
+    str(workdir),
+    *flags,
+  ]
 
 
 def train_env(compile_cache: pathlib.Path) -> dict[str, str]:
@@ -254,8 +263,9 @@ def finish(proc, log_path) -> dict:
 def latest_finalized(workdir: pathlib.Path) -> int:
   """The newest complete checkpoint step on disk (0 if none): where the next run resumes."""
   try:
-    return max((int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()),
-               default=0)  # fmt: skip
+    return max(
+      (int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()), default=0
+    )
   except FileNotFoundError:
     return 0
 
@@ -351,8 +361,10 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   config = config_for(method)
   spu, total = (flush_plan if config.method == "pipeline" else stage_plan)(config)[1:]
   if rng.random() < 0.5:
-    plan = [("rows", rng.randint(2 * spu + 1, 2 * spu + 4), rng.uniform(0, 0.25)),
-            ("ckpt", rng.randint(1, 2), 0.0)]  # fmt: skip
+    plan = [
+      ("rows", rng.randint(2 * spu + 1, 2 * spu + 4), rng.uniform(0, 0.25)),
+      ("ckpt", rng.randint(1, 2), 0.0),
+    ]
   else:
     plan = [("ckpt", rng.randint(2, 3), 0.0), ("rows", None, rng.uniform(0, 0.25))]
   kills = []
@@ -366,8 +378,10 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   summary = finish(start(method, crash_dir, env, last_log), last_log)
   elapsed = time.perf_counter() - t_start
   mid_write = sum(bool(k["killed_mid_checkpoint_write"]) for k in kills)
-  print(f"\n{method}: {len(kills)} kills survived, {mid_write} during a checkpoint write, "
-        f"{elapsed:.1f} s in all; kills: {kills}")  # fmt: skip
+  print(
+    f"\n{method}: {len(kills)} kills survived, {mid_write} during a checkpoint write, "
+    f"{elapsed:.1f} s in all; kills: {kills}"
+  )
   assert mid_write >= 1, kills
 
   config = config_for(method)
@@ -408,8 +422,11 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
   if method == "diloco_eager":  # a sync is logged at the end of the phase it lands in: from 2H on
     assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(mid.overlap.mean))
     h = config.loco.sync_every
-    synced = [json.loads(r)["step"] for r in (ref_dir / "metrics.jsonl").read_text().splitlines()
-              if '"outer_fragment"' in r]  # fmt: skip
+    synced = [
+      json.loads(r)["step"]
+      for r in (ref_dir / "metrics.jsonl").read_text().splitlines()
+      if '"outer_fragment"' in r
+    ]
     assert synced == list(range(2 * h, total + 1, h)), synced
     one_sync = trainer.build(config).train.wire_bytes(0)  # every sync's bytes, the last included
     assert summary["wire_bytes_per_worker"] == pytest.approx(total // h * one_sync)

@@ -18,8 +18,17 @@ pytestmark = pytest.mark.slow
 
 def test_smoke_measures_each_kind_of_row(tmp_path):
   out = tmp_path / "gpu_throughput.json"
-  cmd = [sys.executable, "-m", "bench.gpu.gpu_throughput", "--smoke", "--profile",
-         "--out", str(out), "--only", ",".join(JAX_ROWS)]  # fmt: skip
+  cmd = [
+    sys.executable,
+    "-m",
+    "bench.gpu.gpu_throughput",
+    "--smoke",
+    "--profile",
+    "--out",
+    str(out),
+    "--only",
+    ",".join(JAX_ROWS),
+  ]
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   data = json.loads(out.read_text())
@@ -50,8 +59,13 @@ def test_smoke_measures_each_kind_of_row(tmp_path):
   assert Path(profile["trace"]).exists() and "profile" not in rows["trainer:acco"]
 
   # --append: a second run adds its rows to the file and replaces the ones it measures again
-  again = subprocess.run(cmd[:-1] + ["step:acco,adamw", "--append"], cwd=REPO, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+  again = subprocess.run(
+    cmd[:-1] + ["step:acco,adamw", "--append"],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
   merged = json.loads(out.read_text())
   assert [r["name"] for r in merged["rows"]] == [*JAX_ROWS, "step:acco"]
@@ -62,8 +76,13 @@ def test_smoke_measures_each_kind_of_row(tmp_path):
   )
   # ... but only onto a run of the same setup, and it leaves the file as it was
   before = out.read_text()
-  other = subprocess.run(cmd[:-1] + ["adamw", "--append", "--steps", "3"], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+  other = subprocess.run(
+    cmd[:-1] + ["adamw", "--append", "--steps", "3"],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert other.returncode != 0 and "another steps" in other.stderr, other.stderr[-2000:]
   assert out.read_text() == before
 
@@ -72,9 +91,14 @@ def test_targets_are_the_ratios_of_the_rows():
   from bench.gpu import gpu_throughput
 
   rate = lambda x: {"tokens_per_s": x}
-  rows = {"trainer:zero1": {"tokens_per_s": 480.0, "mfu": 0.41}, "step:zero1": rate(490.0),
-          "trainer:acco": rate(450.0), "step:acco": rate(460.0), "torch:V50304": rate(424.0),
-          "torch:V50257": rate(388.0)}  # fmt: skip
+  rows = {
+    "trainer:zero1": {"tokens_per_s": 480.0, "mfu": 0.41},
+    "step:zero1": rate(490.0),
+    "trainer:acco": rate(450.0),
+    "step:acco": rate(460.0),
+    "torch:V50304": rate(424.0),
+    "torch:V50257": rate(388.0),
+  }
   rows["step:acco"]["profile"] = {"gpu_busy": 0.97}
   rows["trainer:zero1+cb"] = rate(500.0)
   t = gpu_throughput.summarise(rows)
@@ -88,7 +112,10 @@ def test_targets_are_the_ratios_of_the_rows():
   assert t["trainer zero1 MFU (>= 0.40)"] == 0.41
   key = "f32 x f32 GEMMs in the steps, xla attention's scores apart (== 0)"
   assert t[key] is None  # no hlo row
-  hlo = lambda total, scores: {"gemms": {}, "f32_gemms": total,
-                               "f32_gemms_outside_attention_scores": total - scores}  # fmt: skip
+  hlo = lambda total, scores: {
+    "gemms": {},
+    "f32_gemms": total,
+    "f32_gemms_outside_attention_scores": total - scores,
+  }
   rows.update({"hlo:zero1": hlo(4, 4), "hlo:acco": hlo(9, 8)})
   assert gpu_throughput.summarise(rows)[key] == 1

@@ -15,8 +15,12 @@ CACHE = REPO / ".pytest_cache" / "acco_data"
 EXPERTS = budgets.parse_experts("hard:L,easy:S")
 DOMAINS = budgets.parse_domains("hard:1:a,hard:2:b,easy:1:c,easy:2:d,easy:0:e", ["hard", "easy"])
 FPT = {"S": 2.0, "M": 3.0, "L": 5.0}  # FLOPs per token of each size
-KW = dict(flops_per_token=FPT, tokens_per_step=10, homogeneous_size="M",
-          step_weights={"hard": 3.0, "easy": 1.0})  # fmt: skip
+KW = dict(
+  flops_per_token=FPT,
+  tokens_per_step=10,
+  homogeneous_size="M",
+  step_weights={"hard": 3.0, "easy": 1.0},
+)
 
 
 def steps(mode, budget):
@@ -74,11 +78,15 @@ def test_measured_difficulty_regroups_by_seed_loss():
   [
     ("mean", 1000.0, r"hdee.modes: unknown mode 'mean': choose from homogeneous, steps, sizes"),
     ("homogeneous", 100.0, r"hdee.budget_flops=100 buys mode 'homogeneous' less than one step"),
-    ("sizes", 45.0, r"expert 'hard' of size 'L' needs 50 FLOPs for one step of 10 tokens, more "
-     r"than hdee.budget_flops=45"),
+    (
+      "sizes",
+      45.0,
+      r"expert 'hard' of size 'L' needs 50 FLOPs for one step of 10 tokens, more "
+      r"than hdee.budget_flops=45",
+    ),
   ],
   ids=["unknown-mode", "budget-below-one-step", "expert-larger-than-budget"],
-)  # fmt: skip
+)
 def test_bad_budgets_are_one_line_errors(mode, budget, match):
   with pytest.raises(ValueError, match=match) as info:
     budgets.expert_jobs(mode, EXPERTS, DOMAINS, budget_flops=budget, **KW)
@@ -157,17 +165,24 @@ def test_bench_counts_domains_where_a_heterogeneous_ensemble_is_lowest(tmp_path)
 
   rules = ("simple_avg", "uniform_prior")
   # domain a: M_Ho-I_He lowest under both rules; domain b: the homogeneous ensemble lowest
-  ppl = {"a": {"M_Ho-I_Ho": 10.0, "M_Ho-I_He": 9.0, "M_He-I_Ho": 11.0},
-         "b": {"M_Ho-I_Ho": 5.0, "M_Ho-I_He": 6.0, "M_He-I_Ho": 7.0}}  # fmt: skip
+  ppl = {
+    "a": {"M_Ho-I_Ho": 10.0, "M_Ho-I_He": 9.0, "M_He-I_Ho": 11.0},
+    "b": {"M_Ho-I_Ho": 5.0, "M_Ho-I_He": 6.0, "M_He-I_Ho": 7.0},
+  }
   seeds = []
   for shift in (0.0, 0.5, 100.0):  # the median ignores the outlying third seed
-    seeds.append({
-      "domains": {"a": {"group": "hard", "iteration": 1}, "b": {"group": "easy", "iteration": 0}},
-      "ppl": {
-        **{lab: {r: {d: ppl[d][lab] + shift for d in ppl} for r in rules} for lab in bench.LABELS},
-        "dense": {"a": 9.5 + shift, "b": 4.0 + shift}, "seed-M": {"a": 20.0, "b": 20.0},
-      },
-    })  # fmt: skip
+    seeds.append(
+      {
+        "domains": {"a": {"group": "hard", "iteration": 1}, "b": {"group": "easy", "iteration": 0}},
+        "ppl": {
+          **{
+            lab: {r: {d: ppl[d][lab] + shift for d in ppl} for r in rules} for lab in bench.LABELS
+          },
+          "dense": {"a": 9.5 + shift, "b": 4.0 + shift},
+          "seed-M": {"a": 20.0, "b": 20.0},
+        },
+      }
+    )
   s = bench.summarize(seeds)
   assert s["hetero_lowest"] == {"simple_avg": 1, "uniform_prior": 1, "best_rule": 1}
   assert s["ensemble_beats_dense"]["simple_avg"] == 1  # a: 9.5 < 10; b: dense 4.5 < 5.5

@@ -96,9 +96,14 @@ class StoppedClock:
 def test_a_peer_that_compiles_is_waited_for_and_then_named():
   store, hangs, clock = FakeStore(), [], StoppedClock()
   dog = monitor.Watchdog(
-    0.4, process_index=0, process_count=2, interval_s=0.05, on_hang=hangs.append, client=store,
+    0.4,
+    process_index=0,
+    process_count=2,
+    interval_s=0.05,
+    on_hang=hangs.append,
+    client=store,
     compile_clock=clock,
-  )  # fmt: skip
+  )
   beat = lambda since=None: store.key_value_set(  # process 1's heartbeat thread
     "acco_jax/heartbeat/1", f"3 {time.time():.3f}" + (f" {since:.3f}" if since else "")
   )
@@ -156,16 +161,28 @@ def launch(workdir: Path, tag: str, **health) -> list[subprocess.Popen]:
   health = {"hang_timeout_s": TIMEOUT_S, "on_slow": "keep", **health}
   port, procs = free_port(), []
   for i in range(2):
-    cmd = [sys.executable, str(REPO / "train.py"), "--config", "configs/gpt2_acco.py:tiny",
-           "--workdir", str(workdir), f"--config.dist.coordinator_address=127.0.0.1:{port}",
-           "--config.dist.num_processes=2", f"--config.dist.process_id={i}",
-           "--config.mesh.cpu_devices=1", "--config.train.num_updates=16",
-           "--config.train.log_every=1", "--config.train.eval_every=0",
-           "--config.train.sample_tokens=0", "--config.ckpt.every=2",
-           "--config.ckpt.async_save=False", "--config.health.probe_every=4",
-           "--config.hetero.slowdown=1:0.02",
-           *(f"--config.health.{k}={v}" for k, v in health.items()),
-           f"--config.data.cache_dir={REPO / '.pytest_cache' / 'acco_data'}"]  # fmt: skip
+    cmd = [
+      sys.executable,
+      str(REPO / "train.py"),
+      "--config",
+      "configs/gpt2_acco.py:tiny",
+      "--workdir",
+      str(workdir),
+      f"--config.dist.coordinator_address=127.0.0.1:{port}",
+      "--config.dist.num_processes=2",
+      f"--config.dist.process_id={i}",
+      "--config.mesh.cpu_devices=1",
+      "--config.train.num_updates=16",
+      "--config.train.log_every=1",
+      "--config.train.eval_every=0",
+      "--config.train.sample_tokens=0",
+      "--config.ckpt.every=2",
+      "--config.ckpt.async_save=False",
+      "--config.health.probe_every=4",
+      "--config.hetero.slowdown=1:0.02",
+      *(f"--config.health.{k}={v}" for k, v in health.items()),
+      f"--config.data.cache_dir={REPO / '.pytest_cache' / 'acco_data'}",
+    ]
     log = open(workdir.parent / f"{tag}-p{i}.log", "w")
     procs.append(subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=log, stderr=log))
   return procs
@@ -232,5 +249,7 @@ def test_dead_or_frozen_peer_ends_the_run_naming_it_and_the_run_resumes(tmp_path
   events = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert sum(e.get("event") == "restored" for e in events) == restored_before + 1
   assert max(logged_stages(workdir)) == 32
-  print(f"peer SIGKILL: exit after {results['killed'][1]:.1f} s; "
-        f"SIGSTOP: exit after {results['frozen'][1]:.1f} s (timeout {TIMEOUT_S} s)")  # fmt: skip
+  print(
+    f"peer SIGKILL: exit after {results['killed'][1]:.1f} s; "
+    f"SIGSTOP: exit after {results['frozen'][1]:.1f} s (timeout {TIMEOUT_S} s)"
+  )

@@ -101,8 +101,11 @@ def _swap_q_k(tensors):
 MUTANTS = {
   "rope-interleaved": ("llama", lambda mp: mp.setattr(llama, "rotate", _interleaved_rope)),
   "neo-scaled-scores": ("gpt_neo", lambda mp: mp.setattr(base, "attention", _scaled_attention)),
-  "q-k-swapped": ("gpt_neo", lambda mp: mp.setattr(gpt_neo, "hf_tensors", _swap_q_k(gpt_neo.hf_tensors))),
-}  # fmt: skip
+  "q-k-swapped": (
+    "gpt_neo",
+    lambda mp: mp.setattr(gpt_neo, "hf_tensors", _swap_q_k(gpt_neo.hf_tensors)),
+  ),
+}
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)
@@ -210,7 +213,7 @@ BAD_DIRS = {
   "tensor-missing": "tensor transformer.h.1.mlp.c_fc.bias is missing",
   "tensor-left-over": "tensors transformer.h.2.ln_1.weight are not part of a gpt2 model",
   "shape-disagrees": r"tensor transformer.h.0.mlp.c_fc.weight has shape \[32, 128\], config.json implies \[32, 64\]",
-}  # fmt: skip
+}
 
 
 def _refused(config, match, tmp_path):
@@ -235,22 +238,32 @@ def test_bad_directory_is_refused_in_one_line(case, tmp_path):
 
 BAD_CONFIGS = {
   "tokenizer-larger-than-embedding": (
-    {"data.tokenizer": "gpt2"}, "gives 50257 ids, more than the 318 rows of the checkpoint"
+    {"data.tokenizer": "gpt2"},
+    "gives 50257 ids, more than the 318 rows of the checkpoint",
   ),
   "size-contradicts-checkpoint": (
-    {"model.D": 64}, r"model.D=64 \(config.json: 32\) do not match the checkpoint: set --config.model.size=init"
+    {"model.D": 64},
+    r"model.D=64 \(config.json: 32\) do not match the checkpoint: set --config.model.size=init",
   ),
   "preset-contradicts-checkpoint": (
-    {"model.size": "tiny", "model.arch": "gpt2"}, r"model.D=64 \(config.json: 32\); model.F=256 \(config.json: 128\)"
+    {"model.size": "tiny", "model.arch": "gpt2"},
+    r"model.D=64 \(config.json: 32\); model.F=256 \(config.json: 128\)",
   ),
   "arch-contradicts-checkpoint": (
-    {"model.size": "tiny", "model.arch": "llama"}, r"model.arch=llama \(config.json: gpt2\)"
+    {"model.size": "tiny", "model.arch": "llama"},
+    r"model.arch=llama \(config.json: gpt2\)",
   ),
-  "corpus-tokenizer": ({"data.tokenizer": "bpe:2048"}, "their embedding reads the ids of their own"),
-  "longer-than-positions": ({"data.seq_len": 65}, "data.seq_len=65 is longer than the 64 positions"),
+  "corpus-tokenizer": (
+    {"data.tokenizer": "bpe:2048"},
+    "their embedding reads the ids of their own",
+  ),
+  "longer-than-positions": (
+    {"data.seq_len": 65},
+    "data.seq_len=65 is longer than the 64 positions",
+  ),
   "not-hf": ({"model.init": "runs/acco"}, "model.init='runs/acco': give hf:<dir>"),
   "size-hf-without-init": ({"model.init": ""}, "model.size=init takes the sizes from model.init"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", BAD_CONFIGS)
@@ -274,8 +287,11 @@ def test_export_refuses_a_directory_that_is_not_empty_and_writes_nothing(tmp_pat
 def test_export_command_refuses_in_one_line(tmp_path):
   result = subprocess.run(
     [sys.executable, "-m", "acco_jax.export", str(tmp_path / "none"), str(tmp_path / "out")],
-    capture_output=True, text=True, cwd=REPO, timeout=120,
-  )  # fmt: skip
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    timeout=120,
+  )
   assert result.returncode == 2, result.stderr
   assert result.stderr.strip().splitlines() == [
     f"error: {tmp_path / 'none'}: no such directory: give a run's workdir"

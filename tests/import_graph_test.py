@@ -96,9 +96,11 @@ def shared() -> dict[str, tuple[str, ...]]:
   for family in FAMILIES:
     tree = ast.parse((ROOT / "acco_jax" / family / "__init__.py").read_text())
     found = [
-      ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+      ast.literal_eval(node.value)
+      for node in tree.body
+      if isinstance(node, ast.Assign)
       and any(getattr(t, "id", None) == "SHARED" for t in node.targets)
-    ]  # fmt: skip
+    ]
     assert len(found) == 1, f"acco_jax/{family}/__init__.py declares no SHARED tuple"
     out[family] = tuple(found[0])
   return out
@@ -114,9 +116,14 @@ def across_families(graph: dict[str, set[str]], declared: dict[str, tuple]) -> d
   out = {}
   for name, edges in graph.items():
     bad = sorted(
-      e for e in edges if family(e) and family(name) and family(e) != family(name)
-      and e.split(".")[2:3] != [] and e.split(".")[2] not in declared[family(e)]
-    )  # fmt: skip
+      e
+      for e in edges
+      if family(e)
+      and family(name)
+      and family(e) != family(name)
+      and e.split(".")[2:3] != []
+      and e.split(".")[2] not in declared[family(e)]
+    )
     if bad:
       out[name] = bad
   return out

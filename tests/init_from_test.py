@@ -66,9 +66,10 @@ def source_run(workdir, config, stages: int, seed: int = 0):
   run = build.build(config)
   rng = np.random.default_rng(seed)
   draw = lambda x: (  # small and positive: Adam's second moments, the hyperparameters
-    rng.uniform(0, 0.1, x.shape) if jnp.issubdtype(x.dtype, jnp.floating)
+    rng.uniform(0, 0.1, x.shape)
+    if jnp.issubdtype(x.dtype, jnp.floating)
     else rng.integers(1, 9, x.shape)
-  ).astype(x.dtype)  # fmt: skip
+  ).astype(x.dtype)
   abstract = run.train.abstract_state(run.params_shapes)
   host = jax.tree.map(draw, abstract)
   host = host._replace(stage=np.int32(stages))
@@ -79,10 +80,13 @@ def source_run(workdir, config, stages: int, seed: int = 0):
   rows = run.mesh.size * run.train.num_microbatches * config.batch.microbatch_size
   stream = build.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
   extra = {
-    "stage": stages, "data": {**stream.get_state(), "step": stages},
-    "tokens_seen": stages * rows * config.data.seq_len, "vocab": build.vocab_meta(run.model_cfg),
-    "comm": build.comm_meta(config, run.train), "config": config.to_json_best_effort(),
-  }  # fmt: skip
+    "stage": stages,
+    "data": {**stream.get_state(), "step": stages},
+    "tokens_seen": stages * rows * config.data.seq_len,
+    "vocab": build.vocab_meta(run.model_cfg),
+    "comm": build.comm_meta(config, run.train),
+    "config": config.to_json_best_effort(),
+  }
   with Checkpointer(pathlib.Path(workdir) / "checkpoints", async_save=False) as ckpt:
     ckpt.save(stages, portable.place(host, abstract), extra=extra)
   return host, run.train.layout
@@ -212,18 +216,33 @@ REFUSALS = [
   ("missing-workdir", lambda p: p / "nowhere", r"no such directory"),
   ("empty-workdir", lambda p: p, r"holds no checkpoint"),
   ("hdee-recipe", hdee_recipe, r"is an HDEE recipe .* ckpt.init_from=.*seed-M$"),
-  ("loco-source", lambda p: fake_source(p, gpt2_diloco),
-   r"method=diloco run: its state is per worker .* outer optimizer's"),
-  ("another-model", lambda p: fake_with(p, **{"model.D": 32, "data.seq_len": 16}),
-   r"the source's model is not this run's: D=32 there, 16 here \(model.D\); L=16 there, 8 here "
-   r"\(data.seq_len\)"),
-  ("another-optimizer", lambda p: fake_with(p, **{"opt.name": "sgd"}),
-   r"inner optimizer keeps another state .*\(opt.name=sgd there, adamw here\)"),
-  ("skippipe-plan", lambda p: fake_source(p, gpt2_pipeline, plan={"settings": {}}),
-   r"scheduled SkipPipe plan .* does not move onto another mesh"),
-  ("no-config", lambda p: fake_source(p, gpt2_zero1, config=None),
-   r"does not record the run's config"),
-]  # fmt: skip
+  (
+    "loco-source",
+    lambda p: fake_source(p, gpt2_diloco),
+    r"method=diloco run: its state is per worker .* outer optimizer's",
+  ),
+  (
+    "another-model",
+    lambda p: fake_with(p, **{"model.D": 32, "data.seq_len": 16}),
+    r"the source's model is not this run's: D=32 there, 16 here \(model.D\); L=16 there, 8 here "
+    r"\(data.seq_len\)",
+  ),
+  (
+    "another-optimizer",
+    lambda p: fake_with(p, **{"opt.name": "sgd"}),
+    r"inner optimizer keeps another state .*\(opt.name=sgd there, adamw here\)",
+  ),
+  (
+    "skippipe-plan",
+    lambda p: fake_source(p, gpt2_pipeline, plan={"settings": {}}),
+    r"scheduled SkipPipe plan .* does not move onto another mesh",
+  ),
+  (
+    "no-config",
+    lambda p: fake_source(p, gpt2_zero1, config=None),
+    r"does not record the run's config",
+  ),
+]
 
 
 @pytest.mark.parametrize("case,make,pattern", REFUSALS, ids=[r[0] for r in REFUSALS])
@@ -238,13 +257,21 @@ def test_what_cannot_move_is_a_one_line_refusal(tmp_path, case, make, pattern):
   "case,module,overrides,pattern",
   [
     ("loco-target", gpt2_diloco, {}, r"a method=diloco run cannot start .* outer state"),
-    ("too-few-updates", gpt2_zero1, {"train.num_updates": 2},
-     r"has done 2 updates and train.num_updates=2 counts from its first: raise"),
-    ("another-stream", gpt2_zero1, {"train.seed": 1},
-     r"the data position cannot be kept: the saved data position is for another stream"),
+    (
+      "too-few-updates",
+      gpt2_zero1,
+      {"train.num_updates": 2},
+      r"has done 2 updates and train.num_updates=2 counts from its first: raise",
+    ),
+    (
+      "another-stream",
+      gpt2_zero1,
+      {"train.seed": 1},
+      r"the data position cannot be kept: the saved data position is for another stream",
+    ),
   ],
   ids=["loco-target", "too-few-updates", "another-stream"],
-)  # fmt: skip
+)
 def test_what_cannot_start_is_a_one_line_refusal(
   sources, tmp_path, case, module, overrides, pattern
 ):
@@ -267,23 +294,43 @@ def test_an_hdee_recipe_refuses_init_from(tmp_path):
 
 def train_py(workdir, config: str, **flags):
   return subprocess.run(
-    [sys.executable, str(REPO / "train.py"), "--config", config, "--workdir", str(workdir),
-     *[f"--config.{k}={v}" for k, v in flags.items()]],
-    capture_output=True, text=True, cwd=REPO, timeout=300,
+    [
+      sys.executable,
+      str(REPO / "train.py"),
+      "--config",
+      config,
+      "--workdir",
+      str(workdir),
+      *[f"--config.{k}={v}" for k, v in flags.items()],
+    ],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    timeout=300,
     env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1"),
-  )  # fmt: skip
+  )
 
 
 SMALL = {
-  "model.D": 16, "model.N": 1, "model.H": 1, "data.seq_len": 8, "train.eval_every": 0,
-  "train.eval_batches": 1, "train.sample_tokens": 0, "ckpt.async_save": "false",
+  "model.D": 16,
+  "model.N": 1,
+  "model.H": 1,
+  "data.seq_len": 8,
+  "train.eval_every": 0,
+  "train.eval_batches": 1,
+  "train.sample_tokens": 0,
+  "ckpt.async_save": "false",
   "data.cache_dir": REPO / ".pytest_cache" / "acco_data",
-}  # fmt: skip
+}
 
 
 def test_train_py_refuses_in_one_line(sources, tmp_path):
-  proc = train_py(tmp_path / "run", "configs/gpt2_zero1.py:tiny", **SMALL,
-                  **{"ckpt.init_from": sources[0] / "zero1", "train.num_updates": 2})  # fmt: skip
+  proc = train_py(
+    tmp_path / "run",
+    "configs/gpt2_zero1.py:tiny",
+    **SMALL,
+    **{"ckpt.init_from": sources[0] / "zero1", "train.num_updates": 2},
+  )
   assert proc.returncode == 2 and proc.stderr.splitlines() == [
     f"error: ckpt.init_from={sources[0] / 'zero1'}: the source has done 2 updates and "
     "train.num_updates=2 counts from its first: raise train.num_updates above 2"
@@ -293,8 +340,9 @@ def test_train_py_refuses_in_one_line(sources, tmp_path):
 
 @pytest.mark.slow  # two train.py runs: about 40 s of compilation on 2 cores
 def test_train_py_starts_from_another_runs_checkpoint(tmp_path):
-  source = train_py(tmp_path / "acco", "configs/gpt2_acco.py:tiny", **SMALL, **{
-    "train.num_updates": 3})  # fmt: skip
+  source = train_py(
+    tmp_path / "acco", "configs/gpt2_acco.py:tiny", **SMALL, **{"train.num_updates": 3}
+  )
   assert source.returncode == 0, source.stderr[-3000:]
   flags = {"ckpt.init_from": tmp_path / "acco", "mesh.num_devices": 4, "train.num_updates": 5}
   proc = train_py(tmp_path / "run", "configs/gpt2_zero1.py:tiny", **SMALL, **flags)
@@ -317,22 +365,36 @@ def test_train_py_acco_to_pipeline_and_back(tmp_path):
   """configs/gpt2_acco.py's checkpoint continues as a pipeline-ACCO run of 2 stages (1 and 3
   blocks) x 4 lanes, whose checkpoint continues as an acco run again."""
   small = {**SMALL, "model.N": 4}
-  source = train_py(tmp_path / "acco", "configs/gpt2_acco.py:tiny", **small,
-                    **{"train.num_updates": 2})  # fmt: skip
+  source = train_py(
+    tmp_path / "acco", "configs/gpt2_acco.py:tiny", **small, **{"train.num_updates": 2}
+  )
   assert source.returncode == 0, source.stderr[-3000:]
   pipe = {"pipeline.stages": 2, "pipeline.blocks_per_stage": "1,3", "pipeline.data_method": "acco"}
-  proc = train_py(tmp_path / "pipe", "configs/gpt2_pipeline.py:tiny", **small, **pipe, **{
-    "ckpt.init_from": tmp_path / "acco", "train.num_updates": 4})  # fmt: skip
+  proc = train_py(
+    tmp_path / "pipe",
+    "configs/gpt2_pipeline.py:tiny",
+    **small,
+    **pipe,
+    **{"ckpt.init_from": tmp_path / "acco", "train.num_updates": 4},
+  )
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-  assert f"ckpt.init_from: the acco run in {tmp_path / 'acco'} (stage 4, 2 updates) continues " \
-         "as pipeline at stage 5" in proc.stdout, proc.stdout  # fmt: skip
+  assert (
+    f"ckpt.init_from: the acco run in {tmp_path / 'acco'} (stage 4, 2 updates) continues "
+    "as pipeline at stage 5" in proc.stdout
+  ), proc.stdout
   summary = json.loads(proc.stdout.strip().splitlines()[-1])
   assert summary["updates"] == 4 and np.isfinite(summary["eval_loss"])
-  back = train_py(tmp_path / "back", "configs/gpt2_acco.py:tiny", **small, **{
-    "ckpt.init_from": tmp_path / "pipe", "train.num_updates": 6})  # fmt: skip
+  back = train_py(
+    tmp_path / "back",
+    "configs/gpt2_acco.py:tiny",
+    **small,
+    **{"ckpt.init_from": tmp_path / "pipe", "train.num_updates": 6},
+  )
   assert back.returncode == 0, back.stdout[-2000:] + back.stderr[-3000:]
-  assert f"ckpt.init_from: the pipeline run in {tmp_path / 'pipe'} (stage 9, 4 updates) " \
-         "continues as acco at stage 8" in back.stdout, back.stdout  # fmt: skip
+  assert (
+    f"ckpt.init_from: the pipeline run in {tmp_path / 'pipe'} (stage 9, 4 updates) "
+    "continues as acco at stage 8" in back.stdout
+  ), back.stdout
   assert json.loads(back.stdout.strip().splitlines()[-1])["updates"] == 6
 
 
@@ -358,12 +420,21 @@ def test_owner_layout_run_starts_an_owner_run_on_4_devices(tmp_path, capsys, mon
     return state
 
   monkeypatch.setattr(TrainStep, "import_state", spy)
-  config = tiny(gpt2_acco, **{**muon, "train.num_updates": 3, "mesh.num_devices": 4,
-                              "ckpt.init_from": str(tmp_path / "src")})  # fmt: skip
+  config = tiny(
+    gpt2_acco,
+    **{
+      **muon,
+      "train.num_updates": 3,
+      "mesh.num_devices": 4,
+      "ckpt.init_from": str(tmp_path / "src"),
+    },
+  )
   trainer.train_and_evaluate(config, str(tmp_path / "run"), max_stages=5)
   out = capsys.readouterr().out
-  assert f"the zero1 run in {tmp_path / 'src'} (stage 2, 2 updates) continues as acco at stage 4 " \
-         "on 4 devices" in out, out  # fmt: skip
+  assert (
+    f"the zero1 run in {tmp_path / 'src'} (stage 2, 2 updates) continues as acco at stage 4 "
+    "on 4 devices" in out
+  ), out
   same_bits(seen["export"].params, want.params, "theta")
   same_bits(seen["export"].opt, want.opt, "inner optimizer state")
 

@@ -57,10 +57,16 @@ def test_alpaca_prompt_and_answer(tmp_path):
 
 
 def test_builtin_chat_trains_every_assistant_turn():
-  ex = Example(instruct.chat_pieces([
-    {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-    {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
-  ]))  # fmt: skip
+  ex = Example(
+    instruct.chat_pieces(
+      [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+      ]
+    )
+  )
   enc = examples.encode(BYTES, [ex])
   ids, trained = enc.example(0)
   text = bytes(int(i) for i in ids if i < 256).decode()
@@ -87,19 +93,27 @@ def test_hf_chat_template_with_generation_marks():
 
 def test_chat_template_without_an_assistant_mask_is_refused(tmp_path):
   template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-  path = _jsonl(tmp_path, [{"messages": [{"role": "user", "content": "a"},
-                                         {"role": "assistant", "content": "b"}]}])  # fmt: skip
+  path = _jsonl(
+    tmp_path,
+    [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}],
+  )
   with pytest.raises(errors.UserValueError, match=r"no \{% generation %\} block") as info:
     instruct.read_jsonl(path, "chat", template)
   assert "\n" not in str(info.value)
 
 
 BAD_FILES = {
-  "not-json": (['{"prompt": "a", "completion": "b"}', '{"prompt": "a",'], r"data.jsonl:2: not a JSON object"),
-  "missing-field": ([{"prompt": "a"}], r"data.jsonl:1: field 'completion' is missing, not a string"),
+  "not-json": (
+    ['{"prompt": "a", "completion": "b"}', '{"prompt": "a",'],
+    r"data.jsonl:2: not a JSON object",
+  ),
+  "missing-field": (
+    [{"prompt": "a"}],
+    r"data.jsonl:1: field 'completion' is missing, not a string",
+  ),
   "not-a-string": ([{"prompt": "a", "completion": 3}], r"field 'completion' is a int"),
   "empty-response": ([{"prompt": "a", "completion": "  "}], r"data.jsonl:1: the response is empty"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", BAD_FILES)
@@ -164,8 +178,12 @@ def test_buckets_are_multiples_padded_to_the_batch_longest():
 def test_every_process_takes_its_rows_of_one_bucketed_global_batch():
   enc = _encoded([5, 12, 40, 7, 70, 9, 30, 3])
   whole = examples.batches(enc, seq_len=64, global_batch_rows=4, seed=1, bucket=16)
-  parts = [examples.batches(enc, seq_len=64, global_batch_rows=4, seed=1, bucket=16,
-                            process_index=p, process_count=2) for p in range(2)]  # fmt: skip
+  parts = [
+    examples.batches(
+      enc, seq_len=64, global_batch_rows=4, seed=1, bucket=16, process_index=p, process_count=2
+    )
+    for p in range(2)
+  ]
   for _ in range(3):
     w = next(whole)
     a, b = next(parts[0]), next(parts[1])
@@ -181,8 +199,13 @@ def test_a_packed_row_gives_each_example_its_own_logits(arch):
   params = model.init_params(cfg, 0)
   enc = _encoded([9, 6, 12])
   row = examples._row(enc, [0, 1, 2], 32, packed=True)
-  packed = model.apply(params, cfg, row["inputs"][None], positions_BxL=row["positions"][None],
-                       segments_BxL=row["segments"][None])[0]  # fmt: skip
+  packed = model.apply(
+    params,
+    cfg,
+    row["inputs"][None],
+    positions_BxL=row["positions"][None],
+    segments_BxL=row["segments"][None],
+  )[0]
   at = 0
   for i in range(3):
     ids, _ = enc.example(i)

@@ -45,8 +45,11 @@ def test_the_long_setting_has_the_syncs_it_promises():
   assert s["num_updates"] // 30 >= 60 and s["num_updates"] // 100 >= 20
   assert s["num_updates"] // s["eval_every"] >= 40
   assert loco_compare.run_dir(loco_compare.common.RESULTS, "ddp", 1, "long").parts[-4:] == (
-    "runs", "loco_long", "ddp", "seed1",
-  )  # fmt: skip
+    "runs",
+    "loco_long",
+    "ddp",
+    "seed1",
+  )
 
 
 def test_the_table_pairs_each_mode_with_none_by_seed():
@@ -156,8 +159,24 @@ def test_the_long_grid_driver_runs_at_tiny_length(tmp_path):
   import subprocess
   import sys
 
-  cmd = [sys.executable, "-m", "bench.loco.loco_overlap", "--setting", "long", "--smoke", "--out", str(tmp_path),
-         "--jobs", "2", "--cases", "diloco H=30", "ddp", "--modes", "none", "eager"]  # fmt: skip
+  cmd = [
+    sys.executable,
+    "-m",
+    "bench.loco.loco_overlap",
+    "--setting",
+    "long",
+    "--smoke",
+    "--out",
+    str(tmp_path),
+    "--jobs",
+    "2",
+    "--cases",
+    "diloco H=30",
+    "ddp",
+    "--modes",
+    "none",
+    "eager",
+  ]
   proc = subprocess.run(
     cmd, cwd=loco_compare.common.REPO, capture_output=True, text=True, timeout=600
   )
@@ -165,8 +184,10 @@ def test_the_long_grid_driver_runs_at_tiny_length(tmp_path):
   res = json.loads((tmp_path / "loco_long_smoke.json").read_text())
   assert res["grid"] == "long" and res["updates"] == loco_compare.SMOKE["num_updates"]
   assert {(c, m) for c, by in res["runs"].items() for m in by} == {
-    ("diloco H=30", "none"), ("diloco H=30", "eager"), ("ddp", "none"),
-  }  # fmt: skip
+    ("diloco H=30", "none"),
+    ("diloco H=30", "eager"),
+    ("ddp", "none"),
+  }
   for by_mode in res["runs"].values():
     for by_seed in by_mode.values():
       assert [r["status"] for r in by_seed.values()] == ["ok"]

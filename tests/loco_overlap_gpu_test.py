@@ -20,10 +20,24 @@ REPO = Path(__file__).resolve().parent.parent
 def schedules(tmp_path_factory):
   out = tmp_path_factory.mktemp("loco_overlap") / "loco_overlap_gpu.json"
   proc = subprocess.run(
-    [sys.executable, "-m", "bench.gpu.loco_overlap_gpu", "--model", "tiny",
-     "--layers", "4", "--seq", "64", "--out", str(out)],
-    capture_output=True, text=True, timeout=900, cwd=REPO,
-  )  # fmt: skip
+    [
+      sys.executable,
+      "-m",
+      "bench.gpu.loco_overlap_gpu",
+      "--model",
+      "tiny",
+      "--layers",
+      "4",
+      "--seq",
+      "64",
+      "--out",
+      str(out),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=900,
+    cwd=REPO,
+  )
   print(proc.stdout[-3000:])
   assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
   return {r["program"]: r for r in json.loads(out.read_text())["results"]}

@@ -108,9 +108,11 @@ def ref_model_loss(params, cfg, batch):
 
 def _close_trees(got, want, rel):
   for path, g, w in zip(
-    jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(got), jax.tree.leaves(want),
+    jax.tree_util.tree_flatten_with_path(got)[0],
+    jax.tree.leaves(got),
+    jax.tree.leaves(want),
     strict=True,
-  ):  # fmt: skip
+  ):
     scale = float(np.max(np.abs(w))) or 1.0
     err = float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(w))))
     assert err <= rel * scale, (jax.tree_util.keystr(path[0]), err, scale)

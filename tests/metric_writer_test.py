@@ -31,8 +31,9 @@ def run_python(code: str, tmp_path: pathlib.Path) -> bool:
   mark = tmp_path / "torch_imported"
   mark.unlink(missing_ok=True)
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]), TORCH_MARK=str(mark))
-  proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
-                        text=True, timeout=120)  # fmt: skip
+  proc = subprocess.run(
+    [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   return mark.exists()
 
@@ -69,8 +70,11 @@ w.close()
 assert "torch" not in sys.modules and not os.path.exists(os.environ["TORCH_MARK"])
 """
   assert not run_python(code, tmp_path)
-  assert sorted(scalars(workdir / "tb")) == [(3, "loss", 2.5), (3, "lr", pytest.approx(1e-3)),
-                                             (4, "loss", 2.25)]  # fmt: skip
+  assert sorted(scalars(workdir / "tb")) == [
+    (3, "loss", 2.5),
+    (3, "lr", pytest.approx(1e-3)),
+    (4, "loss", 2.25),
+  ]
 
 
 def test_torch_imported_before_or_after_the_writer_is_the_real_module(tmp_path):

@@ -79,8 +79,9 @@ def test_owner_layout_moves_what_the_elementwise_layout_moves(name):
     tx = acco_jax.zero1(sgdm(), comm_dtype=jnp.float32, layout=layout)
     train, state, _ = run(method, M, D, batches, inner_name=tx)
     out[layout] = train.worker_params(state)
-  assert_updates_close(out["owner"], out["elementwise"], jax.tree.map(lambda x: x[None], params),
-                       1e-4)  # fmt: skip
+  assert_updates_close(
+    out["owner"], out["elementwise"], jax.tree.map(lambda x: x[None], params), 1e-4
+  )
 
 
 @pytest.mark.parametrize(

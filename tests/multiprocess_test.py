@@ -51,10 +51,20 @@ def run_workers(tmp_path: Path) -> tuple[dict, float, list[str]]:
   start = time.perf_counter()
   try:
     for i in range(PROCESSES):
-      cmd = [sys.executable, str(REPO / "tests" / "multiprocess_worker.py"),
-             "--process-id", str(i), "--num-processes", str(PROCESSES),
-             "--local-devices", str(LOCAL_DEVICES), "--port", str(port),
-             "--out", str(out)]  # fmt: skip
+      cmd = [
+        sys.executable,
+        str(REPO / "tests" / "multiprocess_worker.py"),
+        "--process-id",
+        str(i),
+        "--num-processes",
+        str(PROCESSES),
+        "--local-devices",
+        str(LOCAL_DEVICES),
+        "--port",
+        str(port),
+        "--out",
+        str(out),
+      ]
       with open(logs[i], "w") as log:
         procs.append(
           subprocess.Popen(cmd, env=worker_env(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO)

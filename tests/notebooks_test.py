@@ -15,8 +15,11 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 def test_notebook_executes_without_error(tmp_path, path):
   proc = subprocess.run(
     [sys.executable, "-m", "bench.run.notebooks", str(path), "--out", str(tmp_path)],
-    capture_output=True, text=True, timeout=900, cwd=REPO,
-  )  # fmt: skip
+    capture_output=True,
+    text=True,
+    timeout=900,
+    cwd=REPO,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   nb = json.loads((tmp_path / path.name).read_text())
   outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]

@@ -33,8 +33,11 @@ def run_bench(tmp_path_factory, *args) -> dict:
   out = tmp_path_factory.mktemp("overlap") / "overlap_gpu.json"
   proc = subprocess.run(
     [sys.executable, "-m", "bench.gpu.overlap_gpu", "--out", str(out), *args],
-    capture_output=True, text=True, timeout=1500, cwd=REPO,
-  )  # fmt: skip
+    capture_output=True,
+    text=True,
+    timeout=1500,
+    cwd=REPO,
+  )
   print(proc.stdout[-6000:])
   assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
   return json.loads(out.read_text())
@@ -78,9 +81,18 @@ needs_gpu = [
 @pytest.fixture(scope="module")
 def aot_schedules(tmp_path_factory):
   data = run_bench(
-    tmp_path_factory, "--mode", "aot", "--target", "h100", "--model", "tiny", "--seq", "64",
-    "--variants", "main,zero1",
-  )  # fmt: skip
+    tmp_path_factory,
+    "--mode",
+    "aot",
+    "--target",
+    "h100",
+    "--model",
+    "tiny",
+    "--seq",
+    "64",
+    "--variants",
+    "main,zero1",
+  )
   assert data["mode"] == "aot" and data["target"] == "h100"
   return by_name(data)
 
@@ -124,9 +136,18 @@ def test_on_gpu_gpt2(gpu_schedule, check):
 @pytest.fixture(scope="module")
 def aot_quantized(tmp_path_factory):
   data = run_bench(
-    tmp_path_factory, "--mode", "aot", "--target", "h100", "--model", "tiny", "--seq", "64",
-    "--variants", "acco-int8,zero1-int8",
-  )  # fmt: skip
+    tmp_path_factory,
+    "--mode",
+    "aot",
+    "--target",
+    "h100",
+    "--model",
+    "tiny",
+    "--seq",
+    "64",
+    "--variants",
+    "acco-int8,zero1-int8",
+  )
   return by_name(data)
 
 

@@ -64,12 +64,16 @@ def muon():
   # the stacked leaf is 11 matrices of 4 x 6 (batch axis 0), the 2-D kernels one matrix each
   dims = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
   return optax.contrib.muon(
-    3e-2, adam_learning_rate=1e-2, weight_decay=0.01,
+    3e-2,
+    adam_learning_rate=1e-2,
+    weight_decay=0.01,
     muon_weight_dimension_numbers=lambda p: jax.tree.map(
-      lambda x: dims if x.ndim == 3 else optax.contrib.MuonDimensionNumbers() if x.ndim == 2
-      else None, p
+      lambda x: (
+        dims if x.ndim == 3 else optax.contrib.MuonDimensionNumbers() if x.ndim == 2 else None
+      ),
+      p,
     ),
-  )  # fmt: skip
+  )
 
 
 def adafactor():
@@ -137,8 +141,9 @@ def test_ddp_gives_a_non_elementwise_optimizer_the_whole_parameters(inner, param
   """Not the owner layout: DDP's optimizer sees the tree of original shapes, not [N, s_l] chunks
   (on chunks Muon's update is another matrix altogether, far outside the tolerance)."""
   params, batches = params(), make_batches(2)
-  train, state = run_library(acco_jax.ddp(inner(), comm_dtype=jnp.float32), params, batches,
-                             [FULL] * 2)  # fmt: skip
+  train, state = run_library(
+    acco_jax.ddp(inner(), comm_dtype=jnp.float32), params, batches, [FULL] * 2
+  )
   ref = ref_sync(inner(), params, batches, [FULL] * 2)
   assert_updates_close(train.params(state), ref, params, UPDATE_RTOL)
   assert jax.tree.structure(state.params) == jax.tree.structure(params)
@@ -215,9 +220,12 @@ def test_owner_layout_refusals():
   late_clip = optax.chain(optax.scale(2.0), optax.clip_by_global_norm(0.1), muon())
   with pytest.raises(ValueError, match="its update of one leaf reads others") as info:
     acco_jax.make_train_step(
-      loss_with_stack, acco_jax.acco(late_clip, layout="owner"), mesh, num_microbatches=1,
+      loss_with_stack,
+      acco_jax.acco(late_clip, layout="owner"),
+      mesh,
+      num_microbatches=1,
       params=params,
-    )  # fmt: skip
+    )
   assert "\n" not in str(info.value)
 
 
@@ -313,8 +321,9 @@ def owner_step(name, n, params):
   inner = muon_adamw_clipped(view(owned), view(decay), optim.clip_by_global_norm(1.0))
   tx = acco_jax.get_method(name, inner, comm_dtype=jnp.float32, layout="owner")
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
-  train = acco_jax.make_train_step(loss_with_stack, tx, mesh, num_microbatches=N * K // n,
-                                   params=params, owned=owned)  # fmt: skip
+  train = acco_jax.make_train_step(
+    loss_with_stack, tx, mesh, num_microbatches=N * K // n, params=params, owned=owned
+  )
   train.source_tx = lambda m: owner_step(name, m, params).tx  # its masks are in m's view
   return train
 
@@ -346,8 +355,9 @@ def test_owner_state_moves_to_another_device_count(tmp_path):
     back = restore(train8)
   assert bits(train4.params(moved)) == bits(train8.params(state))
   assert bits(train4.compute_params(moved)) == bits(train8.compute_params(state))
-  assert bits(back._replace(buf=None, buf_count=None)) == bits(state._replace(buf=None,
-                                                                             buf_count=None))  # fmt: skip
+  assert bits(back._replace(buf=None, buf_count=None)) == bits(
+    state._replace(buf=None, buf_count=None)
+  )
   np.testing.assert_allclose(np.sum(back.buf, 0), np.sum(state.buf, 0), rtol=1e-6, atol=1e-7)
   assert int(np.sum(back.buf_count)) == int(np.sum(state.buf_count))
   for batch in batches[3:]:

@@ -24,11 +24,16 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240
 COMMON = [
-  "--config.method=pipeline", "--config.train.num_updates=3", "--config.train.log_every=1",
-  "--config.train.eval_every=0", "--config.train.eval_batches=1", "--config.train.sample_tokens=0",
-  "--config.ckpt.async_save=False", "--config.model.dtype=float32",
+  "--config.method=pipeline",
+  "--config.train.num_updates=3",
+  "--config.train.log_every=1",
+  "--config.train.eval_every=0",
+  "--config.train.eval_batches=1",
+  "--config.train.sample_tokens=0",
+  "--config.ckpt.async_save=False",
+  "--config.model.dtype=float32",
   f"--config.data.cache_dir={REPO / '.pytest_cache' / 'acco_data'}",
-]  # fmt: skip
+]
 
 
 def _run(workdir: Path, flags: list[str], processes: int) -> dict[int, float]:
@@ -38,12 +43,23 @@ def _run(workdir: Path, flags: list[str], processes: int) -> dict[int, float]:
   if processes == 1:
     env["XLA_FLAGS"] = (env["XLA_FLAGS"] + " --xla_force_host_platform_device_count=8").strip()
   for i in range(processes):
-    cmd = [sys.executable, str(REPO / "train.py"), "--config", "configs/gpt2_skippipe.py:tiny",
-           "--workdir", str(workdir), *COMMON, *flags]  # fmt: skip
+    cmd = [
+      sys.executable,
+      str(REPO / "train.py"),
+      "--config",
+      "configs/gpt2_skippipe.py:tiny",
+      "--workdir",
+      str(workdir),
+      *COMMON,
+      *flags,
+    ]
     if processes > 1:
-      cmd += [f"--config.dist.coordinator_address=127.0.0.1:{port}",
-              f"--config.dist.num_processes={processes}", f"--config.dist.process_id={i}",
-              f"--config.mesh.cpu_devices={devices}"]  # fmt: skip
+      cmd += [
+        f"--config.dist.coordinator_address=127.0.0.1:{port}",
+        f"--config.dist.num_processes={processes}",
+        f"--config.dist.process_id={i}",
+        f"--config.mesh.cpu_devices={devices}",
+      ]
     logs.append(workdir.parent / f"{workdir.name}-p{i}.log")
     with open(logs[-1], "w") as log:
       procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))

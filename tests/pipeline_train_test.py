@@ -75,9 +75,15 @@ def test_resume_keeps_the_saved_plan():
   run = trainer.build(config)
   planned, p = run.train.planned, config.pipeline
   other = schedule.schedule(
-    planned.topology, planned.costs, planned.partition, run.train.schedule.num_microbatches,
-    p.skip, p.swap, seed=7, iters=3,
-  )  # fmt: skip
+    planned.topology,
+    planned.costs,
+    planned.partition,
+    run.train.schedule.num_microbatches,
+    p.skip,
+    p.swap,
+    seed=7,
+    iters=3,
+  )
   assert other != planned.plan
   with pytest.raises(errors.UserValueError, match="without a scheduled plan"):
     run.train.check_checkpoint({})
@@ -102,8 +108,19 @@ def test_bench_reports_the_plan_train_trains(tmp_path):
   """``python -m bench.pipeline.skippipe --part plan`` prints and writes the plan ``train.py`` trains for the same
   config (configs/gpt2_skippipe.py:tiny, method=pipeline, 8 devices)."""
   repo = pathlib.Path(__file__).resolve().parent.parent
-  cmd = [sys.executable, "-m", "bench.pipeline.skippipe", "--part", "plan", "--config",
-         "configs/gpt2_skippipe.py:tiny", "--devices", "8", "--out", str(tmp_path)]  # fmt: skip
+  cmd = [
+    sys.executable,
+    "-m",
+    "bench.pipeline.skippipe",
+    "--part",
+    "plan",
+    "--config",
+    "configs/gpt2_skippipe.py:tiny",
+    "--devices",
+    "8",
+    "--out",
+    str(tmp_path),
+  ]
   proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   reported = json.loads((tmp_path / "skippipe_plan.json").read_text())

@@ -15,11 +15,19 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 def train_cmd(workdir, cache):
   return [
-    sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "gpt2_acco.py") + ":tiny",
-    "--workdir", str(workdir), f"--config.data.cache_dir={cache}", "--config.train.num_updates=150",
-    "--config.train.log_every=1", "--config.train.eval_every=0", "--config.ckpt.every=0",
+    sys.executable,
+    str(REPO / "train.py"),
+    "--config",
+    str(REPO / "configs" / "gpt2_acco.py") + ":tiny",
+    "--workdir",
+    str(workdir),
+    f"--config.data.cache_dir={cache}",
+    "--config.train.num_updates=150",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=0",
+    "--config.ckpt.every=0",
     "--config.train.sample_tokens=0",
-  ]  # fmt: skip
+  ]
 
 
 @pytest.mark.slow
@@ -27,9 +35,13 @@ def test_sigterm_checkpoints_and_resumes(tmp_path):
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   cache = tmp_path / "cache"
   proc = subprocess.Popen(
-    train_cmd(tmp_path / "run", cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    env=env, cwd=REPO,
-  )  # fmt: skip
+    train_cmd(tmp_path / "run", cache),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    env=env,
+    cwd=REPO,
+  )
   lines = []
   try:
     deadline = time.time() + 240
@@ -52,9 +64,13 @@ def test_sigterm_checkpoints_and_resumes(tmp_path):
   assert str(stopped) in ckpts, ckpts
 
   done = subprocess.run(
-    train_cmd(tmp_path / "run", cache), capture_output=True, text=True, env=env, cwd=REPO,
+    train_cmd(tmp_path / "run", cache),
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=REPO,
     timeout=600,
-  )  # fmt: skip
+  )
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   summary = json.loads(done.stdout.strip().splitlines()[-1])
   assert summary["stages"] == 300 and summary["updates"] == 150

@@ -100,8 +100,10 @@ def logged_run(tmp_path_factory):
       events.append(("read", int(real_get(x[0]["stage"]))))  # the stage's index, 0-based
     return real_get(x)
 
-  config = tiny(gpt2_zero1, **{"train.log_every": 1, "train.eval_every": 0, "ckpt.every": 0,
-                               "train.sample_tokens": 0})  # fmt: skip
+  config = tiny(
+    gpt2_zero1,
+    **{"train.log_every": 1, "train.eval_every": 0, "ckpt.every": 0, "train.sample_tokens": 0},
+  )
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(TrainStep, "step", step)
     mp.setattr(trainer.jax, "device_get", device_get)

@@ -43,8 +43,13 @@ def test_trace_figures_against_the_hand_count():
   events = synthetic_events()
   kernels = trace.gpu_kernels(events)
   kinds, names = trace.kernel_table(kernels)
-  assert kinds == {"GEMM": 30, "attention": 50, "XLA fusion": 30, "collective": 30,
-                   "memcpy/memset": 2}  # fmt: skip
+  assert kinds == {
+    "GEMM": 30,
+    "attention": 50,
+    "XLA fusion": 30,
+    "collective": 30,
+    "memcpy/memset": 2,
+  }
   assert names[0] == ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 50.0, 1)
   frac, gaps = trace.busy(kernels, 10, 190)
   assert frac == pytest.approx(132 / 180)

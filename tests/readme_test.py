@@ -63,9 +63,13 @@ def test_readme_muon_example_runs_as_written():
   import acco_jax
 
   scope = {
-    "acco_jax": acco_jax, "optax": optax, "loss_fn": lambda p, mb: model.loss_fn(p, cfg, mb)[0],
-    "params": params, "mesh": jax.make_mesh((n,), ("data",)),
-    "first_microbatch": rows_of(tokens(n * rows)), "batch": rows_of(tokens(n * k * rows)),
-  }  # fmt: skip
+    "acco_jax": acco_jax,
+    "optax": optax,
+    "loss_fn": lambda p, mb: model.loss_fn(p, cfg, mb)[0],
+    "params": params,
+    "mesh": jax.make_mesh((n,), ("data",)),
+    "first_microbatch": rows_of(tokens(n * rows)),
+    "batch": rows_of(tokens(n * k * rows)),
+  }
   exec(compile(m.group(1), str(README), "exec"), scope)
   assert scope["train"].owner and np.isfinite(float(np.mean(scope["metrics"]["loss"])))

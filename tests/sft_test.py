@@ -77,11 +77,17 @@ def test_fine_tunes_from_a_directory_and_from_a_run(tmp_path, capsys):
 
 
 BAD = {
-  "malformed-line": ('{"prompt": "a", "completion": "b"}\n{"prompt": "a",\n', r"rev2.jsonl:2: not a JSON object"),
+  "malformed-line": (
+    '{"prompt": "a", "completion": "b"}\n{"prompt": "a",\n',
+    r"rev2.jsonl:2: not a JSON object",
+  ),
   "missing-field": ('{"prompt": "a"}\n', r"rev2.jsonl:1: field 'completion' is missing"),
   "empty-response": ('{"prompt": "a", "completion": ""}\n', r"rev2.jsonl:1: the response is empty"),
-  "none-left-after-split": ('{"prompt": "a", "completion": "b"}\n', r"1 example\(s\) leave none to hold out or none to train on"),
-}  # fmt: skip
+  "none-left-after-split": (
+    '{"prompt": "a", "completion": "b"}\n',
+    r"1 example\(s\) leave none to hold out or none to train on",
+  ),
+}
 
 
 @pytest.mark.parametrize("case", BAD)

@@ -15,8 +15,12 @@ from bench.net import skippipe_netns as sn  # noqa: E402
 from bench.net import skippipe_prediction as sp  # noqa: E402
 
 # Stage costs of the order of the ones measured on this machine (seconds, bytes).
-MEASURED = {"op_s": {"F0": 0.012, "F": 0.01, "H": 0.003, "B": 0.04, "B0": 0.05}, "stages": 4,
-            "act_bytes": 2.0 * 4 * 128 * 256, "shared_grad_bytes": 4.0 * 385 * 256}  # fmt: skip
+MEASURED = {
+  "op_s": {"F0": 0.012, "F": 0.01, "H": 0.003, "B": 0.04, "B0": 0.05},
+  "stages": 4,
+  "act_bytes": 2.0 * 4 * 128 * 256,
+  "shared_grad_bytes": 4.0 * 385 * 256,
+}
 
 
 def test_tc_commands_shape_each_destination_at_the_files_rate():
@@ -38,8 +42,10 @@ def test_tc_commands_shape_each_destination_at_the_files_rate():
 
 def test_latency_that_cannot_be_emulated_is_refused(tmp_path):
   path = tmp_path / "far.json"
-  path.write_text('{"speed": [1, 1], "region": ["a", "b"], "latency_ms": [[0, 40], [40, 0]],'
-                  ' "bandwidth_gbps": [[1, 0.1], [0.1, 1]]}')  # fmt: skip
+  path.write_text(
+    '{"speed": [1, 1], "region": ["a", "b"], "latency_ms": [[0, 40], [40, 0]],'
+    ' "bandwidth_gbps": [[1, 0.1], [0.1, 1]]}'
+  )
   topo = topology_lib.load(str(path))
   with pytest.raises(ValueError, match="40 ms link"):
     sn.tc_commands(topo, 0, "acco_e0", netem=False)

@@ -251,8 +251,16 @@ def test_bench_sim_smoke(tmp_path):
 
   repo = Path(__file__).resolve().parent.parent
   for part in ("sim", "sim-allreduce", "timeline"):
-    cmd = [sys.executable, "-m", "bench.pipeline.skippipe", "--part", part, "--smoke",
-           "--out", str(tmp_path)]  # fmt: skip
+    cmd = [
+      sys.executable,
+      "-m",
+      "bench.pipeline.skippipe",
+      "--part",
+      part,
+      "--smoke",
+      "--out",
+      str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
   data = json.loads((tmp_path / "skippipe_sim.json").read_text())
@@ -322,8 +330,11 @@ def random_cases():
         "gpipe": baselines.full_pipeline(topo, costs, part, n, "gpipe"),
         "1f1b": baselines.full_pipeline(topo, costs, part, n, "1f1b"),
       }
-      out.append(dict(family=family, seed=seed, topo=topo, costs=costs, part=part, n=n, skip=skip,
-                      plans=plans))  # fmt: skip
+      out.append(
+        dict(
+          family=family, seed=seed, topo=topo, costs=costs, part=part, n=n, skip=skip, plans=plans
+        )
+      )
   return out
 
 

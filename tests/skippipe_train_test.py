@@ -81,8 +81,17 @@ def test_identity_order_trains_as_the_full_model():
 
 def test_skipped_and_swapped_orders_move_exactly_the_expected_weights():
   lr = 0.5
-  config = _config("ddp", stages=4, skip=0.25, swap=True, name="sgd", lr=lr, b1=0.0,
-                   clip_norm=0.0, schedule="constant")  # fmt: skip
+  config = _config(
+    "ddp",
+    stages=4,
+    skip=0.25,
+    swap=True,
+    name="sgd",
+    lr=lr,
+    b1=0.0,
+    clip_norm=0.0,
+    schedule="constant",
+  )
   run = trainer.build(config)
   assert run.orders.k == 2
   params = model.init_params(run.model_cfg, 0)

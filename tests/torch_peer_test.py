@@ -33,7 +33,8 @@ def test_peer_is_the_same_model():
 
 
 def test_peer_trains_one_bf16_update():
-  out = torch_gpt.run(rows=128, V=100, L=16, D=32, H=4, N=1, B=2, k=2, steps=1, warmup=1,
-                      compile=False)  # fmt: skip
+  out = torch_gpt.run(
+    rows=128, V=100, L=16, D=32, H=4, N=1, B=2, k=2, steps=1, warmup=1, compile=False
+  )
   assert out["tokens_per_s"] > 0 and np.isfinite(out["final_loss"])
   assert out["final_loss"] == pytest.approx(np.log(128), rel=0.1)  # near uniform at init

@@ -134,8 +134,14 @@ def test_resume_continues_the_identical_trajectory(tmp_path, capsys, monkeypatch
 def test_quantized_acco_resumes_the_identical_trajectory(tmp_path, capsys):
   """int8 gradients and weight updates: the gradients' residual rides in ACCO's checkpointed
   buffer and the weights' is θ - w, so a resume is bit-exact; the log counts int8 bytes."""
-  small = {"model.D": 16, "model.N": 1, "model.H": 1, "data.seq_len": 8, "train.eval_batches": 1,
-           "train.sample_tokens": 0}  # fmt: skip
+  small = {
+    "model.D": 16,
+    "model.N": 1,
+    "model.H": 1,
+    "data.seq_len": 8,
+    "train.eval_batches": 1,
+    "train.sample_tokens": 0,
+  }
   config = tiny(gpt2_acco, **{"comm.quantize": "int8", "comm.node_size": 1}, **small)
   whole = trainer.train_and_evaluate(config, str(tmp_path / "whole"))
   assert "comm=int8 blocks of 256" in capsys.readouterr().out
@@ -157,8 +163,15 @@ def test_resume_with_another_quantization_keeps_or_refuses_the_residual(tmp_path
   """ZeRO-1 keeps the undelivered part of its int8 sends as state: a resume that would drop it
   (comm.quantize=none) or lack it is a one-line error before any array is read, and the
   checkpoint is left as it was; a resume whose state has the same leaves (int4) runs on."""
-  small = {"model.D": 16, "model.N": 1, "model.H": 1, "data.seq_len": 8, "train.eval_batches": 1,
-           "train.sample_tokens": 0, "comm.node_size": 1}  # fmt: skip
+  small = {
+    "model.D": 16,
+    "model.N": 1,
+    "model.H": 1,
+    "data.seq_len": 8,
+    "train.eval_batches": 1,
+    "train.sample_tokens": 0,
+    "comm.node_size": 1,
+  }
   int8 = tiny(gpt2_zero1, **{"comm.quantize": "int8"}, **small)
   trainer.train_and_evaluate(int8, str(tmp_path / "q"), max_stages=2)
   ckpt = tmp_path / "q" / "checkpoints"

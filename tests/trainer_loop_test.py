@@ -31,8 +31,11 @@ from bench.gpu import profile_table  # noqa: E402
 from configs import gpt2_acco, gpt2_ddp, gpt2_diloco, gpt2_pipeline, gpt2_zero1
 from tests.train_test import SMALL, rows, tiny
 
-EVENTS = (dispatch.JAXPR_TRACE_EVENT, dispatch.JAXPR_TO_MLIR_MODULE_EVENT,
-          dispatch.BACKEND_COMPILE_EVENT)  # fmt: skip
+EVENTS = (
+  dispatch.JAXPR_TRACE_EVENT,
+  dispatch.JAXPR_TO_MLIR_MODULE_EVENT,
+  dispatch.BACKEND_COMPILE_EVENT,
+)
 
 # (config module, overrides, updates for 10 stages, the stage after which every program has run)
 FAMILIES = {
@@ -55,8 +58,10 @@ SLOW = ("ddp", "acco", "diloco", "pipeline")
 )
 def traced_run(request, tmp_path_factory):
   module, overrides, updates, settled = FAMILIES[request.param]
-  config = tiny(module, **{**SMALL, **overrides, "train.log_every": 1, "train.eval_every": 0,
-                           "train.sample_tokens": 0})  # fmt: skip
+  config = tiny(
+    module,
+    **{**SMALL, **overrides, "train.log_every": 1, "train.eval_every": 0, "train.sample_tokens": 0},
+  )
   config.train.num_updates = updates
   config.ckpt.every = 2 if request.param == "acco" else 3
   log = []

@@ -37,9 +37,22 @@ class Collective(NamedTuple):
 
 
 _DTYPE_BYTES = {
-  "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-  "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+}
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -86,8 +99,10 @@ def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str | None]:
 def _loop_computations(comps: dict[str, list[Instr]]) -> set[str]:
   """Computations run inside a ``while`` (bodies, conditions and everything they call)."""
   names = set(comps)
-  refs = {c: {r for r in re.findall(r"%?([\w.\-]+)", " ".join(i.rest for i in ins)) if r in names}
-          for c, ins in comps.items()}  # fmt: skip
+  refs = {
+    c: {r for r in re.findall(r"%?([\w.\-]+)", " ".join(i.rest for i in ins)) if r in names}
+    for c, ins in comps.items()
+  }
   roots = set()
   for ins in comps.values():
     for i in ins:
@@ -216,10 +231,14 @@ def async_overlap_report(text: str) -> list[AsyncPair]:
     elif kind not in HLO_COLLECTIVES:
       continue
     done = next(
-      (j for j in range(k + 1, len(instrs))
-       if instrs[j].opcode.endswith("-done") and re.search(rf"%?{re.escape(ins.name)}\b", instrs[j].rest)),
+      (
+        j
+        for j in range(k + 1, len(instrs))
+        if instrs[j].opcode.endswith("-done")
+        and re.search(rf"%?{re.escape(ins.name)}\b", instrs[j].rest)
+      ),
       None,
-    )  # fmt: skip
+    )
     if done is None:
       continue
     pairs.append(

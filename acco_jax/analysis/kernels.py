@@ -111,10 +111,16 @@ def fusion_traffic(text: str, unknown_trips: int = 1) -> list[FusionTraffic]:
       kind = re.search(r"kind=(\w+)", i.rest)
       op_name = re.search(r'op_name="([^"]*)"', i.rest)
       fused = comps.get(callee, [])
-      out.append(FusionTraffic(
-        c, i.name, kind.group(1) if kind else "", op_name.group(1) if op_name else "",
-        _fused_bytes(fused, {x.name: x.shape for x in fused}) if fused else 0, n,
-      ))  # fmt: skip
+      out.append(
+        FusionTraffic(
+          c,
+          i.name,
+          kind.group(1) if kind else "",
+          op_name.group(1) if op_name else "",
+          _fused_bytes(fused, {x.name: x.shape for x in fused}) if fused else 0,
+          n,
+        )
+      )
   return out
 
 
@@ -171,6 +177,6 @@ def gemms(text: str) -> list[Gemm]:
           operands,
           f"{result.group(1)}[{result.group(2)}]" if result else "",
           op_name.group(1) if op_name else "",
-        )  # fmt: skip
+        )
       )
   return out

@@ -66,9 +66,16 @@ GBIT = 1e9 / 8  # bytes/s in one Gbit/s
 GBYTE = 1e9
 
 METHODS = (
-  "ddp", "zero1", "dpu", "acco", "dpu_single_loop", "acco_single_loop", "dpu_adaptive",
-  "acco_adaptive", "ddp_per_microbatch",
-)  # fmt: skip
+  "ddp",
+  "zero1",
+  "dpu",
+  "acco",
+  "dpu_single_loop",
+  "acco_single_loop",
+  "dpu_adaptive",
+  "acco_adaptive",
+  "ddp_per_microbatch",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,8 +24,9 @@ def wire_bytes_per_value(quantize: str, block: int = 256, scale_bytes: int = 4) 
   return QUANTIZE_BITS[quantize] / 8 + scale_bytes / block
 
 
-def quantized_reduce_time(cluster: Cluster, params: float, wire: float, node_size: int,
-                          comm_bytes: float = 2) -> tuple[float, float, float]:  # fmt: skip
+def quantized_reduce_time(
+  cluster: Cluster, params: float, wire: float, node_size: int, comm_bytes: float = 2
+) -> tuple[float, float, float]:
   r"""``(T_node, T_a2a, bytes sent)`` of the quantized reduce-scatter of ``params`` values.
 
   With ``L = node_size`` > 1 (= ``cluster.per_node``), each node first reduce-scatters in
@@ -72,9 +73,15 @@ def quantized_reduce_time(cluster: Cluster, params: float, wire: float, node_siz
   return 0.0, (n - 1) * link.latency + max(across, inside), (n - 1) / n * params * wire
 
 
-def quantized_step_time(method: str, work: Workload, cluster: Cluster, quantize: str = "int8",
-                        block: int = 256, node_size: int | None = None,
-                        quant_time: float = 0.0) -> StepTime:  # fmt: skip
+def quantized_step_time(
+  method: str,
+  work: Workload,
+  cluster: Cluster,
+  quantize: str = "int8",
+  block: int = 256,
+  node_size: int | None = None,
+  quant_time: float = 0.0,
+) -> StepTime:
   r"""One update of ``zero1`` or ``acco`` with quantized communication (``comm.quantize``).
 
   The gradients take :func:`quantized_reduce_time` (``node_size`` defaults to the cluster's
@@ -93,8 +100,9 @@ def quantized_step_time(method: str, work: Workload, cluster: Cluster, quantize:
     raise ValueError(f"quantized communication is modelled for zero1 and acco, not {method!r}")
   size = cluster.per_node if node_size is None else node_size
   wire = wire_bytes_per_value(quantize, block)
-  t_node, t_a2a, sent_reduce = quantized_reduce_time(cluster, work.params, wire, size,
-                                                     work.comm_bytes)  # fmt: skip
+  t_node, t_a2a, sent_reduce = quantized_reduce_time(
+    cluster, work.params, wire, size, work.comm_bytes
+  )
   n, compute = cluster.workers, work.microbatches * work.microbatch_time
   t_ag = collective_time("all_gather", cluster, work.params * wire)
   chain = t_a2a + work.opt_time + t_ag
@@ -106,5 +114,6 @@ def quantized_step_time(method: str, work: Workload, cluster: Cluster, quantize:
     total, stages = 2 * (lead + max(compute / 2, chain)), 2
   exposed = max(0.0, total - compute)  # communication and encoding not hidden behind compute
   idle = 1.0 - compute / total if total > 0 else 0.0
-  return StepTime(f"{method}-{quantize}", total, compute, stages * (t_node + chain), exposed, idle,
-                  stages * sent)  # fmt: skip
+  return StepTime(
+    f"{method}-{quantize}", total, compute, stages * (t_node + chain), exposed, idle, stages * sent
+  )

@@ -137,9 +137,15 @@ class BudgetPolicy:
   """
 
   def __init__(
-    self, num_workers: int, *, base: int, k_max: int, policy: str = "balance",
-    hysteresis: float = 0.1, smoothing: float = 0.5,
-  ):  # fmt: skip
+    self,
+    num_workers: int,
+    *,
+    base: int,
+    k_max: int,
+    policy: str = "balance",
+    hysteresis: float = 0.1,
+    smoothing: float = 0.5,
+  ):
     if policy not in POLICIES:
       raise errors.UserValueError(
         f"hetero.adaptive={policy!r}: choose one of {', '.join(POLICIES)} (or '')"

@@ -46,8 +46,9 @@ class QuantizedComm:
     plan, axis, s = self.plan, self.plan.axis_name, self.shard_size
     x, size = flat_P, plan.node_size
     if size > 1:
-      x = lax.psum_scatter(quantize_lib.rank_major(x, size, s), axis, tiled=True,
-                           axis_index_groups=self._nodes)  # fmt: skip
+      x = lax.psum_scatter(
+        quantize_lib.rank_major(x, size, s), axis, tiled=True, axis_index_groups=self._nodes
+      )
     x = x.reshape(-1, s).astype(jnp.float32)
     wire, sent = quantize_lib.encode(x, plan.quantize, plan.block)
     got = lax.all_to_all(wire, axis, 0, 0, tiled=True, axis_index_groups=self._rails)

@@ -104,9 +104,11 @@ class Checkpointer:
     if keep is not None and keep < 1:
       raise errors.UserValueError(f"keep must be >= 1 or None, got {keep}")
     options = ocp.CheckpointManagerOptions(
-      max_to_keep=None if read_only else keep, enable_async_checkpointing=async_save,
-      read_only=read_only, create=not read_only,
-    )  # fmt: skip
+      max_to_keep=None if read_only else keep,
+      enable_async_checkpointing=async_save,
+      read_only=read_only,
+      create=not read_only,
+    )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._bad: set[int] = set()  # steps this object found corrupt (may be replaced by a save)
     self._last_saved: int | None = None
@@ -242,9 +244,11 @@ class Checkpointer:
     )
 
   def restore_host(
-    self, step: int | None, target_of: Callable[[dict], PyTree],
+    self,
+    step: int | None,
+    target_of: Callable[[dict], PyTree],
     saved_like: Callable[[dict], PyTree | None] | None = None,
-  ):  # fmt: skip
+  ):
     """``(state, extra)``, ``state`` as host numpy arrays with the shapes they were written with.
 
     For a state whose structure only the checkpoint's ``extra`` tells (another run's,

@@ -168,9 +168,10 @@ def items_to_read(entries: list[dict], targets: list | None = None) -> dict:
   for e, x in zip(entries, targets or [None] * len(entries), strict=True):
     if "pack" not in e:
       items[e["key"]] = (
-        _host(e["shape"], e["dtype"]) if x is None
+        _host(e["shape"], e["dtype"])
+        if x is None
         else jax.ShapeDtypeStruct(e["shape"], e["dtype"], sharding=x.sharding)
-      )  # fmt: skip
+      )
   for key, members in _by_group(entries).items():
     first = entries[members[0]]
     shape, dtype = tuple(first["pack"][3:5]), first["dtype"]

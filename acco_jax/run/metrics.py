@@ -227,8 +227,13 @@ class StageClock:
     if self.first is None or self._recent[-1][0] <= self.first[0]:
       return None
     (s0, t0, n0), (s1, t1, n1) = self.first, self._recent[-1]
-    return {"tokens_per_s": (n1 - n0) / max(t1 - t0, 1e-9), "from_stage": s0, "to_stage": s1,
-            "seconds": t1 - t0, "tokens": n1 - n0}  # fmt: skip
+    return {
+      "tokens_per_s": (n1 - n0) / max(t1 - t0, 1e-9),
+      "from_stage": s0,
+      "to_stage": s1,
+      "seconds": t1 - t0,
+      "tokens": n1 - n0,
+    }
 
 
 class Progress:

@@ -66,9 +66,13 @@ def inner_optimizer(
   lr = schedule(opt, num_updates)
   if opt.name == "adamw":
     base = optax.inject_hyperparams(optax.adamw)(
-      learning_rate=lr, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+      learning_rate=lr,
+      b1=opt.b1,
+      b2=opt.b2,
+      eps=opt.eps,
+      weight_decay=opt.weight_decay,
       mask=decay_mask,
-    )  # fmt: skip
+    )
   elif opt.name == "sgd":
     base = optax.inject_hyperparams(optax.sgd)(learning_rate=lr, momentum=opt.b1 or None)
   elif opt.name == "lion":
@@ -87,10 +91,17 @@ def inner_optimizer(
     # it takes a far larger LR than AdamW (modded-nanogpt: ~0.02-0.05 for Muon, ~1e-3 for Adam).
     ratio = opt.muon_lr / opt.lr
     base = optax.inject_hyperparams(muon_adamw, static_args=("ns_steps",))(
-      learning_rate=lr, muon_learning_rate=lambda t: lr(t) * ratio, momentum=opt.momentum,
-      ns_steps=int(opt.ns_steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
-      weight_decay=opt.weight_decay, muon_mask=muon_mask, decay_mask=decay_mask,
-    )  # fmt: skip
+      learning_rate=lr,
+      muon_learning_rate=lambda t: lr(t) * ratio,
+      momentum=opt.momentum,
+      ns_steps=int(opt.ns_steps),
+      b1=opt.b1,
+      b2=opt.b2,
+      eps=opt.eps,
+      weight_decay=opt.weight_decay,
+      muon_mask=muon_mask,
+      decay_mask=decay_mask,
+    )
   else:
     raise errors.UserValueError(
       f"opt.name={opt.name!r} is unknown: choose adamw, sgd, lion or muon"
@@ -101,9 +112,18 @@ def inner_optimizer(
 
 
 def muon_adamw(
-  learning_rate, muon_learning_rate, muon_mask, *, momentum=0.95, ns_steps=5, b1=0.9, b2=0.95,
-  eps=1e-8, weight_decay=0.0, decay_mask=None,
-) -> optax.GradientTransformation:  # fmt: skip
+  learning_rate,
+  muon_learning_rate,
+  muon_mask,
+  *,
+  momentum=0.95,
+  ns_steps=5,
+  b1=0.9,
+  b2=0.95,
+  eps=1e-8,
+  weight_decay=0.0,
+  decay_mask=None,
+) -> optax.GradientTransformation:
   """``optax.contrib.muon`` on the leaves ``muon_mask`` marks, ``optax.adamw`` on the others.
 
   Muon (momentum ``momentum``, ``ns_steps`` Newton–Schulz iterations on the last two axes of each
@@ -117,9 +137,12 @@ def muon_adamw(
   """
   dims = lambda tree: jax.tree.map(lambda _: MUON_DIMS, tree)
   muon = optax.contrib.muon(
-    muon_learning_rate, ns_steps=ns_steps, beta=momentum, weight_decay=weight_decay,
+    muon_learning_rate,
+    ns_steps=ns_steps,
+    beta=momentum,
+    weight_decay=weight_decay,
     muon_weight_dimension_numbers=dims,
-  )  # fmt: skip
+  )
   adamw = optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay, mask=decay_mask)
   labels = jax.tree.map(lambda m: "muon" if m else "adamw", muon_mask)
   return optax.partition({"muon": muon, "adamw": adamw}, labels)

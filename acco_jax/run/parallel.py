@@ -30,7 +30,7 @@ DATA = "data"
 # after 40 s by default. Wait up to 15 minutes instead (train.py, the tests' and benchmarks' children).
 PATIENT_CPU_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
 
-# XLA:GPU flags for overlapping communication with compute (docs/benchmarks.md, "GPU schedule", has
+# XLA:GPU flags for overlapping communication with compute (docs/benchmarks/dp.md, "GPU schedule", has
 # the compiled schedules with and without each). The latency-hiding scheduler is off by default in
 # XLA:GPU and is what lets an async reduce-scatter / all-gather stay in flight across a microbatch
 # loop. Its default limit of one collective in flight keeps the all-gather out of loop B (the small
@@ -51,13 +51,43 @@ GPU_OVERLAP_FLAGS = (
 # Compile-only GPU targets (XLA's GpuTargetConfigProto as text), from the vendors' public figures:
 # enough for XLA to compile and schedule a program for N such GPUs on a machine without any GPU.
 GPU_TARGETS = {
-  "h100": dict(cc=(9, 0), sms=132, fpus=128, smem_sm=233472, smem_optin=232448, l2=52428800,
-               bw=3352000000000, ghz=1.98, mem=85899345920, name="NVIDIA H100 80GB HBM3"),
-  "h200": dict(cc=(9, 0), sms=132, fpus=128, smem_sm=233472, smem_optin=232448, l2=52428800,
-               bw=4800000000000, ghz=1.98, mem=150323855360, name="NVIDIA H200"),
-  "a100": dict(cc=(8, 0), sms=108, fpus=64, smem_sm=167936, smem_optin=166912, l2=41943040,
-               bw=2039000000000, ghz=1.41, mem=85899345920, name="NVIDIA A100-SXM4-80GB"),
-}  # fmt: skip
+  "h100": dict(
+    cc=(9, 0),
+    sms=132,
+    fpus=128,
+    smem_sm=233472,
+    smem_optin=232448,
+    l2=52428800,
+    bw=3352000000000,
+    ghz=1.98,
+    mem=85899345920,
+    name="NVIDIA H100 80GB HBM3",
+  ),
+  "h200": dict(
+    cc=(9, 0),
+    sms=132,
+    fpus=128,
+    smem_sm=233472,
+    smem_optin=232448,
+    l2=52428800,
+    bw=4800000000000,
+    ghz=1.98,
+    mem=150323855360,
+    name="NVIDIA H200",
+  ),
+  "a100": dict(
+    cc=(8, 0),
+    sms=108,
+    fpus=64,
+    smem_sm=167936,
+    smem_optin=166912,
+    l2=41943040,
+    bw=2039000000000,
+    ghz=1.41,
+    mem=85899345920,
+    name="NVIDIA A100-SXM4-80GB",
+  ),
+}
 
 
 def gpu_target_config(target: str) -> str:
@@ -105,9 +135,11 @@ def gpu_aot_devices(num_devices: int, target: str = "h100", hosts: int = 1) -> l
   if num_devices % hosts:
     raise errors.UserValueError(f"{num_devices} devices do not split over {hosts} hosts")
   topo = topologies.get_topology_desc(
-    f"{target}x{num_devices}", "cuda", target_config=gpu_target_config(target),
+    f"{target}x{num_devices}",
+    "cuda",
+    target_config=gpu_target_config(target),
     topology=f"1x{hosts}x{num_devices // hosts}",
-  )  # fmt: skip
+  )
   return list(topo.devices)
 
 
@@ -151,9 +183,11 @@ def check_xla_flags(*, remember_in: str | None = None) -> None:
       if os.path.exists(passed):
         return
   probe = subprocess.run(
-    [sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, text=True,
+    [sys.executable, "-c", "import jax; jax.devices()"],
+    capture_output=True,
+    text=True,
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
-  )  # fmt: skip
+  )
   if probe.returncode:
     reason = [line for line in probe.stderr.splitlines() if "XLA_FLAGS" in line]
     reason = reason[-1].split("] ", 1)[-1] if reason else probe.stderr.strip()[-300:]
@@ -176,15 +210,22 @@ def configure_platform(*, cpu_devices: int = 0, gpu_overlap: bool = True) -> Non
     gpu_overlap: add :data:`GPU_OVERLAP_FLAGS` (read by XLA:GPU only; harmless elsewhere).
   """
   if cpu_devices > 0:
-    _add_xla_flags([f"--xla_force_host_platform_device_count={cpu_devices}",
-                    PATIENT_CPU_COLLECTIVES])  # fmt: skip
+    _add_xla_flags(
+      [f"--xla_force_host_platform_device_count={cpu_devices}", PATIENT_CPU_COLLECTIVES]
+    )
   if gpu_overlap:
     _add_xla_flags(GPU_OVERLAP_FLAGS)
 
 
-def initialize_distributed(mode: str = "auto", *, coordinator_address: str = "",
-                           num_processes: int = 0, process_id: int = -1,
-                           timeout_s: int = 300, heartbeat_timeout_s: int = 0) -> bool:  # fmt: skip
+def initialize_distributed(
+  mode: str = "auto",
+  *,
+  coordinator_address: str = "",
+  num_processes: int = 0,
+  process_id: int = -1,
+  timeout_s: int = 300,
+  heartbeat_timeout_s: int = 0,
+) -> bool:
   """Starts ``jax.distributed`` for multi-host runs. Returns whether it was initialised.
 
   Args:

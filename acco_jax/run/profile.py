@@ -3,7 +3,7 @@
 The trace starts before stage ``a`` is dispatched and stops once stage ``b`` has finished on the
 device, into ``<workdir>/profile`` (``profile/process_<i>`` for each process of a multi-process
 run): TensorBoard's ``plugins/profile/<time>/`` folder with the Perfetto trace
-(``perfetto_trace.json.gz``, for ui.perfetto.dev and ``python bench/gpu/profile_table.py``). Stages count from
+(``perfetto_trace.json.gz``, for ui.perfetto.dev and ``python -m bench.gpu.profile_table``). Stages count from
 1, as the log lines do; a stage of a LoCo call that runs several is traced with the whole call.
 Each stage's dispatch is annotated (``jax.profiler.StepTraceAnnotation('stage', step_num=s)``), so
 the table can tell the stages apart.

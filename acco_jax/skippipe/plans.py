@@ -2,7 +2,7 @@
 
 One function makes it for both runtimes: data-parallel workers that run each microbatch's layer
 order (:mod:`acco_jax.skippipe.orders`) and the pipeline over a ``('data', 'stage')`` mesh
-(:mod:`acco_jax.pipeline.build`), and ``bench/pipeline/skippipe.py --part plan`` prints the same plan. The
+(:mod:`acco_jax.pipeline.build`), and ``python -m bench.pipeline.skippipe --part plan`` prints the same plan. The
 steps:
 
   1. the topology: ``pipeline.topology``, a preset drawn with ``num_nodes`` nodes (seeded by
@@ -40,12 +40,19 @@ class Planned(NamedTuple):
 def settings(pcfg, num_nodes: int, num_mb: int, rows_per_mb: int, equal: bool) -> dict:
   """What decides the plan, besides the model: the keys a resume must keep."""
   return {
-    "topology": str(pcfg.topology), "stages": int(pcfg.stages), "skip": float(pcfg.skip),
-    "swap": bool(pcfg.swap), "seed": int(pcfg.seed), "memory": int(pcfg.memory),
-    "balance": int(pcfg.balance), "search_iters": int(pcfg.search_iters),
-    "nodes": int(num_nodes), "microbatches": int(num_mb), "rows_per_microbatch": int(rows_per_mb),
+    "topology": str(pcfg.topology),
+    "stages": int(pcfg.stages),
+    "skip": float(pcfg.skip),
+    "swap": bool(pcfg.swap),
+    "seed": int(pcfg.seed),
+    "memory": int(pcfg.memory),
+    "balance": int(pcfg.balance),
+    "search_iters": int(pcfg.search_iters),
+    "nodes": int(num_nodes),
+    "microbatches": int(num_mb),
+    "rows_per_microbatch": int(rows_per_mb),
     "equal_stages": bool(equal),
-  }  # fmt: skip
+  }
 
 
 def make(
@@ -66,9 +73,17 @@ def make(
   costs = simulate.transformer_costs(S, cfg.N, cfg.D, cfg.V, cfg.L, rows_per_mb, FLOPS_PER_S, 2)
   part = assign.assign(topo, costs, S, seed=int(pcfg.seed), equal=equal)
   plan = schedule.schedule(
-    topo, costs, part, num_mb, float(pcfg.skip), bool(pcfg.swap), seed=int(pcfg.seed),
-    iters=int(pcfg.search_iters), memory=int(pcfg.memory), balance=int(pcfg.balance),
-  )  # fmt: skip
+    topo,
+    costs,
+    part,
+    num_mb,
+    float(pcfg.skip),
+    bool(pcfg.swap),
+    seed=int(pcfg.seed),
+    iters=int(pcfg.search_iters),
+    memory=int(pcfg.memory),
+    balance=int(pcfg.balance),
+  )
   return Planned(
     topo, costs, part, plan, settings(pcfg, topo.num_nodes, num_mb, rows_per_mb, equal)
   )
@@ -85,19 +100,23 @@ def record(planned: Planned) -> dict:
 
 def _name(key: str) -> str:
   return {
-    "nodes": "topology nodes (devices)", "microbatches": "microbatches per iteration",
-    "rows_per_microbatch": "batch.microbatch_size", "equal_stages": "the pipeline mesh",
-  }.get(key, f"pipeline.{key}")  # fmt: skip
+    "nodes": "topology nodes (devices)",
+    "microbatches": "microbatches per iteration",
+    "rows_per_microbatch": "batch.microbatch_size",
+    "equal_stages": "the pipeline mesh",
+  }.get(key, f"pipeline.{key}")
 
 
 def plan_of_record(saved: dict) -> schedule.Plan:
   p = saved["plan"]
   return schedule.Plan(
-    tuple(int(o) for o in p["origin"]), tuple(tuple(int(s) for s in x) for x in p["paths"]),
+    tuple(int(o) for o in p["origin"]),
+    tuple(tuple(int(s) for s in x) for x in p["paths"]),
     tuple(tuple(int(y) for y in n) for n in p["nodes"]),
-    tuple(tuple((int(m), int(j)) for m, j in o) for o in p["order"]), float(p["makespan"]),
+    tuple(tuple((int(m), int(j)) for m, j in o) for o in p["order"]),
+    float(p["makespan"]),
     str(p.get("policy", "fifo")),
-  )  # fmt: skip
+  )
 
 
 def check_resume(saved: dict | None, planned: Planned) -> Planned:
