@@ -97,3 +97,27 @@ def test_same_config_hits_and_changed_config_misses(tmp_path, restore_cache_conf
   other_lr = train("other-lr", **{"opt.lr": 1e-3})  # the step bakes in its schedule
   assert other_lr.get("cache_misses", 0) >= 1, other_lr  # nothing stale is reused
   assert other_lr.get("cache_hits", 0) >= 1, other_lr  # the programs that did not change
+
+
+def test_the_bound_deletes_the_least_recently_written_entries_once(tmp_path):
+  """configure() prunes the directory to its bound, oldest writes first, and leaves JAX's own bound
+  off (with it, every entry JAX writes scans the whole directory)."""
+  path = tmp_path / compile_cache.machine_tag()
+  path.mkdir()
+  for i, size in enumerate((300, 200, 100)):  # written oldest first
+    (path / f"entry{i}-cache").write_bytes(b"x" * size)
+    os.utime(path / f"entry{i}-cache", (1000 + i, 1000 + i))
+  keys = ("jax_enable_compilation_cache", "jax_compilation_cache_dir")
+  saved = {k: getattr(jax.config, k) for k in keys}
+  try:
+    assert compile_cache.configure(str(tmp_path), max_bytes=350) == str(path)
+    assert jax.config.jax_compilation_cache_max_size == -1
+  finally:
+    for k, v in saved.items():
+      jax.config.update(k, v)
+    compile_cache.jax_cache.reset_cache()
+  assert sorted(p.name for p in path.iterdir() if not p.name.startswith(".")) == [
+    "entry1-cache",
+    "entry2-cache",
+  ]
+  assert compile_cache.prune(str(path), 350) == 0  # within the bound: nothing more goes

@@ -14,10 +14,17 @@ instead: the devices' platform and kind (``gpu-NVIDIA_H100_80GB_HBM3``, ``cpu``)
 hash of the processor's feature flags, so a home directory shared by machines of other kinds keeps
 their executables apart.
 
+Size. The directory is bounded (``max_bytes``, 8 GB): when a process points the cache at it, the
+least recently written entries beyond the bound are deleted, once. JAX's own bound
+(``jax_compilation_cache_max_size``) is left off: with it, every entry JAX writes scans and stats
+the whole directory under a file lock, so a session's thousands of small programs (every eager op
+of a test, every tiny run's helpers) cost a time quadratic in the entries: the test suite ran
+several times slower with it on.
+
 Several processes. Every process of a multi-process run reads the cache; JAX writes only from
-process 0. Runs that are independent of each other (two jobs on one host) may write at once: the
-cache is bounded (``jax_compilation_cache_max_size``) and so guarded by JAX's file lock, and an
-entry that cannot be read is reported by JAX as a warning and compiled anew.
+process 0. Runs that are independent of each other (two jobs on one host) may write the same entry
+at once (the same bytes: compilation is deterministic); an entry that cannot be read is reported
+by JAX as a warning and compiled anew.
 
 An unwritable directory costs one warning line; the run goes on without the cache.
 """
@@ -33,7 +40,7 @@ import tempfile
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-DEFAULT_MAX_BYTES = 8 << 30  # least recently used entries are evicted beyond this
+DEFAULT_MAX_BYTES = 8 << 30  # the least recently written entries are deleted beyond this
 
 
 def default_dir() -> str:
@@ -92,7 +99,8 @@ def configure(cache_dir: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str | No
   Args:
     cache_dir: ``auto`` (:func:`default_dir`), a path (``~`` expanded), or ``''`` (off: no cache
       for this process).
-    max_bytes: the cache's size bound; the least recently used entries go beyond it.
+    max_bytes: the cache's size bound: the least recently written entries beyond it are deleted
+      now (:func:`prune`).
 
   Returns:
     The directory the cache uses (``cache_dir`` / :func:`machine_tag`), or None when it is off.
@@ -114,10 +122,35 @@ def configure(cache_dir: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str | No
     )
     jax.config.update("jax_enable_compilation_cache", False)
     return None
+  prune(path, max_bytes)
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_compilation_cache_max_size", max_bytes)
+  jax.config.update("jax_compilation_cache_max_size", -1)  # no scan of the directory per entry
   # every program, not only those over a second: a CPU step compiles in under one
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax_cache.reset_cache()  # the next compilation opens the cache at ``path``
   return path
+
+
+def prune(path: str, max_bytes: int) -> int:
+  """Deletes the least recently written files of the cache directory ``path`` until the rest fit
+  in ``max_bytes``; returns the bytes deleted. A file another process deletes first is skipped."""
+  entries = []
+  with os.scandir(path) as it:
+    for entry in it:
+      try:
+        if entry.is_file() and not entry.name.startswith("."):
+          stat = entry.stat()
+          entries.append((stat.st_mtime, stat.st_size, entry.path))
+      except OSError:
+        continue
+  total, freed = sum(size for _, size, _ in entries), 0
+  for _, size, file in sorted(entries):
+    if total - freed <= max_bytes:
+      break
+    try:
+      os.remove(file)
+      freed += size
+    except OSError:
+      continue
+  return freed
