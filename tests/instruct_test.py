@@ -16,6 +16,11 @@ from acco_jax.data import examples, instruct
 from acco_jax.data.instruct import Example
 from acco_jax.data.tokenizer import ByteTokenizer
 
+# jitted once per shape (eagerly, each op of the model compiles on its own: 25 s a test)
+_apply = jax.jit(model.apply, static_argnums=1)
+_init = jax.jit(model.init_params, static_argnums=(0, 1))
+_loss = jax.jit(model.loss_fn, static_argnums=1)
+
 BYTES = ByteTokenizer()
 EOT = BYTES.eot_id  # 256
 
@@ -196,10 +201,10 @@ def test_a_packed_row_gives_each_example_its_own_logits(arch):
   example's positions are the ones it gets alone (GPT-Neo's local window shorter than them)."""
   local = {"window": 4} if arch == "gpt_neo" else {}
   cfg = model.get_config("tiny", arch=arch, dtype="float32", V=257, **local)
-  params = model.init_params(cfg, 0)
+  params = _init(cfg, 0)
   enc = _encoded([9, 6, 12])
   row = examples._row(enc, [0, 1, 2], 32, packed=True)
-  packed = model.apply(
+  packed = _apply(
     params,
     cfg,
     row["inputs"][None],
@@ -209,27 +214,27 @@ def test_a_packed_row_gives_each_example_its_own_logits(arch):
   at = 0
   for i in range(3):
     ids, _ = enc.example(i)
-    alone = model.apply(params, cfg, jnp.asarray(ids[:-1])[None])[0]
+    alone = _apply(params, cfg, jnp.asarray(ids[:-1])[None])[0]
     np.testing.assert_allclose(packed[at : at + len(ids) - 1], alone, rtol=2e-5, atol=2e-5)
     at += len(ids) - 1
   # the same row without the segments (attention across examples) or the positions differs
-  crossed = model.apply(params, cfg, row["inputs"][None], positions_BxL=row["positions"][None])[0]
+  crossed = _apply(params, cfg, row["inputs"][None], positions_BxL=row["positions"][None])[0]
   assert np.max(np.abs(crossed[8:13] - packed[8:13])) > 1e-3
   if arch != "llama":  # RoPE's scores depend on positions' differences only: restarting is moot
-    unrestarted = model.apply(params, cfg, row["inputs"][None], segments_BxL=row["segments"][None])
+    unrestarted = _apply(params, cfg, row["inputs"][None], segments_BxL=row["segments"][None])
     assert np.max(np.abs(unrestarted[0, 8:13] - packed[8:13])) > 1e-3
 
 
 def test_packed_loss_is_the_response_tokens_mean():
   cfg = model.get_config("tiny", dtype="float32", V=257)
-  params = model.init_params(cfg, 1)
+  params = _init(cfg, 1)
   enc = _encoded([9, 6])
   row = {k: jnp.asarray(v[None]) for k, v in examples._row(enc, [0, 1], 16, packed=True).items()}
-  loss, aux = model.loss_fn(params, cfg, row)
+  loss, aux = _loss(params, cfg, row)
   want_sum, count = 0.0, 0
   for i in range(2):
     ids, trained = enc.example(i)
-    logp = jax.nn.log_softmax(model.apply(params, cfg, jnp.asarray(ids[:-1])[None])[0])
+    logp = jax.nn.log_softmax(_apply(params, cfg, jnp.asarray(ids[:-1])[None])[0])
     for t in range(len(ids) - 1):
       if trained[t + 1]:
         want_sum, count = want_sum - float(logp[t, ids[t + 1]]), count + 1

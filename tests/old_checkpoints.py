@@ -2,15 +2,18 @@
 
 ``tests/data/checkpoints_9b35d2b`` holds one run of each family stopped part-way (``max_stages``)
 by the code at commit 9b35d2b, the main branch before round 6 (the model interface, the step
-interface). To write them again, run this file with that commit first on the path::
+interface), and in ``reference.json`` the losses the same code logged running the same config
+without a stop. To write them again, run this file with that commit first on the path::
 
   git worktree add /tmp/old 9b35d2b
   PYTHONPATH=/tmp/old python tests/old_checkpoints.py tests/data/checkpoints_9b35d2b
 """
 
+import json
 import os
 import shutil
 import sys
+import tempfile
 
 # (config module's name, overrides on top of COMMON, the stage the run stops at)
 RUNS = {
@@ -63,14 +66,20 @@ def main(out: str) -> None:
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   from acco_jax.run import trainer
 
+  cache = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".pytest_cache")
   for name, (_, _, stop) in RUNS.items():
     workdir = os.path.join(out, name)
     shutil.rmtree(workdir, ignore_errors=True)
-    cache = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".pytest_cache")
-    trainer.train_and_evaluate(
-      config_of(name, os.path.join(cache, "acco_data")), workdir, max_stages=stop
-    )
+    config = config_of(name, os.path.join(cache, "acco_data"))
+    trainer.train_and_evaluate(config, workdir, max_stages=stop)
     shutil.rmtree(os.path.join(workdir, "tb"), ignore_errors=True)
+    with tempfile.TemporaryDirectory() as whole:
+      trainer.train_and_evaluate(config, whole)
+      with open(os.path.join(whole, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    losses = {r["stage"]: r["loss"] for r in rows if "loss" in r and "stage" in r}
+    with open(os.path.join(workdir, "reference.json"), "w") as f:
+      json.dump({str(s): v for s, v in sorted(losses.items())}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ def test_rows_measurement_smoke():
   from bench.dp import sft_rows
 
   source = f"jsonl:{REPO / 'tests' / 'data' / 'reversals.jsonl'}"
-  packed = sft_rows.measure("reversals", source, "prompt_completion", 32, True, 2)
-  bucketed = sft_rows.measure("reversals", source, "prompt_completion", 32, False, 2)
+  packed = sft_rows.measure("reversals", source, "prompt_completion", 32, True, 2, small=True)
+  bucketed = sft_rows.measure("reversals", source, "prompt_completion", 32, False, 2, small=True)
   assert packed["widths"] == [32] and set(bucketed["widths"]) <= {32}
   # packing puts several examples in a row: more of each row carries loss
   assert packed["examples_per_stage"] > bucketed["examples_per_stage"]

@@ -30,7 +30,7 @@ from acco_jax.run.build import Run, check_comm, check_vocab, prime_batch
 
 
 @functools.lru_cache(maxsize=8)
-def _initializer(mesh):
+def initializer(mesh):
   """``init_params`` as one program (eagerly, each initializer op compiles on its own: dozens of
   small programs), the seed traced, its output replicated over ``mesh``: the step's ``init`` then
   slices it into its shardings inside its own program (an array on one device would be cut into
@@ -139,7 +139,7 @@ def _params(run: Run, config, init_params, events: list, lead: bool):
       line = f"initialized from {config.model.init} ({run.model_cfg.arch}, {took:.1f} s)"
       print(f"{line}: update 0, a fresh optimizer", flush=True)
   else:
-    params = _initializer(run.mesh)(run.model_cfg, config.train.seed)
+    params = initializer(run.mesh)(run.model_cfg, config.train.seed)
   if init_params is not None:
     params = jax.tree.map(
       lambda p, q: jax.device_put(jnp.asarray(q, p.dtype), p.sharding), params, init_params

@@ -47,11 +47,14 @@ def alpaca_like(path: Path, n: int, seed: int = 0) -> str:
   return f"jsonl:{path}"
 
 
-def config_for(source: str, fmt: str, seq_len: int, packing: bool, stages: int):
+def config_for(source: str, fmt: str, seq_len: int, packing: bool, stages: int, small=False):
+  """The measured run's config; ``small``: one narrow block and byte ids (the smoke test)."""
   from configs import gpt2_acco
 
   c = gpt2_acco.get_config("cpu")
-  c.data.source, c.data.format, c.data.tokenizer = source, fmt, "gpt2"
+  c.data.source, c.data.format, c.data.tokenizer = source, fmt, "byte" if small else "gpt2"
+  if small:
+    c.model.D, c.model.N, c.model.H = 32, 1, 2
   c.data.seq_len, c.data.packing, c.data.bucket = seq_len, packing, 64
   c.data.cache_dir = str(common.RESULTS / "runs" / "sft_rows" / "cache")
   c.batch.microbatch_size, c.batch.microbatches = 2, 4
@@ -61,12 +64,14 @@ def config_for(source: str, fmt: str, seq_len: int, packing: bool, stages: int):
   return c
 
 
-def measure(name: str, source: str, fmt: str, seq_len: int, packing: bool, stages: int) -> dict:
+def measure(
+  name: str, source: str, fmt: str, seq_len: int, packing: bool, stages: int, small=False
+) -> dict:
   import jax
 
   from acco_jax.run import build, parallel, start
 
-  config = config_for(source, fmt, seq_len, packing, stages)
+  config = config_for(source, fmt, seq_len, packing, stages, small)
   run = build.build(config)
   rows = run.mesh.size * run.train.num_microbatches * config.batch.microbatch_size
   stream = build.batch_stream(run, config, run.tokens.train, rows, seed=0)
@@ -77,7 +82,7 @@ def measure(name: str, source: str, fmt: str, seq_len: int, packing: bool, stage
   examples = sum(
     int(b["segments"].max(axis=1).sum()) if "segments" in b else len(b["inputs"]) for b in batches
   )
-  params = start._initializer(run.mesh)(run.model_cfg, 0)
+  params = start.initializer(run.mesh)(run.model_cfg, 0)
   state = run.train.init(params, build.prime_batch(run, config))
   placed = [parallel.global_batch(b, run.mesh, run.batch_axis) for b in batches]
   for b in placed[:4]:  # every bucket's program compiled before the clock starts
