@@ -111,14 +111,23 @@ def config_for(cell: dict):
 
 
 def outcome(cell: dict) -> str:
-  """'runs' or the refusal ``train.py`` prints for ``cell`` (``error: ...``)."""
+  """'runs' or the refusal ``train.py`` prints for ``cell`` (``error: ...``). The config is first
+  checked alone (``build(config, check_only=True)``: no data is prepared); a refusal that comes
+  only when the run is built from its data is marked ``late error: ...`` (the page must have
+  none: every refusal comes before any work)."""
   from acco_jax import errors
   from acco_jax.run import build
 
+  refusals = (errors.UserError, ValueError, TypeError, FileNotFoundError)
+  config = config_for(cell)
   try:
-    build.build(config_for(cell))
-  except (errors.UserError, ValueError, TypeError, FileNotFoundError) as e:
+    build.build(config, check_only=True)
+  except refusals as e:
     return "error: " + str(e)
+  try:
+    build.build(config)
+  except refusals as e:
+    return "late error: " + str(e)
   return "runs"
 
 
