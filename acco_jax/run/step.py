@@ -26,7 +26,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -224,8 +223,3 @@ class StepBase:
 
   def saved_like(self, shapes: dict) -> PyTree | None:
     return None
-
-
-def host_mean(x) -> float:
-  """The mean of a host metric (per-worker values under LoCo: their mean over workers)."""
-  return float(np.mean(np.asarray(x)))
