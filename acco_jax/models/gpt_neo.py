@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from acco_jax import errors
-from acco_jax.models import base
+from acco_jax.models import base, gpt2
 
 # The published models (EleutherAI/gpt-neo-*: hidden, layers, heads; window 256, 2048 positions,
 # GPT-2's vocabulary) and a tiny one for tests whose local window is shorter than its sequences.
@@ -114,31 +114,15 @@ class Block(nnx.Module):
     return x_BxLxD + base.dropout(self.mlp_proj(h_BxLxF), cfg.dropout, keys[1])
 
 
-class Shared(nnx.Module):
-  """Token and position embeddings, final LayerNorm; the head is the token embedding."""
-
-  def __init__(self, cfg: base.ModelConfig, *, rngs: nnx.Rngs):
-    dt = jnp.dtype(cfg.dtype)
-    init = nnx.initializers.normal(0.02)
-    wte_init = base.padded_rows_init(cfg.V, init) if cfg.padded_vocab > cfg.V else init
-    self.wte = nnx.Embed(cfg.padded_vocab, cfg.D, dtype=dt, embedding_init=wte_init, rngs=rngs)
-    self.wpe = nnx.Embed(cfg.L, cfg.D, dtype=dt, embedding_init=init, rngs=rngs)
-    self.ln_f = _layer_norm(cfg, rngs)
-    self.cfg = cfg
-
-  def embed(self, tokens_BxL, ctx: base.Context, key=None):
-    x_BxLxD = self.wte(tokens_BxL) + self.wpe(ctx.positions_BxL)
-    return base.dropout(x_BxLxD, self.cfg.dropout, key)
-
-  def head(self, x_BxLxD):
-    return base.tied_logits(self.wte.embedding[...], self.ln_f(x_BxLxD))
+# Learned positions, the final LayerNorm and the tied head: GPT-2's own module (the same names and
+# initial values; only the blocks and the Hugging Face names differ).
+Shared = gpt2.Shared
 
 
 def flops_per_token(cfg: base.ModelConfig, seq_len: int) -> float:
-  """6 x (N (4 D^2 + 2 D F) + V D) + 12 N D seq_len: as GPT-2 (the PaLM convention counts the full
-  square of scores, so a local block is not counted cheaper)."""
-  matmul_weights = cfg.N * (4 * cfg.D**2 + 2 * cfg.D * cfg.mlp_dim) + cfg.V * cfg.D
-  return float(6 * matmul_weights + 12 * cfg.N * cfg.D * seq_len)
+  """As GPT-2 (:func:`acco_jax.models.gpt2.flops_per_token`): the PaLM convention counts the full
+  square of scores, so a local block is not counted cheaper."""
+  return gpt2.flops_per_token(cfg, seq_len)
 
 
 # -- Hugging Face ----------------------------------------------------------------------------------

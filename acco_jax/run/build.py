@@ -105,21 +105,7 @@ def batch_stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True
   each device's part).
   """
   shared = run.batch_whole
-  if isinstance(tokens, data.Examples):  # instruction data: packed rows, or buckets
-    return examples.batches(
-      tokens,
-      seq_len=config.data.seq_len,
-      global_batch_rows=rows,
-      seed=seed,
-      process_index=0 if shared else jax.process_index(),
-      process_count=1 if shared else jax.process_count(),
-      shuffle=shuffle,
-      num_epochs=epochs,
-      packing=bool(config.data.packing),
-      bucket=int(config.data.bucket),
-    )
-  return data.batches(
-    tokens,
+  common = dict(
     seq_len=config.data.seq_len,
     global_batch_rows=rows,
     seed=seed,
@@ -128,6 +114,10 @@ def batch_stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True
     shuffle=shuffle,
     num_epochs=epochs,
   )
+  if isinstance(tokens, data.Examples):  # instruction data: packed rows, or buckets
+    packing, bucket = bool(config.data.packing), int(config.data.bucket)
+    return examples.batches(tokens, **common, packing=packing, bucket=bucket)
+  return data.batches(tokens, **common)
 
 
 def prime_batch(run: Run, config):
