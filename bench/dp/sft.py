@@ -12,7 +12,7 @@ dpu (warm-up 0 and 50), 3 seeds, from one model this project pre-trained and exp
 
 Runs are resumable (a finished run's ``metrics.jsonl`` is read, not rerun). Usage::
 
-  python -m bench.dp.sft --jobs 2                       # about an hour on 2 cores
+  python -m bench.dp.sft --jobs 2                       # about 2 hours on 2 cores
   python -m bench.dp.sft --smoke --out /tmp/sft         # one 2-update run of the fixtures (tests)
 """
 
@@ -157,22 +157,33 @@ def table(runs: list[dict]) -> str:
 
 
 def figure(runs: list[dict], path: Path) -> None:
+  """Each method's mean over seeds (line, markers) and its range (band); the pretrained start as a
+  dashed level."""
   import matplotlib
+  import numpy as np
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  keys = ("eval_loss", "exact_match")
   for i, variant in enumerate(VARIANTS):
-    for r in (r for r in runs if r["variant"] == variant):
-      xs = [p["update"] for p in r["curve"]]
-      for ax, key in zip(axes, ("eval_loss", "exact_match"), strict=True):
-        ys = [p.get(key, float("nan")) for p in r["curve"]]
-        ax.plot(xs, ys, color=f"C{i}", alpha=0.7, label=variant if r["seed"] == 0 else None)
-  axes[0].set(xlabel="update", ylabel="held-out response loss (nats)")
+    mine = [r for r in runs if r["variant"] == variant]
+    if not mine:
+      continue
+    xs = [p["update"] for p in mine[0]["curve"]]
+    for ax, key in zip(axes, keys, strict=True):
+      ys = np.array([[p.get(key, np.nan) for p in r["curve"]] for r in mine], float)
+      if variant == "start":  # before fine-tuning: one evaluation
+        ax.axhline(np.nanmean(ys), color="gray", ls="--", label="pretrained start")
+        continue
+      ax.plot(xs, np.nanmean(ys, 0), "o-", color=f"C{i}", label=f"{variant} ({len(mine)} seeds)")
+      ax.fill_between(xs, np.nanmin(ys, 0), np.nanmax(ys, 0), color=f"C{i}", alpha=0.15)
+  axes[0].set(xlabel="update", ylabel="held-out response loss (nats)", yscale="log")
   axes[1].set(xlabel="update", ylabel="exact match, 32 held-out prompts")
-  axes[0].legend()
-  fig.suptitle("Instruction fine-tuning of the quick start's model, 3 seeds")
+  axes[1].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+  axes[0].legend(fontsize=8)
+  fig.suptitle("Instruction fine-tuning of the quick start's model: mean and range over seeds")
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)

@@ -16,7 +16,7 @@ and *tokens/s* counts computed positions, *loss tokens/s* the weighted ones (wha
 
 Usage::
 
-  python -m bench.dp.sft_rows                 # about 10 min on 2 cores
+  python -m bench.dp.sft_rows                 # about 20 min on 2 cores (half of it building and compiling)
   python -m bench.dp.sft_rows --smoke --out /tmp/rows.json
 """
 
@@ -128,7 +128,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--stages", type=int, default=24)
+  p.add_argument("--stages", type=int, default=8)
   p.add_argument("--smoke", action="store_true")
   p.add_argument("--out", type=Path, default=common.RESULTS / "sft_rows.json")
   args = p.parse_args(argv)
