@@ -125,13 +125,18 @@ _BLOCK_NAMES = {
 }
 
 
-def hf_tensors(cfg: base.ModelConfig) -> list[base.HFTensor]:
-  """Every parameter's Hugging Face name (Conv1D weights are ``[in, out]``: none transposed)."""
-  out = [
+def hf_shared_tensors() -> list[base.HFTensor]:
+  """The Hugging Face names of :class:`Shared`'s parameters (GPT-Neo's too)."""
+  return [
     base.HFTensor("transformer.wte.weight", ("wte", "embedding"), vocab_rows=True),
     base.HFTensor("transformer.wpe.weight", ("wpe", "embedding")),
     *base.hf_norm("transformer.ln_f", ("ln_f",), bias=True),
   ]
+
+
+def hf_tensors(cfg: base.ModelConfig) -> list[base.HFTensor]:
+  """Every parameter's Hugging Face name (Conv1D weights are ``[in, out]``: none transposed)."""
+  out = hf_shared_tensors()
   for i in range(cfg.N):
     for ours, theirs in _BLOCK_NAMES.items():
       at, name = ("blocks", str(i), ours), f"transformer.h.{i}.{theirs}"

@@ -144,11 +144,7 @@ _BLOCK_NAMES = {
 
 def hf_tensors(cfg: base.ModelConfig) -> list[base.HFTensor]:
   """Every parameter's Hugging Face name (``nn.Linear`` weights, ``[out, in]``: transposed)."""
-  out = [
-    base.HFTensor("transformer.wte.weight", ("wte", "embedding"), vocab_rows=True),
-    base.HFTensor("transformer.wpe.weight", ("wpe", "embedding")),
-    *base.hf_norm("transformer.ln_f", ("ln_f",), bias=True),
-  ]
+  out = gpt2.hf_shared_tensors()  # Shared is GPT-2's
   for i in range(cfg.N):
     block, name = ("blocks", str(i)), f"transformer.h.{i}"
     out += base.hf_norm(f"{name}.ln_1", (*block, "ln_1"), bias=True)

@@ -63,18 +63,6 @@ GPU_TARGETS = {
     mem=85899345920,
     name="NVIDIA H100 80GB HBM3",
   ),
-  "h200": dict(
-    cc=(9, 0),
-    sms=132,
-    fpus=128,
-    smem_sm=233472,
-    smem_optin=232448,
-    l2=52428800,
-    bw=4800000000000,
-    ghz=1.98,
-    mem=150323855360,
-    name="NVIDIA H200",
-  ),
   "a100": dict(
     cc=(8, 0),
     sms=108,
@@ -88,10 +76,14 @@ GPU_TARGETS = {
     name="NVIDIA A100-SXM4-80GB",
   ),
 }
+# the H200: the H100's chip with more and faster memory (HBM3e)
+GPU_TARGETS["h200"] = dict(
+  GPU_TARGETS["h100"], bw=4800000000000, mem=150323855360, name="NVIDIA H200"
+)
 
 
 def gpu_target_config(target: str) -> str:
-  """The text ``GpuTargetConfigProto`` of a named GPU (``'h100'`` or ``'a100'``)."""
+  """The text ``GpuTargetConfigProto`` of a named GPU (a key of :data:`GPU_TARGETS`)."""
   if target not in GPU_TARGETS:
     raise errors.UserValueError(
       f"unknown GPU target {target!r}; choose one of {sorted(GPU_TARGETS)}"
