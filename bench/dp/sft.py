@@ -161,6 +161,7 @@ def figure(runs: list[dict], path: Path) -> None:
   dashed level."""
   import matplotlib
   import numpy as np
+  from matplotlib.ticker import PercentFormatter
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -181,7 +182,7 @@ def figure(runs: list[dict], path: Path) -> None:
       ax.fill_between(xs, np.nanmin(ys, 0), np.nanmax(ys, 0), color=f"C{i}", alpha=0.15)
   axes[0].set(xlabel="update", ylabel="held-out response loss (nats)", yscale="log")
   axes[1].set(xlabel="update", ylabel="exact match, 32 held-out prompts")
-  axes[1].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+  axes[1].yaxis.set_major_formatter(PercentFormatter(1.0))
   axes[0].legend(fontsize=8)
   fig.suptitle("Instruction fine-tuning of the quick start's model: mean and range over seeds")
   fig.tight_layout()
