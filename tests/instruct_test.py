@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from acco_jax import errors, model
-from acco_jax.data import examples, instruct
+from acco_jax.data import chat, examples, instruct
 from acco_jax.data.instruct import Example
 from acco_jax.data.tokenizer import ByteTokenizer
 
@@ -89,20 +89,74 @@ MARKED = (
 )
 
 
+def _template(source, specials=("<|im_end|>", "<|eot_id|>")):
+  return chat.Template(source, "t.jinja", {"bos_token": "<|begin_of_text|>"}, specials)
+
+
 def test_hf_chat_template_with_generation_marks():
   messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-  pieces = instruct.hf_chat_pieces(MARKED, messages, "x")
+  pieces = chat.pieces(_template(MARKED), messages, "x")
   # rendered as transformers renders it (trim_blocks: the newline after a block tag goes)
   assert pieces == (("U: hi\nA: ", False), ("yo", True))
 
 
-def test_chat_template_without_an_assistant_mask_is_refused(tmp_path):
-  template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-  path = _jsonl(
-    tmp_path,
-    [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}],
+def test_generation_marks_are_read_from_the_tags_not_the_words():
+  assert chat.has_generation_marks(_template(MARKED))
+  assert not chat.has_generation_marks(_template(CHATML))  # it says add_generation_prompt
+
+
+# A ChatML template as SmolLM2 and Qwen ship it (no generation marks): a default system turn, each
+# message closed by <|im_end|> and a newline, the assistant's header as the generation prompt.
+CHATML = (
+  "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+  "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"
+  "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Llama 3's layout: a BOS, headers between special tokens, each turn closed by <|eot_id|>.
+LLAMA3 = (
+  "{{ bos_token }}{% for message in messages %}"
+  "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
+  " + '<|eot_id|>' }}{% endfor %}"
+  "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+TWO_TURNS = [
+  {"role": "user", "content": "a"},
+  {"role": "assistant", "content": "b c"},
+  {"role": "user", "content": "d"},
+  {"role": "assistant", "content": "e"},
+]
+
+
+def test_chatml_without_marks_trains_each_assistant_turn_and_its_end():
+  pieces = chat.pieces(_template(CHATML), TWO_TURNS, "x")
+  sys = "<|im_start|>system\nBe brief.<|im_end|>\n"
+  assert pieces == (
+    (sys + "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n", False),
+    ("b c<|im_end|>", True),
+    ("\n<|im_start|>user\nd<|im_end|>\n<|im_start|>assistant\n", False),
+    ("e<|im_end|>", True),
+    ("\n", False),
   )
-  with pytest.raises(errors.UserValueError, match=r"no \{% generation %\} block") as info:
+  assert chat.end_of_turn(_template(CHATML), "e<|im_end|>") == "<|im_end|>"
+
+
+def test_llama3_layout_without_marks():
+  pieces = chat.pieces(_template(LLAMA3), TWO_TURNS[:2], "x")
+  head = "<|start_header_id|>{}<|end_header_id|>\n\n"
+  assert pieces == (
+    ("<|begin_of_text|>" + head.format("user") + "a<|eot_id|>" + head.format("assistant"), False),
+    ("b c<|eot_id|>", True),
+  )
+
+
+def test_template_whose_prefixes_are_not_prefixes_is_refused(tmp_path):
+  # the number of messages printed first: rendering one more message changes the start
+  template = _template(
+    "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+  )
+  path = _jsonl(tmp_path, [{"messages": TWO_TURNS[:2]}])
+  with pytest.raises(errors.UserValueError, match=r"t.jinja renders message 1 so that") as info:
     instruct.read_jsonl(path, "chat", template)
   assert "\n" not in str(info.value)
 

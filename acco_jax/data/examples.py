@@ -31,6 +31,7 @@ reads the same batches, bucket for bucket.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -68,12 +69,34 @@ class Examples(NamedTuple):
     return self.ids[self.trained & ~starts]
 
 
+def _rendered(tokenizer: Tokenizer, examples: Sequence[Example]) -> dict[int, tuple]:
+  """The ids and trained flags of the examples a chat template rendered: each tokenized as one
+  text (special tokens as their ids), an id trained where its first character is."""
+  picked = [i for i, ex in enumerate(examples) if ex.rendered]
+  if not picked:
+    return {}
+  texts = ["".join(text for text, _ in examples[i].pieces) for i in picked]
+  out = {}
+  for i, (ids, starts) in zip(picked, tokenizer.encode_rendered(texts), strict=True):
+    chars = np.concatenate([np.full(len(t), f) for t, f in examples[i].pieces] + [[False]])
+    out[i] = (np.asarray(ids, np.int32), chars[np.asarray(starts, np.int64)].astype(bool))
+  return out
+
+
 def encode(tokenizer: Tokenizer, examples: Sequence[Example]) -> Examples:
   """Each example's pieces encoded as ordinary text, one after another, and the end-of-text
-  (trained on when the example ends with a response)."""
-  encoded = iter(tokenizer.encode_batch([text for ex in examples for text, _ in ex.pieces]))
+  (trained on when the example ends with a response); a chat template's rendering as one text
+  that its own end-of-turn tokens close (:func:`_rendered`)."""
+  rendered = _rendered(tokenizer, examples)
+  plain = [text for ex in examples if not ex.rendered for text, _ in ex.pieces]
+  encoded = iter(tokenizer.encode_batch(plain))
   ids, trained, offsets = [], [], [0]
-  for ex in examples:
+  for i, ex in enumerate(examples):
+    if ex.rendered:
+      ids.append(rendered[i][0])
+      trained.append(rendered[i][1])
+      offsets.append(offsets[-1] + len(rendered[i][0]))
+      continue
     n = 0
     for _, flag in ex.pieces:
       piece = np.asarray(next(encoded), np.int32)
@@ -233,30 +256,40 @@ class InstructData(NamedTuple):
   tokenizer: Tokenizer
   source: str
   answers: tuple[tuple[str, str], ...]  # the held-out examples' (prompt, answer), in order
+  stop_ids: tuple[int, ...] = ()  # what ends a greedy reply: end-of-text, a template's end-of-turn
 
 
-def _chat_template(tokenizer: Tokenizer, chat_template: str) -> str | None:
-  """The Jinja chat template ``data.chat_template`` names: None for the built-in one."""
+def _chat_template(tokenizer: Tokenizer, chat_template: str):
+  """The chat template ``data.chat_template`` names (:class:`acco_jax.data.chat.Template`): None
+  for the built-in one."""
+  from acco_jax.data import chat
+
   if chat_template == "builtin":
     return None
   if chat_template != "hf":
     raise errors.UserValueError(
       f"data.chat_template={chat_template!r}: choose builtin or hf (the tokenizer's own)"
     )
-  import json
-  import os
-
-  settings = os.path.join(os.path.dirname(getattr(tokenizer, "path", "")), "tokenizer_config.json")
   template = None
-  if tokenizer.name.startswith("hf:") and os.path.isfile(settings):
-    with open(settings) as f:
-      template = json.load(f).get("chat_template")
-  if not isinstance(template, str):
+  if tokenizer.name.startswith("hf:"):
+    template = chat.read(os.path.dirname(tokenizer.path), tokenizer.special_tokens())
+  if template is None:
     raise errors.UserValueError(
-      f"data.chat_template=hf: the tokenizer {tokenizer.name} has no chat_template in its "
-      "tokenizer_config.json: use data.chat_template=builtin"
+      f"data.chat_template=hf: the tokenizer {tokenizer.name} has no chat template (neither "
+      f"{chat.TEMPLATE_FILE} nor a chat_template in {chat.SETTINGS_FILE}): use "
+      "data.chat_template=builtin"
     )
   return template
+
+
+def stop_ids(tokenizer: Tokenizer, examples: Sequence[Example]) -> tuple[int, ...]:
+  """The ids a greedy reply stops at: the end-of-text and each end-of-turn token of a chat
+  template the examples were rendered with."""
+  ends = sorted({ex.end_of_turn for ex in examples if ex.end_of_turn})
+  ids = [tokenizer.eot_id]
+  for got, _ in tokenizer.encode_rendered(ends) if ends else []:
+    ids += got if len(got) == 1 and got[0] not in ids else []
+  return tuple(ids)
 
 
 def prepare(
@@ -299,7 +332,12 @@ def prepare(
     )
   answers = tuple((ex.prompt, ex.answer) for ex in held_out)
   return InstructData(
-    encode(tokenizer, train), encode(tokenizer, held_out), tokenizer, source, answers
+    encode(tokenizer, train),
+    encode(tokenizer, held_out),
+    tokenizer,
+    source,
+    answers,
+    stop_ids(tokenizer, examples),
   )
 
 

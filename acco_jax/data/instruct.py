@@ -12,10 +12,9 @@ as part of it (the model learns to stop). Sources (``data.source``):
   - ``prompt_completion``: ``{"prompt", "completion"}``, the prompt as it is;
   - ``chat``: ``{"messages": [{"role": "system" | "user" | "assistant", "content"}, ...]}``: every
     assistant message is trained on. Rendered with the built-in template (:data:`CHAT_TEMPLATE`),
-    or with a Hugging Face tokenizer's ``chat_template`` (``data.chat_template=hf``), which must
-    mark the assistant's text with ``{% generation %} ... {% endgeneration %}`` (the mask
-    transformers' ``return_assistant_tokens_mask`` reads): a template without it is refused, as it
-    would train on nothing, or on everything.
+    or with a Hugging Face tokenizer's own chat template (``data.chat_template=hf``,
+    :mod:`acco_jax.data.chat`): its assistant turns are trained on, each closed by the template's
+    end-of-turn token, whether the template marks them with ``{% generation %}`` or not.
 
 * ``instruct:embedded``: the built-in set, derived from the embedded King James Bible (public
   domain; :func:`embedded_examples`): for each of a fixed, seeded sample of verses, "Which book is
@@ -38,7 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from acco_jax import errors
-from acco_jax.data import sources
+from acco_jax.data import chat, sources
 
 FORMATS = ("alpaca", "prompt_completion", "chat")
 ROLES = ("system", "user", "assistant")
@@ -46,9 +45,13 @@ ROLES = ("system", "user", "assistant")
 
 class Example(NamedTuple):
   """One example as text pieces; ``answer`` is the reference an exact-match evaluation compares
-  the model's greedy reply with (the last trained piece)."""
+  the model's greedy reply with (the last trained piece, less its end-of-turn text)."""
 
   pieces: tuple[tuple[str, bool], ...]  # (text, trained), in order
+  # a chat template's rendering: tokenized as one text with the tokenizer's special tokens, and
+  # closed by the template's own end-of-turn token (no end-of-text appended)
+  rendered: bool = False
+  end_of_turn: str = ""  # the text that closes each trained turn ('' for the end-of-text)
 
   @property
   def prompt(self) -> str:
@@ -58,7 +61,8 @@ class Example(NamedTuple):
 
   @property
   def answer(self) -> str:
-    return next(text for text, trained in reversed(self.pieces) if trained)
+    text = next(text for text, trained in reversed(self.pieces) if trained)
+    return text.removesuffix(self.end_of_turn) if self.end_of_turn else text
 
 
 # -- templates -------------------------------------------------------------------------------------
@@ -99,44 +103,6 @@ def chat_pieces(messages: list[dict]) -> tuple[tuple[str, bool], ...]:
   return tuple(pieces)
 
 
-_GEN_START, _GEN_END = "\x00<generation>\x00", "\x00</generation>\x00"
-
-
-def hf_chat_pieces(template: str, messages: list[dict], where: str):
-  """The pieces of ``messages`` under a Hugging Face ``chat_template`` (Jinja): the text inside
-  its ``{% generation %}`` blocks is trained on. Refused (one line) without such a block."""
-  import jinja2
-  from jinja2 import nodes
-  from jinja2.ext import Extension
-
-  class Generation(Extension):
-    tags = {"generation"}
-
-    def parse(self, parser):
-      lineno = next(parser.stream).lineno
-      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-      return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
-
-    def _mark(self, caller):
-      return f"{_GEN_START}{caller()}{_GEN_END}"
-
-  if "generation" not in template:
-    raise errors.UserValueError(
-      f"{where}: the tokenizer's chat_template has no {{% generation %}} block marking the "
-      "assistant's text, so there is nothing to train on: use data.chat_template=builtin"
-    )
-  env = jinja2.Environment(extensions=[Generation], trim_blocks=True, lstrip_blocks=True)
-  env.globals["raise_exception"] = lambda message: (_ for _ in ()).throw(ValueError(message))
-  text = env.from_string(template).render(messages=messages, add_generation_prompt=False)
-  pieces, trained = [], False
-  for part in re.split(f"({re.escape(_GEN_START)}|{re.escape(_GEN_END)})", text):
-    if part in (_GEN_START, _GEN_END):
-      trained = part == _GEN_START
-    elif part:
-      pieces.append((part, trained))
-  return tuple(pieces)
-
-
 # -- reading JSONL -----------------------------------------------------------------------------------
 
 
@@ -150,7 +116,7 @@ def _field(record: dict, key: str, where: str, optional: bool = False) -> str:
   return value
 
 
-def _example(record, fmt: str, where: str, chat_template: str | None) -> Example:
+def _example(record, fmt: str, where: str, template: chat.Template | None) -> Example:
   if not isinstance(record, dict):
     raise errors.UserValueError(f"{where}: a {type(record).__name__}, not a JSON object")
   if fmt == "alpaca":
@@ -172,13 +138,19 @@ def _example(record, fmt: str, where: str, chat_template: str | None) -> Example
       _field(m, "content", where)
     if not any(m["role"] == "assistant" for m in messages):
       raise errors.UserValueError(f"{where}: no assistant message to train on")
-    if chat_template:
-      pieces = hf_chat_pieces(chat_template, messages, where)
-    else:
-      pieces = chat_pieces(messages)
+    if template is not None:
+      pieces = chat.pieces(template, messages, where)
+      last = next((text for text, trained in reversed(pieces) if trained), "")
+      _check_trained(pieces, where)
+      return Example(pieces, rendered=True, end_of_turn=chat.end_of_turn(template, last))
+    pieces = chat_pieces(messages)
+  _check_trained(pieces, where)
+  return Example(pieces)
+
+
+def _check_trained(pieces, where: str) -> None:
   if not any(trained and text.strip() for text, trained in pieces):
     raise errors.UserValueError(f"{where}: the response is empty (nothing to train on)")
-  return Example(pieces)
 
 
 def jsonl_files(pattern: str) -> list[str]:
@@ -192,7 +164,7 @@ def jsonl_files(pattern: str) -> list[str]:
   return files
 
 
-def read_jsonl(pattern: str, fmt: str, chat_template: str | None = None) -> list[Example]:
+def read_jsonl(pattern: str, fmt: str, template: chat.Template | None = None) -> list[Example]:
   """The examples of every line of the files ``pattern`` names (blank lines skipped)."""
   if fmt not in FORMATS:
     raise errors.UserValueError(
@@ -207,7 +179,7 @@ def read_jsonl(pattern: str, fmt: str, chat_template: str | None = None) -> list
         records = json.loads(text)
       except json.JSONDecodeError as e:
         raise errors.UserValueError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
-      out += [_example(r, fmt, f"{path}: record {i}", chat_template) for i, r in enumerate(records)]
+      out += [_example(r, fmt, f"{path}: record {i}", template) for i, r in enumerate(records)]
       continue
     for number, line in enumerate(text.splitlines(), 1):
       if not line.strip():
@@ -217,7 +189,7 @@ def read_jsonl(pattern: str, fmt: str, chat_template: str | None = None) -> list
         record = json.loads(line)
       except json.JSONDecodeError as e:
         raise errors.UserValueError(f"{where}: not a JSON object ({e.msg})") from None
-      out.append(_example(record, fmt, where, chat_template))
+      out.append(_example(record, fmt, where, template))
   if not out:
     raise errors.UserValueError(f"data.source=jsonl:{pattern}: the files hold no example")
   return out
@@ -282,12 +254,12 @@ def embedded_examples(count: int = 4500, seed: int = 0) -> list[Example]:
   return [out[j] for j in rng.permutation(len(out))]
 
 
-def load(source: str, fmt: str, chat_template: str | None = None) -> list[Example]:
+def load(source: str, fmt: str, template: chat.Template | None = None) -> list[Example]:
   """The examples of an instruction source (``jsonl:<glob>`` or ``instruct:embedded``)."""
   if source == EMBEDDED:
     return embedded_examples()
   if source.startswith("jsonl:") and len(source) > 6:
-    return read_jsonl(source[6:], fmt, chat_template)
+    return read_jsonl(source[6:], fmt, template)
   raise errors.UserValueError(
     f"data.source={source!r} is not instruction data: give jsonl:<path or glob> or {EMBEDDED}"
   )

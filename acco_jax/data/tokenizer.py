@@ -76,6 +76,14 @@ class Tokenizer(abc.ABC):
     """Encodes many texts as ordinary text (subclasses use their library's parallel path)."""
     return [self._encode_plain(t) for t in texts]
 
+  def special_tokens(self) -> tuple[str, ...]:
+    """The text of every special token beyond the end-of-text (a model directory's)."""
+    return ()
+
+  def encode_rendered(self, texts: Sequence[str]) -> list[tuple[list[int], list[int]]]:
+    """A chat template's texts as ids with their special tokens, and where each id starts."""
+    raise NotImplementedError(f"{self.name} reads no chat template's special tokens")
+
   def to_hf(self, directory: str) -> None:
     """Writes this tokenizer as a Hugging Face fast tokenizer into ``directory``
     (``tokenizer.json`` and ``tokenizer_config.json``; ``transformers.AutoTokenizer`` loads it and
@@ -195,6 +203,21 @@ class HFTokenizer(Tokenizer):
     )  # fast: tokenizers>=0.21
     return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
+  def encode_rendered(self, texts: Sequence[str]) -> list[tuple[list[int], list[int]]]:
+    """Each text's ids with its special tokens (``<|im_start|>``) as their ids, as a chat
+    template's text is read, and the character offset each id starts at."""
+    self._tok.encode_special_tokens = False
+    try:
+      encoded = self._tok.encode_batch(list(texts), add_special_tokens=False)
+    finally:
+      self._tok.encode_special_tokens = True
+    return [(e.ids, [start for start, _ in e.offsets]) for e in encoded]
+
+  def special_tokens(self) -> tuple[str, ...]:
+    """The text of every special token (added tokens marked special)."""
+    added = self._tok.get_added_tokens_decoder().values()
+    return tuple(t.content for t in added if t.special)
+
   def decode(self, ids: Sequence[int]) -> str:
     text = self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
     return text.replace(self.eot_text, EOT_TEXT) if self.eot_text != EOT_TEXT else text
@@ -205,7 +228,8 @@ class HFTokenizer(Tokenizer):
     if not self.name.startswith("hf:"):
       return _write_hf(directory, self._tok, self.eot_text)
     source = os.path.dirname(self.path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    for name in (*names, "chat_template.jinja"):
       if os.path.isfile(os.path.join(source, name)):
         shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
 

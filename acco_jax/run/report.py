@@ -96,7 +96,8 @@ def answers(run: Run, config, params, workdir: str | None, lead: bool = True) ->
   n = min(int(config.train.answer_prompts), len(held))
   prompts = [examples_lib.prompt_ids(held, i) for i in range(n)]
   max_new, window = int(config.train.answer_tokens), config.data.seq_len
-  replies = sampling.greedy(params, run.model_cfg, prompts, max_new, tok.eot_id, window=window)
+  stop = getattr(run.tokens, "stop_ids", ()) or tok.eot_id
+  replies = sampling.greedy(params, run.model_cfg, prompts, max_new, stop, window=window)
   rows = []
   for (prompt, answer), reply in zip(run.tokens.answers[:n], replies, strict=True):
     text = tok.decode(reply)
