@@ -71,8 +71,8 @@ def _greedy_next(params, cfg, tokens_BxW, last_B):
   return jnp.argmax(jnp.take_along_axis(logits_BxWxV, last_B[:, None, None], axis=1)[:, 0], -1)
 
 
-def greedy(params, cfg, prompts, max_new: int, stop_id: int, window: int | None = None):
-  """Greedy replies to a batch of prompts of different lengths, each until ``stop_id`` (not
+def greedy(params, cfg, prompts, max_new: int, stop_id, window: int | None = None):
+  """Greedy replies to a batch of prompts of different lengths, each until a stop id (not
   included) or ``max_new`` tokens.
 
   All prompts share one jitted forward over a ``[B, window]`` window: each row holds its prompt
@@ -85,25 +85,28 @@ def greedy(params, cfg, prompts, max_new: int, stop_id: int, window: int | None 
     cfg: model config.
     prompts: B lists of token ids, each at least one.
     max_new: the longest reply.
-    stop_id: the id that ends a reply (the tokenizer's end-of-text).
+    stop_id: the id that ends a reply (the tokenizer's end-of-text), or a collection of them (a
+      chat template's end-of-turn too); an empty prompt is read as the first of them.
     window: tokens of context, at most (default) ``cfg.L``.
 
   Returns:
     B lists of generated ids.
   """
+  stops = {int(stop_id)} if np.ndim(stop_id) == 0 else {int(i) for i in stop_id}
+  first_stop = int(stop_id) if np.ndim(stop_id) == 0 else int(next(iter(stop_id)))
   W = cfg.L if window is None else min(int(window), cfg.L)
   keep = max(1, W - max_new)
   tokens_BxW = np.zeros((len(prompts), W), np.int32)
   length_B = np.zeros(len(prompts), np.int32)
   for b, p in enumerate(prompts):
-    p = list(p)[-keep:] or [stop_id]
+    p = list(p)[-keep:] or [first_stop]
     tokens_BxW[b, : len(p)] = p
     length_B[b] = len(p)
   replies, done = [[] for _ in prompts], np.zeros(len(prompts), bool)
   for _ in range(max_new):
     nxt_B = np.asarray(_greedy_next(params, cfg, tokens_BxW, jnp.asarray(length_B - 1)))
     for b in np.flatnonzero(~done):
-      if nxt_B[b] == stop_id or length_B[b] >= W:
+      if int(nxt_B[b]) in stops or length_B[b] >= W:
         done[b] = True
         continue
       tokens_BxW[b, length_B[b]] = nxt_B[b]
