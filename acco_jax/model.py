@@ -42,6 +42,7 @@ from flax import nnx
 
 from acco_jax import errors, losses, models
 from acco_jax.models.base import Context as Context
+from acco_jax.models.base import KVCache as KVCache
 from acco_jax.models.base import ModelConfig as ModelConfig
 from acco_jax.models.base import attention_impl as attention_impl
 from acco_jax.models.base import context as context
@@ -233,6 +234,63 @@ def apply(
   """
   logits = _logits(params, cfg, tokens_BxL, rng, deterministic, positions_BxL, segments_BxL)
   return logits[..., : cfg.V].astype(jnp.float32)
+
+
+Cache = tuple[tuple[jax.Array, jax.Array], ...]  # each block's (keys, values), [B, C, G, K] each
+
+
+def apply_cached(
+  params: Params,
+  cfg: ModelConfig,
+  tokens_BxL,
+  positions_BxL,
+  cache: Cache | None = None,
+  *,
+  length: int | None = None,
+  last_B=None,
+) -> tuple[jax.Array, Cache]:
+  """Forward pass of new tokens that attend to the keys and values of earlier ones (generation).
+
+  The first call (``cache`` None) runs the prompt and keeps every block's keys and values at
+  ``length`` positions; each next call runs the new tokens (one a row, typically) at their
+  positions and extends the cache. A row's token at position ``p`` sees the cached positions
+  ``0..p``: those must hold that row's earlier tokens (a row's padding after its last token is
+  overwritten by its next ones, never seen). No dropout, no packed rows; :func:`apply` is the
+  training path and stays untouched.
+
+  Args:
+    params: parameter dict.
+    cfg: model config (static under jit).
+    tokens_BxL: int token ids [B, L].
+    positions_BxL: int32 position of each token, below the cache's length.
+    cache: the previous call's cache, or None to start one.
+    length: positions the new cache holds (with ``cache`` None), at most ``cfg.L``.
+    last_B: if given, the logits only at position ``last_B[b]`` of each row's L tokens.
+
+  Returns:
+    (float32 logits [B, L, V], or [B, V] with ``last_B``; the cache with the new tokens).
+  """
+  check_params(params, cfg)
+  if cache is None and (length is None or not 0 < length <= cfg.L):
+    raise ValueError(f"a new cache needs a length in [1, {cfg.L}], got {length}")
+  positions_BxL = jnp.asarray(positions_BxL, jnp.int32)
+  x_BxLxD = embed(shared(params), cfg, tokens_BxL, Context(0, positions_BxL))
+  out = []
+  for i in range(cfg.N):
+    kv = (None, None) if cache is None else cache[i]
+    held = KVCache(positions_BxL, length, *kv)
+    x_BxLxD = block(params[BLOCKS][str(i)], cfg, x_BxLxD, Context(i, positions_BxL, None, held))
+    out.append((held.k_BxCxGxK, held.v_BxCxGxK))
+  if last_B is not None:  # [B, 1, D]: the head only where logits are wanted
+    x_BxLxD = jnp.take_along_axis(x_BxLxD, jnp.asarray(last_B)[:, None, None], axis=1)
+  logits = head_logits(shared(params), cfg, x_BxLxD)[..., : cfg.V].astype(jnp.float32)
+  return (logits if last_B is None else logits[:, 0]), tuple(out)
+
+
+def grow_cache(cache: Cache, length: int) -> Cache:
+  """``cache`` with room for ``length`` positions (zeros after the held ones)."""
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, length - a.shape[1]), (0, 0), (0, 0)))
+  return jax.tree.map(pad, cache)
 
 
 def loss_fn(params: Params, cfg: ModelConfig, batch: dict[str, jax.Array], *, rng=None):

@@ -155,11 +155,14 @@ class Context(NamedTuple):
     positions_BxL: int32 position of each token (learned positions and RoPE read it).
     segments_BxL: int32 example of each token in a packed row (attention stays within one), or
       None: one sequence a row.
+    cache: the block's keys and values of earlier tokens (generation one token at a time,
+      :func:`acco_jax.model.apply_cached`), which :func:`attention` reads and extends, or None.
   """
 
   layer: int | jax.Array
   positions_BxL: jax.Array
   segments_BxL: jax.Array | None = None
+  cache: KVCache | None = None
 
 
 def context(tokens_BxL, layer: int | jax.Array = 0, positions=None, segments=None) -> Context:
@@ -189,14 +192,18 @@ def attention(
   scale=None,
   window: int | None = None,
   segments_BxL=None,
+  cache: KVCache | None = None,
 ):
   """Causal attention, grouped-query when ``G < H`` heads of keys and values; with ``window``,
   query ``i`` sees only keys ``j`` with ``0 <= i - j < window``; with ``segments_BxL``, only keys
-  of its own segment (packed examples; a mask both XLA's and cuDNN's kernels take).
+  of its own segment (packed examples; a mask both XLA's and cuDNN's kernels take); with
+  ``cache``, the new tokens' keys and values join the earlier ones' (:func:`cached_attention`).
 
   Scores and softmax are float32 whatever the inputs' dtype (XLA's and cuDNN's kernels both
   accumulate the products of bf16 inputs in float32); ``scale`` defaults to ``1/sqrt(K)``.
   """
+  if cache is not None:
+    return cached_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, cache, scale=scale, window=window)
   local = None if window is None else (window - 1, 0)
   mask = None
   if segments_BxL is not None:
@@ -210,6 +217,48 @@ def attention(
     is_causal=True,
     local_window_size=local,
     implementation=attention_impl(cfg),
+  )
+
+
+class KVCache:
+  """One block's keys and values for generation: ``k_BxCxGxK``, ``v_BxCxGxK`` at C positions.
+
+  A mutable holder (as an ``nnx.Cache`` variable is): :func:`cached_attention` writes the new
+  tokens' keys and values at ``positions_BxL`` and replaces the arrays, inside the trace of
+  :func:`acco_jax.model.apply_cached`, which reads them back out. With no arrays yet (``k`` None:
+  the prompt's first pass), the first write allocates ``length`` zero positions.
+  """
+
+  def __init__(self, positions_BxL, length: int, k_BxCxGxK=None, v_BxCxGxK=None):
+    self.positions_BxL = positions_BxL
+    self.length = length if k_BxCxGxK is None else k_BxCxGxK.shape[1]
+    self.k_BxCxGxK, self.v_BxCxGxK = k_BxCxGxK, v_BxCxGxK
+
+
+def cached_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, cache: KVCache, *, scale=None, window=None):
+  """:func:`attention` of L new tokens at ``cache.positions_BxL`` over every cached position up to
+  each query's own (and within ``window``), after writing the new keys and values there.
+
+  Positions past a row's last written token are masked, so what they hold (zeros, or padding of a
+  shorter prompt) never counts.
+  """
+  B, L, G, K = k_BxLxGxK.shape
+  if cache.k_BxCxGxK is None:
+    cache.k_BxCxGxK = cache.v_BxCxGxK = jnp.zeros((B, cache.length, G, K), k_BxLxGxK.dtype)
+  rows_Bx1, at_BxL = jnp.arange(B)[:, None], cache.positions_BxL
+  cache.k_BxCxGxK = cache.k_BxCxGxK.at[rows_Bx1, at_BxL].set(k_BxLxGxK)
+  cache.v_BxCxGxK = cache.v_BxCxGxK.at[rows_Bx1, at_BxL].set(v_BxLxGxK)
+  behind_BxLxC = at_BxL[:, :, None] - jnp.arange(cache.length)  # query's position - key's
+  seen_BxLxC = behind_BxLxC >= 0
+  if window is not None:
+    seen_BxLxC &= behind_BxLxC < window
+  return jax.nn.dot_product_attention(
+    q_BxLxHxK,
+    cache.k_BxCxGxK,
+    cache.v_BxCxGxK,
+    mask=seen_BxLxC[:, None],
+    scale=scale,
+    implementation="xla",
   )
 
 

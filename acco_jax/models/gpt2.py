@@ -74,7 +74,7 @@ class Block(nnx.Module):
     keys = (None, None) if key is None else tuple(jax.random.split(key))
     qkv_BxLx3xHxK = self.attn_qkv(self.ln_1(x_BxLxD)).reshape(B, L, 3, cfg.H, cfg.head_dim)
     q, k, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
-    att = base.attention(q, k, v, cfg, segments_BxL=ctx.segments_BxL)
+    att = base.attention(q, k, v, cfg, segments_BxL=ctx.segments_BxL, cache=ctx.cache)
     att_BxLxD = self.attn_out(att.reshape(B, L, D))
     x_BxLxD = x_BxLxD + base.dropout(att_BxLxD, cfg.dropout, keys[0])
     h_BxLxF = jax.nn.gelu(self.mlp_fc(self.ln_2(x_BxLxD)), approximate=True)

@@ -94,10 +94,11 @@ class Block(nnx.Module):
     q, k, v = heads(self.attn_q(h_BxLxD)), heads(self.attn_k(h_BxLxD)), heads(self.attn_v(h_BxLxD))
     segments = ctx.segments_BxL
     attend = lambda window: base.attention(
-      q, k, v, cfg, scale=1.0, window=window, segments_BxL=segments
+      q, k, v, cfg, scale=1.0, window=window, segments_BxL=segments, cache=ctx.cache
     )
     types = layer_types(cfg)
-    if cfg.window >= L or "local" not in types:  # a local block sees every earlier key
+    keys = L if ctx.cache is None else ctx.cache.length  # keys a query may see, at most
+    if cfg.window >= keys or "local" not in types:  # a local block sees every earlier key
       return attend(None)
     if isinstance(ctx.layer, int):
       return attend(cfg.window if types[ctx.layer] == "local" else None)

@@ -120,7 +120,7 @@ class Block(nnx.Module):
     k_BxLxGxK = rotate(self.attn_k(h_BxLxD).reshape(B, L, G, K), ctx.positions_BxL, cfg.rope_theta)
     v_BxLxGxK = self.attn_v(h_BxLxD).reshape(B, L, G, K)
     att_BxLxHxK = base.attention(
-      q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, cfg, segments_BxL=ctx.segments_BxL
+      q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, cfg, segments_BxL=ctx.segments_BxL, cache=ctx.cache
     )
     att_BxLxD = self.attn_out(att_BxLxHxK.reshape(B, L, cfg.H * K))
     x_BxLxD = x_BxLxD + base.dropout(att_BxLxD, cfg.dropout, keys[0])
