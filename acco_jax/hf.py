@@ -11,7 +11,11 @@ next: the host holds the placed parameters and one tensor at a time. Every tenso
 needs must be there, with the shape ``config.json`` implies, and nothing else (apart from buffers
 old versions saved, such as GPT-2's causal masks); names may come with or without the base model's
 prefix (``transformer.``, ``model.``). All of it is checked from the files' headers before any
-tensor is read.
+tensor is read, each tensor's bytes against the file's size (a file cut short by an interrupted
+download is refused, not memory-mapped past its end). Buffers the architecture ignores
+(``HF_IGNORED``) are set aside before the dtype check (old GPT-Neo uploads store BOOL causal
+masks); a tied model whose file stores the head anyway (``HF_TIED_HEAD``) loads when that head
+equals the embedding (compared, then ignored) and is refused in one line otherwise.
 
 Writing (:func:`save`): ``config.json`` (the architecture's fields, ``model_type``,
 ``architectures``, the end-of-text id), the weights as safetensors (float32 or bfloat16; shards of
@@ -122,26 +126,51 @@ class Entry(NamedTuple):
   """Where one tensor lies in a safetensors file."""
 
   path: str
-  dtype: np.dtype
+  dtype: np.dtype | None  # None: a dtype acco_jax does not read (``stored`` names it)
   shape: tuple[int, ...]
   offset: int  # bytes from the start of the file
+  stored: str = ""  # the header's dtype name (F32, BF16, BOOL, ...)
+
+
+def _truncated(path: str, what: str, end: int, size: int) -> errors.UserValueError:
+  return _refuse(
+    os.path.dirname(path),
+    f"{os.path.basename(path)} is truncated or damaged: {what} ends at byte {end:,}, the file "
+    f"holds {size:,} bytes (an interrupted download?): download it again",
+  )
 
 
 def _header(path: str) -> dict[str, Entry]:
+  """The tensors of one safetensors file, each checked to lie inside the file (nothing read)."""
+  size = os.path.getsize(path)
   with open(path, "rb") as f:
-    (size,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(size))
+    head = f.read(8)
+    if len(head) < 8:
+      raise _truncated(path, "the header's length", 8, size)
+    (length,) = struct.unpack("<Q", head)
+    if 8 + length > size:
+      raise _truncated(path, "the header", 8 + length, size)
+    try:
+      header = json.loads(f.read(length))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise _refuse(
+        os.path.dirname(path), f"{os.path.basename(path)} is not safetensors ({e})"
+      ) from None
   out = {}
   for name, info in header.items():
     if name == "__metadata__":
       continue
-    if info["dtype"] not in _DTYPES:
+    begin, end = info["data_offsets"]
+    if 8 + length + end > size:
+      raise _truncated(path, f"tensor {name}", 8 + length + end, size)
+    dtype = _DTYPES.get(info["dtype"])
+    if dtype is not None and end - begin != math.prod(info["shape"]) * dtype.itemsize:
       raise _refuse(
         os.path.dirname(path),
-        f"tensor {name} is {info['dtype']}: acco_jax reads float32, float16 and bfloat16 weights",
+        f"{os.path.basename(path)} is damaged: tensor {name} of shape {info['shape']} "
+        f"({info['dtype']}) spans {end - begin} bytes: download it again",
       )
-    start = 8 + size + info["data_offsets"][0]
-    out[name] = Entry(path, _DTYPES[info["dtype"]], tuple(info["shape"]), start)
+    out[name] = Entry(path, dtype, tuple(info["shape"]), 8 + length + begin, info["dtype"])
   return out
 
 
@@ -190,15 +219,61 @@ def _leaf_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
   return {tuple(k.key for k in path): tuple(x.shape) for path, x in leaves}
 
 
+def _local(name: str, index: dict, prefix: str) -> str | None:
+  """The name a checkpoint stores ``name`` under: with or without the base model's prefix."""
+  for n in (name, name.removeprefix(prefix)):
+    if n in index:
+      return n
+  return None
+
+
+def _check_dtype(directory: str, name: str, entry: Entry) -> None:
+  if entry.dtype is None:
+    raise _refuse(
+      directory,
+      f"tensor {name} is {entry.stored}: acco_jax reads float32, float16 and bfloat16 weights",
+    )
+
+
+def _check_tied_head(directory: str, head: str, embedding: str, index: dict) -> None:
+  """A tied model's file that stores the head anyway: it must be the embedding (compared in
+  blocks of rows, memory-mapped), else the checkpoint is not the tied model config.json says."""
+  h, e = index[head], index[embedding]
+  _check_dtype(directory, head, h)
+  if h.shape != e.shape:
+    raise _refuse(
+      directory,
+      f"tensor {head} has shape {list(h.shape)}, but the head is tied to {embedding} "
+      f"{list(e.shape)} (config.json: tie_word_embeddings): fix tie_word_embeddings",
+    )
+  rows, step = _read(h), max(1, 2**24 // max(1, math.prod(h.shape[1:])))
+  emb = _read(e)
+  for i in range(0, h.shape[0], step):
+    a, b = rows[i : i + step].astype(np.float32), emb[i : i + step].astype(np.float32)
+    if not np.array_equal(a, b):
+      raise _refuse(
+        directory,
+        f"tensor {head} differs from {embedding}, but config.json ties the head to the "
+        "embedding (tie_word_embeddings): set tie_word_embeddings to false if the head is its "
+        "own, or remove the stale tensor",
+      )
+
+
 def check_weights(directory: str, cfg: ModelConfig) -> list[tuple[HFTensor, Entry]]:
-  """Each parameter's tensor in the directory's files, checked against ``cfg`` from the headers
-  alone: one-line refusals of a tensor missing, left over or of another shape."""
+  """Each parameter's tensor in the directory's files, checked against ``cfg`` from the headers:
+  one-line refusals of a file cut short, a tensor missing, left over, of another shape or dtype.
+
+  Tensors the architecture ignores (``HF_IGNORED``: buffers old versions saved, of any dtype) are
+  set aside first. A tied model's head stored anyway (``HF_TIED_HEAD``) is read once and must
+  equal the embedding."""
   arch = models.get(cfg.arch)
   index, leaves = tensor_index(directory), _leaf_shapes(cfg)
+  ignored = [re.compile(rf"(?:{re.escape(arch.HF_PREFIX)})?{p}$") for p in arch.HF_IGNORED]
+  index = {n: e for n, e in index.items() if not any(p.match(n) for p in ignored)}
   planned, used = [], set()
   for t in arch.hf_tensors(cfg):
-    name = t.name if t.name in index else t.name.removeprefix(arch.HF_PREFIX)
-    if name not in index:
+    name = _local(t.name, index, arch.HF_PREFIX)
+    if name is None:
       raise _refuse(
         directory,
         f"tensor {t.name} is missing from its weights: they are not the model config.json "
@@ -209,10 +284,12 @@ def check_weights(directory: str, cfg: ModelConfig) -> list[tuple[HFTensor, Entr
       raise _refuse(
         directory, f"tensor {name} has shape {list(entry.shape)}, config.json implies {list(want)}"
       )
+    _check_dtype(directory, name, entry)
     planned.append((t, entry))
     used.add(name)
-  ignored = [re.compile(rf"(?:{re.escape(arch.HF_PREFIX)})?{p}$") for p in arch.HF_IGNORED]
-  extra = sorted(n for n in index if n not in used and not any(p.match(n) for p in ignored))
+  tied = getattr(arch, "HF_TIED_HEAD", None)  # (the head's name, the embedding's)
+  head = tied and cfg.tied_head and _local(tied[0], index, arch.HF_PREFIX)
+  extra = sorted(n for n in index if n not in used and n != head)
   if extra:
     more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
     raise _refuse(
@@ -220,6 +297,8 @@ def check_weights(directory: str, cfg: ModelConfig) -> list[tuple[HFTensor, Entr
       f"tensors {', '.join(extra[:3])}{more} are not part of a {cfg.arch} model with this "
       "config.json: another architecture's weights, or a config that does not match them",
     )
+  if head:
+    _check_tied_head(directory, head, _local(tied[1], index, arch.HF_PREFIX), index)
   return planned
 
 

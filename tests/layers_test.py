@@ -97,3 +97,20 @@ def test_apply_ordered_and_stack_round_trip(params, batch):
   _close(logits, jax.jit(model.apply, static_argnums=1)(params, CFG, batch["inputs"]))
   back = layers.unstack_blocks(layers.stack_blocks(params["blocks"]))
   assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), back, params["blocks"]))
+
+
+def test_gpt_neo_traced_layers_give_transformers_logits():
+  """The traced-layer path (the pipeline's and SkipPipe's: each block's index is traced, so GPT-Neo
+  picks local or global attention by a ``lax.cond``) against transformers' logits of the stored
+  fixture, whose local window is shorter than its tokens (tests/data/hf/gpt_neo)."""
+  from acco_jax import hf
+  from tests.hf_test import FIXTURES, TOL, _reference
+
+  directory = str(FIXTURES / "gpt_neo")
+  cfg = hf.model_config(directory, dtype="float32")
+  tokens, want = _reference("gpt_neo")
+  assert cfg.window < tokens.shape[1]
+  params = hf.load_params(directory, cfg)
+  apply = jax.jit(layers.apply_ordered, static_argnums=1)
+  got = apply(params, cfg, jnp.asarray(tokens), jnp.arange(cfg.N))
+  np.testing.assert_allclose(np.asarray(got), want, **TOL)

@@ -302,6 +302,9 @@ class Architecture(Protocol):
   HF_ARCHITECTURE: str  # config.json's architectures[0]
   HF_PREFIX: str  # the prefix of the base model's tensors, which some checkpoints leave out
   HF_IGNORED: tuple[str, ...]  # regexes of tensors a checkpoint may hold that we do not read
+  # (the head, the embedding) where a tied model's checkpoint may store the head anyway: the
+  # loader reads it only to check it equals the embedding (None: the architecture has no such)
+  HF_TIED_HEAD: tuple[str, str] | None
 
   def check(self, cfg: ModelConfig) -> None:
     """Refuses (one line) a config this architecture cannot run."""

@@ -112,8 +112,8 @@ def flops_per_token(cfg: base.ModelConfig, seq_len: int) -> float:
 HF_MODEL_TYPE = "gpt2"
 HF_ARCHITECTURE = "GPT2LMHeadModel"
 HF_PREFIX = "transformer."  # some checkpoints (the original gpt2 upload) store names without it
-# the causal masks old versions saved as tensors, and the head where a checkpoint stores it tied
-HF_IGNORED = (r"h\.\d+\.attn\.(bias|masked_bias)", r"lm_head\.weight")
+HF_IGNORED = (r"h\.\d+\.attn\.(bias|masked_bias)",)  # the causal masks old versions saved
+HF_TIED_HEAD = ("lm_head.weight", "transformer.wte.weight")  # stored anyway by some checkpoints
 
 _BLOCK_NAMES = {
   "ln_1": "ln_1",

@@ -131,7 +131,8 @@ def flops_per_token(cfg: base.ModelConfig, seq_len: int) -> float:
 HF_MODEL_TYPE = "gpt_neo"
 HF_ARCHITECTURE = "GPTNeoForCausalLM"
 HF_PREFIX = "transformer."
-HF_IGNORED = (r"h\.\d+\.attn\.attention\.(bias|masked_bias)", r"lm_head\.weight")
+HF_IGNORED = (r"h\.\d+\.attn\.attention\.(bias|masked_bias)",)  # old uploads' causal masks
+HF_TIED_HEAD = ("lm_head.weight", "transformer.wte.weight")
 
 _BLOCK_NAMES = {
   "attn_q": "attn.attention.q_proj",

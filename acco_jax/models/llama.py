@@ -165,6 +165,7 @@ HF_MODEL_TYPE = "llama"
 HF_ARCHITECTURE = "LlamaForCausalLM"
 HF_PREFIX = "model."
 HF_IGNORED = (r"layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+HF_TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")  # a tied model may store it anyway
 
 _BLOCK_NAMES = {
   "attn_q": "self_attn.q_proj",
