@@ -446,15 +446,22 @@ def test_tfds_dataset_without_network_fails_fast(tmp_path, no_network):
   assert "data.data_dir" in one_line(info.value)
 
 
-@pytest.mark.parametrize(
-  "tokenizer,error,match",
-  [
-    ("sentencepiece", ValueError, r"unknown tokenizer 'sentencepiece': use 'byte', 'gpt2'"),
-    ("bpe:10", ValueError, r"tokenizer 'bpe:10': vocab size must be >= 258"),
-    ("bpe:/nonexistent/tok.json", FileNotFoundError, r"no such tokenizer JSON file"),
-  ],
-  ids=["unknown-tokenizer", "tiny-bpe-vocab", "missing-bpe-file"],
-)
+TOKENIZERS = {
+  "unknown-tokenizer": (
+    "sentencepiece",
+    ValueError,
+    r"unknown tokenizer 'sentencepiece': use 'byte', 'gpt2'",
+  ),
+  "tiny-bpe-vocab": ("bpe:10", ValueError, r"tokenizer 'bpe:10': vocab size must be >= 258"),
+  "missing-bpe-file": (
+    "bpe:/nonexistent/tok.json",
+    FileNotFoundError,
+    r"no such tokenizer JSON file",
+  ),
+}
+
+
+@pytest.mark.parametrize("tokenizer,error,match", list(TOKENIZERS.values()), ids=list(TOKENIZERS))
 def test_bad_tokenizer(tmp_path, tokenizer, error, match):
   config = tiny(**{"data.tokenizer": tokenizer, "data.cache_dir": str(tmp_path)})
   with pytest.raises(error, match=match) as info:

@@ -167,6 +167,7 @@ def build(config, *, check_only: bool = False) -> Run:
   _check_config(config)
   checked = family.build(config, declared_tokens(config))
   _check_probes(config, checked.train)
+  profile.parse(config.train.get("profile_stages", ""), checked.total_stages)  # within the run
   if check_only:
     return checked
   return family.build(config, prepare_tokens(config))
@@ -243,6 +244,10 @@ def _check_instruction(config) -> None:
   if config.train.exact_match not in ("end", "every", "off"):
     raise errors.UserValueError(
       f"train.exact_match={config.train.exact_match!r}: choose end, every or off"
+    )
+  if not d.packing and (not isinstance(d.bucket, int) or d.bucket < 1):
+    raise errors.UserValueError(
+      f"data.bucket={d.bucket!r} must be >= 1 (positions per bucket step)"
     )
   family = registry.lookup(config.method).name
   pipelined = family == "pipeline" or config.get("pipeline", {}).get("stages", 0)

@@ -93,6 +93,19 @@ def train_and_evaluate(
   return loop.run(on_params)
 
 
+def check_held_out(run: Run, config) -> None:
+  """Refuses, before any work, held-out data that gives no evaluation batch (the final
+  evaluation's stream, :func:`acco_jax.run.report.evaluate`'s, is built here and not read)."""
+  rows = run.mesh.size * config.batch.microbatch_size
+  try:
+    batch_stream(run, config, run.tokens.eval, rows, seed=0, shuffle=False)
+  except errors.UserValueError as e:
+    raise errors.UserValueError(
+      f"the held-out split (data.eval_fraction={config.data.eval_fraction}): {e}; or raise "
+      "data.eval_fraction"
+    ) from None
+
+
 class Loop:
   """One run of the stage loop over a built :class:`acco_jax.run.build.Run` (see the module
   docstring for its reading order).
@@ -115,6 +128,7 @@ class Loop:
     if run.orders is not None:  # SkipPipe: each microbatch's layer order rides in its batch
       stream = run.orders.stream(stream, jax.process_index(), jax.process_count())
     self.stream = stream
+    check_held_out(run, config)
 
   # -- set-up ---------------------------------------------------------------------------------------
 
