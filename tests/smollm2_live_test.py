@@ -5,13 +5,19 @@
 - Its logits under this project's Llama match transformers' to 1e-3 of their scale.
 - The greedy reply to a fixed chat prompt under its own template is transformers' reply, token for
   token (the cached generation of :mod:`acco_jax.sampling`).
+- A fine-tune through train.py on its own template (ChatML, no generation marks) lowers the
+  assistant-masked loss, and its export reloads in transformers with the run's logits, the same
+  chat template ids and a generation config that stops at ``<|im_end|>``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -23,7 +29,8 @@ torch = pytest.importorskip("torch", reason="needs torch: pip install torch")
 transformers = pytest.importorskip("transformers", reason="needs transformers")
 
 pytestmark = pytest.mark.hf_live
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "smollm2.py"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "smollm2.py"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -62,11 +69,15 @@ def ours(smollm2):
   return cfg, hf.load_params(smollm2, cfg)
 
 
-def _prompt_ids(tokenizer) -> list[int]:
+def _chat_ids(tokenizer, messages, generation_prompt=False) -> list[int]:
   out = tokenizer.apply_chat_template(
-    QUESTION, add_generation_prompt=True, tokenize=True, return_dict=True
+    messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True
   )
   return list(out["input_ids"])
+
+
+def _prompt_ids(tokenizer) -> list[int]:
+  return _chat_ids(tokenizer, QUESTION, generation_prompt=True)
 
 
 def test_logits_match_transformers(reference, ours):
@@ -99,3 +110,86 @@ def test_greedy_reply_is_transformers_reply(reference, ours):
   got = sampling.greedy(params, cfg, [prompt], max_new=24, stop_id=end, window=256)[0]
   assert tokenizer.decode(want).strip().startswith("The capital of France is Paris")
   assert got == want
+
+
+def _sums(path: pathlib.Path) -> str:
+  """Chat records of small sums, the reply in a fixed form the model learns in a few updates."""
+  rng = np.random.default_rng(0)
+  rows = []
+  for a, b in rng.integers(1, 10, (64, 2)).tolist():
+    rows.append(
+      {
+        "messages": [
+          {"role": "user", "content": f"What is {a} plus {b}?"},
+          {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+        ]
+      }
+    )
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def finetuned(smollm2, tmp_path_factory):
+  """A fine-tune through train.py on the model's own chat template (no generation marks), on one
+  device, then its export: ``(workdir, export dir, metrics rows)``."""
+  root = tmp_path_factory.mktemp("sft")
+  workdir, out = root / "run", root / "export"
+  flags = {
+    "model.init": f"hf:{smollm2}",
+    "data.source": f"jsonl:{_sums(root / 'sums.jsonl')}",
+    "data.format": "chat",
+    "data.chat_template": "hf",
+    "data.eval_fraction": 0.1,
+    "mesh.cpu_devices": 1,
+    "batch.microbatch_size": 2,
+    "batch.microbatches": 2,
+    "train.num_updates": 4,
+    "train.log_every": 1,
+    "train.eval_every": 0,
+    "train.answer_prompts": 2,
+    "train.answer_tokens": 12,
+    "ckpt.every": 0,
+    "opt.lr": 1e-4,
+    "opt.warmup_updates": 1,
+  }
+  command = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/sft_acco.py")]
+  command += ["--workdir", str(workdir)] + [f"--config.{k}={v}" for k, v in flags.items()]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500)
+  assert done.returncode == 0, done.stderr[-3000:]
+  export = [sys.executable, "-m", "acco_jax.export", str(workdir), str(out)]
+  done = subprocess.run(export, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return workdir, out, rows
+
+
+def test_finetune_on_its_own_template_lowers_the_response_loss(finetuned):
+  workdir, _, rows = finetuned
+  losses = [r["loss"] for r in rows if "loss" in r and "stage" in r]
+  assert len(losses) >= 6
+  assert np.mean(losses[-3:]) < 0.5 * np.mean(losses[:2])
+  samples = [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()]
+  # the prompt ends with the template's generation prompt; the reply stopped at <|im_end|>
+  assert all(s["prompt"].endswith("<|im_start|>assistant\n") for s in samples)
+  assert all("<|im_end|>" not in s["reply"] for s in samples)
+
+
+def test_export_reloads_in_transformers_with_the_runs_logits_and_template(smollm2, finetuned):
+  _, out, _ = finetuned
+  net = transformers.AutoModelForCausalLM.from_pretrained(
+    str(out), dtype=torch.float32, attn_implementation="eager"
+  ).eval()
+  exported = transformers.AutoTokenizer.from_pretrained(str(out))
+  source = transformers.AutoTokenizer.from_pretrained(smollm2)
+  conversation = QUESTION + [{"role": "assistant", "content": "Paris."}]
+  assert _chat_ids(exported, conversation) == _chat_ids(source, conversation)
+  ids = np.asarray([_prompt_ids(exported)], np.int32)
+  cfg = hf.model_config(str(out), dtype="float32")
+  mine = np.asarray(jax.jit(model.apply, static_argnums=1)(hf.load_params(str(out), cfg), cfg, ids))
+  with torch.no_grad():
+    theirs = net(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(theirs, mine, rtol=0, atol=1e-3 * np.abs(mine).max())
+  generation = json.loads((out / "generation_config.json").read_text())
+  assert source.convert_tokens_to_ids("<|im_end|>") in np.atleast_1d(generation["eos_token_id"])
