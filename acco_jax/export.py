@@ -1,8 +1,9 @@
 r"""A run's parameters as a Hugging Face directory: ``python -m acco_jax.export <workdir> <out_dir>``.
 
 Reads the newest checkpoint of ``<workdir>`` (read-only) and writes ``<out_dir>`` with
-``config.json``, the weights (``model.safetensors``, or shards and an index) and the run's
-tokenizer, which ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` and
+``config.json``, ``generation_config.json`` (its end-of-turn ids: a chat template's ``<|im_end|>``
+beside the end-of-text), the weights (``model.safetensors``, or shards and an index) and the run's
+tokenizer (with its chat template and special tokens), which ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` and
 ``AutoTokenizer.from_pretrained(out_dir)`` load as they are. Any run kind:
 
 - ddp, zero1, dpu: the parameters; acco and wp: the committed θ (not ACCO's estimate θ̃ or WP's
@@ -41,6 +42,7 @@ def export_run(workdir: str, out_dir: str, *, dtype: str = "float32", step: int 
     ``(out_dir, the model config, the step exported)``.
   """
   from acco_jax import data, errors, hf
+  from acco_jax.data import examples
   from acco_jax.run import saved
 
   params, cfg, extra = saved.read_params(workdir, step)
@@ -51,6 +53,8 @@ def export_run(workdir: str, out_dir: str, *, dtype: str = "float32", step: int 
     raise errors.UserValueError(
       f"{workdir}: the run's tokenizer {name!r} cannot be read back ({e})"
     ) from None
+  init = str(extra["source"].model.get("init", "") or "")
+  source_dir = init[3:] if init.startswith("hf:") and hf.is_hf_dir(init[3:]) else None
   hf.save(
     out_dir,
     params,
@@ -59,6 +63,8 @@ def export_run(workdir: str, out_dir: str, *, dtype: str = "float32", step: int 
     tokenizer=tokenizer,
     eos_id=tokenizer.eot_id,
     bos_id=tokenizer.bos_id,
+    stop_ids=examples.turn_end_ids(tokenizer),
+    source_dir=source_dir,
   )
   return out_dir, cfg, int(extra["stage"])
 

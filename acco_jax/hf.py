@@ -18,9 +18,10 @@ masks); a tied model whose file stores the head anyway (``HF_TIED_HEAD``) loads 
 equals the embedding (compared, then ignored) and is refused in one line otherwise.
 
 Writing (:func:`save`): ``config.json`` (the architecture's fields, ``model_type``,
-``architectures``, the end-of-text id), the weights as safetensors (float32 or bfloat16; shards of
-at most ``shard_bytes`` with an index beyond it), a tied head left out as transformers expects, and
-the tokenizer files. ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
+``architectures``, the end-of-text id; a source directory's floats as it wrote them),
+``generation_config.json`` (the end-of-text and end-of-turn ids as ``eos_token_id``), the weights
+as safetensors (float32 or bfloat16; shards of at most ``shard_bytes`` with an index beyond it), a
+tied head left out as transformers expects, and the tokenizer files (with its chat template). ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
 
 The safetensors format is read directly (an 8-byte header length, a JSON header, the raw
 tensors): the library's NumPy reader has no bfloat16 and its Flax reader puts every tensor on the
@@ -46,6 +47,7 @@ from acco_jax import errors, models
 from acco_jax.models.base import HFTensor, ModelConfig
 
 CONFIG = "config.json"
+GENERATION = "generation_config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _DTYPES = {
@@ -343,8 +345,27 @@ def load_params(
 # -- writing --------------------------------------------------------------------------------------
 
 
-def hf_config(cfg: ModelConfig, *, dtype: str = "float32", bos_id=None, eos_id=None) -> dict:
-  """The ``config.json`` of ``cfg``."""
+def as_source_wrote(ours, theirs):
+  """``ours`` with each number the source's config gives the same float32 value written as the
+  source wrote it (``9.999999747378752e-06`` stays that, ``1e-05`` stays ``1e-05``)."""
+  if isinstance(ours, dict) and isinstance(theirs, dict):
+    return {k: as_source_wrote(v, theirs.get(k)) for k, v in ours.items()}
+  numbers = (int, float)
+  if (
+    isinstance(ours, float)
+    and isinstance(theirs, numbers)
+    and not isinstance(theirs, bool)
+    and np.float32(ours) == np.float32(theirs)
+  ):
+    return theirs
+  return ours
+
+
+def hf_config(
+  cfg: ModelConfig, *, dtype: str = "float32", bos_id=None, eos_id=None, source: dict | None = None
+) -> dict:
+  """The ``config.json`` of ``cfg``; with ``source`` (the ``config.json`` the run started from),
+  its floats as the source wrote them and its ``pad_token_id``."""
   arch = models.get(cfg.arch)
   out = {
     "architectures": [arch.HF_ARCHITECTURE],
@@ -356,6 +377,35 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "float32", bos_id=None, eos_id=N
   if eos_id is not None:
     out["eos_token_id"] = int(eos_id)
     out["bos_token_id"] = int(eos_id if bos_id is None else bos_id)
+  if source:
+    out = as_source_wrote(out, source)
+    if source.get("pad_token_id") is not None:
+      out["pad_token_id"] = source["pad_token_id"]
+  return out
+
+
+def _ids(value) -> list[int]:
+  return [int(v) for v in (value if isinstance(value, list) else [value]) if v is not None]
+
+
+def generation_config(eos_ids, bos_id=None, source_dir: str | None = None) -> dict:
+  """``generation_config.json``: ``eos_ids`` (the end-of-text and a chat template's end-of-turn)
+  and the source's own stop ids as ``eos_token_id``; the source's other settings (bos, pad,
+  sampling) as it wrote them (its ``generation_config.json``, else its ``config.json``)."""
+  gen, cfg = {}, {}
+  if source_dir is not None:
+    for name, into in ((GENERATION, gen), (CONFIG, cfg)):
+      if os.path.isfile(os.path.join(source_dir, name)):
+        with open(os.path.join(source_dir, name)) as f:
+          into.update(json.load(f))
+  for key in ("transformers_version", "_from_model_config"):
+    gen.pop(key, None)
+  eos = list(dict.fromkeys(_ids(list(eos_ids)) + _ids(gen.get("eos_token_id"))))
+  out = {**gen, "eos_token_id": eos[0] if len(eos) == 1 else eos}
+  for key, default in (("bos_token_id", bos_id), ("pad_token_id", None)):
+    value = gen.get(key, cfg.get(key, default))
+    if value is not None:
+      out[key] = value
   return out
 
 
@@ -393,6 +443,8 @@ def save(
   tokenizer=None,
   bos_id: int | None = None,
   eos_id: int | None = None,
+  stop_ids: tuple[int, ...] = (),
+  source_dir: str | None = None,
   shard_bytes: int = 5 * 2**30,
 ) -> str:
   """Writes ``params`` as a Hugging Face directory at ``out_dir`` (which must not exist, or be
@@ -405,6 +457,10 @@ def save(
     dtype: the weights' dtype on disk, ``float32`` or ``bfloat16``.
     tokenizer: an :class:`acco_jax.data.Tokenizer` to write beside the weights (its ``to_hf``).
     bos_id, eos_id: ``config.json``'s special ids.
+    stop_ids: ``generation_config.json``'s ``eos_token_id`` (``eos_id`` when empty; the file is
+      written where either is given).
+    source_dir: the Hugging Face directory the run started from, if any: ``config.json``'s floats
+      as it wrote them, its pad id and generation settings (:func:`generation_config`).
     shard_bytes: weights beyond this go to several files with ``model.safetensors.index.json``.
   """
   from safetensors.numpy import save_file
@@ -432,8 +488,16 @@ def save(
     if len(groups) > 1:
       with open(os.path.join(tmp, INDEX), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    source = None
+    if source_dir is not None and os.path.isfile(os.path.join(source_dir, CONFIG)):
+      source = read_config(source_dir)
+    config = hf_config(cfg, dtype=dtype, bos_id=bos_id, eos_id=eos_id, source=source)
     with open(os.path.join(tmp, CONFIG), "w") as f:
-      json.dump(hf_config(cfg, dtype=dtype, bos_id=bos_id, eos_id=eos_id), f, indent=2)
+      json.dump(config, f, indent=2)
+    stops = tuple(stop_ids) or (() if eos_id is None else (eos_id,))
+    if stops:
+      with open(os.path.join(tmp, GENERATION), "w") as f:
+        json.dump(generation_config(stops, config.get("bos_token_id"), source_dir), f, indent=2)
     if tokenizer is not None:
       tokenizer.to_hf(tmp)
     os.chmod(tmp, 0o755)

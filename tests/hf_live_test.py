@@ -13,6 +13,10 @@ transformers in its second step, the default suite reads the stored fixtures ins
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,3 +117,134 @@ def test_an_export_that_drops_the_tied_head_fails_the_comparison(
   with pytest.raises(AssertionError):
     np.testing.assert_allclose(got, want, **TOL)
   np.testing.assert_allclose(_transformers_logits(good, ref["tokens"]), want, **TOL)
+
+
+# -- chat templates: the trained mask against transformers' assistant mask ------------------------
+
+CHAT = [
+  {"role": "user", "content": "What is 2+2?"},
+  {"role": "assistant", "content": " It is 4.\nSure."},
+  {"role": "user", "content": "And 3+3?"},
+  {"role": "assistant", "content": "6"},
+]
+# ChatML (SmolLM2's layout) with the assistant's text and its <|im_end|> in generation marks
+MARKED_CHATML = (
+  "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+  "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"
+  "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}{% generation %}"
+  "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+  "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+  "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _smollm2_dir() -> str:
+  for d in (os.environ.get("SMOLLM2_DIR"), "/work/smollm2"):
+    if d and os.path.isfile(os.path.join(d, "model.safetensors")):
+      return d
+  pytest.skip("needs the SmolLM2 directory (SMOLLM2_DIR=<scripts/smollm2.py's output>)")
+
+
+def _chat_dir(out, template, tokenizer_json=None):
+  """A tokenizer directory with ``template``: GPT-2's byte-level BPE (the fixture's) with ChatML's
+  special tokens added, or a given ``tokenizer.json``."""
+  import tokenizers
+
+  out.mkdir()
+  if tokenizer_json is None:
+    tok = tokenizers.Tokenizer.from_file(
+      os.path.join(hf_fixtures.FIXTURES, "gpt2", "tokenizer.json")
+    )
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(out / "tokenizer.json"))
+  else:
+    shutil.copyfile(tokenizer_json, out / "tokenizer.json")
+  settings = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": "<|im_start|>",
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|im_end|>",
+    "chat_template": template,
+  }
+  (out / "tokenizer_config.json").write_text(json.dumps(settings))
+  return out
+
+
+def _our_mask(directory, messages, tmp_path):
+  from acco_jax.data import examples, instruct
+  from acco_jax.data.tokenizer import get_tokenizer
+
+  tok = get_tokenizer(f"hf:{directory}")
+  path = tmp_path / "chat.jsonl"
+  path.write_text(json.dumps({"messages": messages}) + "\n")
+  exs = instruct.read_jsonl(str(path), "chat", examples.template_of(tok, "hf"))
+  ids, trained = examples.encode(tok, exs).example(0)
+  return ids.tolist(), trained.astype(int).tolist()
+
+
+def _transformers_mask(directory, messages):
+  tok = transformers.AutoTokenizer.from_pretrained(str(directory))
+  out = tok.apply_chat_template(
+    messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+  )
+  return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def test_marked_template_trains_transformers_assistant_tokens(tmp_path):
+  directory = _chat_dir(tmp_path / "marked", MARKED_CHATML)
+  ids, mask = _transformers_mask(directory, CHAT)
+  assert 0 < sum(mask) < len(mask)
+  assert _our_mask(directory, CHAT, tmp_path) == (ids, mask)
+
+
+def test_smollm2_template_without_marks_trains_what_its_marked_twin_marks(tmp_path):
+  """SmolLM2's own template (no generation marks) derives the tokens transformers marks under the
+  same template with marks added; both render the same ids."""
+  source = _smollm2_dir()
+  with open(os.path.join(source, "chat_template.jinja")) as f:
+    template = f.read()
+  assert "{% generation" not in template
+  system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+  twin = MARKED_CHATML.replace("Be brief.", system)
+  plain = _chat_dir(tmp_path / "plain", template, os.path.join(source, "tokenizer.json"))
+  marked = _chat_dir(tmp_path / "twin", twin, os.path.join(source, "tokenizer.json"))
+  ids, mask = _transformers_mask(marked, CHAT)
+  want_ids = transformers.AutoTokenizer.from_pretrained(source).apply_chat_template(
+    CHAT, tokenize=True, return_dict=True
+  )["input_ids"]
+  assert list(want_ids) == ids  # the twin renders SmolLM2's text
+  assert _our_mask(plain, CHAT, tmp_path) == (ids, mask)
+
+
+def test_smollm2_export_keeps_its_chat_template_generation_config_and_floats(tmp_path):
+  from acco_jax.data import examples
+  from acco_jax.data.tokenizer import get_tokenizer
+
+  source = _smollm2_dir()
+  cfg = hf.model_config(source, dtype="float32")
+  tok = get_tokenizer(f"hf:{source}")
+  stops = examples.turn_end_ids(tok)
+  assert stops == (2,)  # <|im_end|>: its end-of-text and its end-of-turn
+  out = tmp_path / "export"
+  hf.save(
+    str(out), hf.load_params(source, cfg), cfg, tokenizer=tok, eos_id=tok.eot_id,
+    bos_id=tok.bos_id, stop_ids=stops, source_dir=source,
+  )  # fmt: skip
+  for name in ("config.json", "generation_config.json"):
+    with open(os.path.join(source, name)) as f:
+      theirs = json.load(f)
+    with open(out / name) as f:
+      ours = json.load(f)
+    for key in ("rms_norm_eps", "rope_parameters", "eos_token_id", "bos_token_id", "pad_token_id"):
+      if key in theirs:
+        assert json.dumps(ours[key], sort_keys=True) == json.dumps(theirs[key], sort_keys=True)
+  generation = transformers.GenerationConfig.from_pretrained(str(out))
+  assert generation.eos_token_id == 2 and generation.pad_token_id == 2
+  question = CHAT[:1]
+  want = transformers.AutoTokenizer.from_pretrained(source).apply_chat_template(
+    question, tokenize=True, add_generation_prompt=True, return_dict=True
+  )["input_ids"]
+  got = transformers.AutoTokenizer.from_pretrained(str(out)).apply_chat_template(
+    question, tokenize=True, add_generation_prompt=True, return_dict=True
+  )["input_ids"]
+  assert list(got) == list(want) and len(want) > 5

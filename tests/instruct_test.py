@@ -14,7 +14,7 @@ import pytest
 from acco_jax import errors, model
 from acco_jax.data import chat, examples, instruct
 from acco_jax.data.instruct import Example
-from acco_jax.data.tokenizer import ByteTokenizer
+from acco_jax.data.tokenizer import ByteTokenizer, get_tokenizer
 
 # jitted once per shape (eagerly, each op of the model compiles on its own: 25 s a test)
 _apply = jax.jit(model.apply, static_argnums=1)
@@ -158,6 +158,87 @@ def test_template_whose_prefixes_are_not_prefixes_is_refused(tmp_path):
   path = _jsonl(tmp_path, [{"messages": TWO_TURNS[:2]}])
   with pytest.raises(errors.UserValueError, match=r"t.jinja renders message 1 so that") as info:
     instruct.read_jsonl(path, "chat", template)
+  assert "\n" not in str(info.value)
+
+
+# -- a chat template's tokens: the mask of the whole text's ids, written out by hand ----------------
+
+CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>"]
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"]
+LLAMA3_SPECIALS += ["<|end_header_id|>", "<|eot_id|>"]
+
+
+def _model_dir(tmp_path, words, specials, settings, jinja=None):
+  """A tokenizer directory: a Unigram model whose ``words`` beat single characters (so the ids
+  below are known by hand), ``specials`` added, ``tokenizer_config.json`` and a template file."""
+  import tokenizers
+
+  chars = sorted(set(map(chr, range(32, 127))) | {"\n"})
+  vocab = [("<unk>", 0.0)] + [(w, -1.0) for w in words] + [(c, -10.0) for c in chars]
+  tok = tokenizers.Tokenizer(tokenizers.models.Unigram(vocab, unk_id=0))
+  tok.add_special_tokens(specials)
+  tok.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+  if jinja is not None:
+    (tmp_path / "chat_template.jinja").write_text(jinja)
+  return tok
+
+
+def _rendered_tokens(tmp_path, tok, records):
+  hf_tok = get_tokenizer(f"hf:{tmp_path}")
+  template = examples.template_of(hf_tok, "hf")
+  exs = instruct.read_jsonl(_jsonl(tmp_path, records), "chat", template)
+  enc = examples.encode(hf_tok, exs)
+  ids, trained = enc.example(0)
+  return [tok.id_to_token(int(i)) for i in ids], trained.tolist(), enc, hf_tok, exs
+
+
+def test_chatml_template_file_trains_the_tokens_of_each_turn_and_its_end(tmp_path):
+  words = ["system", "user", "assistant", "Be", " brief.", " c", "\nb"]
+  settings = {"eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}
+  tok = _model_dir(tmp_path, words, CHATML_SPECIALS, settings, jinja=CHATML)
+  got, trained, enc, hf_tok, exs = _rendered_tokens(tmp_path, tok, [{"messages": TWO_TURNS}])
+  S, E = "<|im_start|>", "<|im_end|>"
+  want = [
+    (S, 0), ("system", 0), ("\n", 0), ("Be", 0), (" brief.", 0), (E, 0), ("\n", 0),
+    (S, 0), ("user", 0), ("\n", 0), ("a", 0), (E, 0), ("\n", 0),
+    (S, 0), ("assistant", 0), ("\nb", 1), (" c", 1), (E, 1), ("\n", 0),  # '\nb' straddles: trained
+    (S, 0), ("user", 0), ("\n", 0), ("d", 0), (E, 0), ("\n", 0),
+    (S, 0), ("assistant", 0), ("\n", 0), ("e", 1), (E, 1), ("\n", 0),
+  ]  # fmt: skip
+  assert got == [t for t, _ in want]
+  assert trained == [bool(f) for _, f in want]
+  # the reply to the last turn is asked after its generation prompt, and stops at <|im_end|>
+  prompt = [tok.id_to_token(int(i)) for i in examples.prompt_ids(enc, 0)]
+  assert prompt == got[: len(want) - 3] and prompt[-3:] == [S, "assistant", "\n"]
+  assert tok.token_to_id(E) in examples.stop_ids(hf_tok, exs)
+  assert exs[0].answer == "e"
+
+
+def test_llama3_template_of_a_named_list_without_marks(tmp_path):
+  words = ["user", "assistant", "\n\n", " c"]
+  settings = {
+    "bos_token": "<|begin_of_text|>",
+    "eos_token": "<|end_of_text|>",
+    "chat_template": [{"name": "tool_use", "template": "{{ 1 }}"}, {"name": "default", "template": LLAMA3}],
+  }  # fmt: skip
+  tok = _model_dir(tmp_path, words, LLAMA3_SPECIALS, settings)
+  got, trained, _, hf_tok, exs = _rendered_tokens(tmp_path, tok, [{"messages": TWO_TURNS[:2]}])
+  B, H, EH, T = "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
+  want = [
+    (B, 0), (H, 0), ("user", 0), (EH, 0), ("\n\n", 0), ("a", 0), (T, 0),
+    (H, 0), ("assistant", 0), (EH, 0), ("\n\n", 0), ("b", 1), (" c", 1), (T, 1),
+  ]  # fmt: skip
+  assert got == [t for t, _ in want]
+  assert trained == [bool(f) for _, f in want]
+  stops = examples.stop_ids(hf_tok, exs)
+  assert set(stops) == {tok.token_to_id("<|end_of_text|>"), tok.token_to_id(T)}
+
+
+def test_a_directory_without_a_chat_template_is_refused_in_one_line(tmp_path):
+  _model_dir(tmp_path, [], CHATML_SPECIALS, {"eos_token": "<|im_end|>"})
+  with pytest.raises(errors.UserValueError, match="has no chat template") as info:
+    examples.template_of(get_tokenizer(f"hf:{tmp_path}"), "hf")
   assert "\n" not in str(info.value)
 
 

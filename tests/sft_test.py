@@ -106,3 +106,33 @@ def test_packing_is_refused_where_rows_run_as_one_sequence(tmp_path):
   config = tiny(tmp_path, **{"method": "pipeline", "data.packing": True})
   with pytest.raises(errors.UserValueError, match="data.packing=True: the pipeline's stages"):
     trainer.build(config)
+
+
+def test_export_writes_floats_as_the_source_did_and_its_stop_ids(tmp_path):
+  """config.json's floats as the source's config.json wrote them (the same float32 value), others
+  as the run's config; generation_config.json's eos ids the end-of-text and end-of-turn, the
+  source's bos, pad and sampling settings kept (written out by hand)."""
+  from acco_jax import hf
+
+  ours = {"rms_norm_eps": 1e-05, "initializer_range": 0.02, "rope": {"theta": 10000.0}}
+  theirs = {
+    "rms_norm_eps": 9.999999747378752e-06,
+    "initializer_range": 0.03,
+    "rope": {"theta": 10000},
+  }
+  assert hf.as_source_wrote(ours, theirs) == {
+    "rms_norm_eps": 9.999999747378752e-06,  # float32(1e-5): as the source wrote it
+    "initializer_range": 0.02,  # another value: the run's
+    "rope": {"theta": 10000},
+  }
+  (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "pad_token_id": 2}))
+  (tmp_path / "generation_config.json").write_text(
+    json.dumps({"eos_token_id": 7, "temperature": 0.2, "transformers_version": "5.0"})
+  )
+  assert hf.generation_config((2, 9), 5, str(tmp_path)) == {
+    "eos_token_id": [2, 9, 7],
+    "temperature": 0.2,
+    "bos_token_id": 1,
+    "pad_token_id": 2,
+  }
+  assert hf.generation_config((3,), 3) == {"eos_token_id": 3, "bos_token_id": 3}

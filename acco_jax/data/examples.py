@@ -71,15 +71,20 @@ class Examples(NamedTuple):
 
 def _rendered(tokenizer: Tokenizer, examples: Sequence[Example]) -> dict[int, tuple]:
   """The ids and trained flags of the examples a chat template rendered: each tokenized as one
-  text (special tokens as their ids), an id trained where its first character is."""
+  text (special tokens as their ids), an id trained where any of its characters is (as
+  transformers' ``return_assistant_tokens_mask``: a token that straddles the start of a turn is
+  the turn's)."""
   picked = [i for i, ex in enumerate(examples) if ex.rendered]
   if not picked:
     return {}
   texts = ["".join(text for text, _ in examples[i].pieces) for i in picked]
   out = {}
-  for i, (ids, starts) in zip(picked, tokenizer.encode_rendered(texts), strict=True):
-    chars = np.concatenate([np.full(len(t), f) for t, f in examples[i].pieces] + [[False]])
-    out[i] = (np.asarray(ids, np.int32), chars[np.asarray(starts, np.int64)].astype(bool))
+  for i, (ids, spans) in zip(picked, tokenizer.encode_rendered(texts), strict=True):
+    chars = np.concatenate([np.full(len(t), f, bool) for t, f in examples[i].pieces] + [[False]])
+    before = np.concatenate([[0], np.cumsum(chars)])  # trained characters before each offset
+    start, end = np.asarray(spans, np.int64).reshape(-1, 2).T
+    trained = (before[np.maximum(end, start + 1)] - before[start]) > 0  # empty span: its char
+    out[i] = (np.asarray(ids, np.int32), trained)
   return out
 
 
@@ -259,7 +264,7 @@ class InstructData(NamedTuple):
   stop_ids: tuple[int, ...] = ()  # what ends a greedy reply: end-of-text, a template's end-of-turn
 
 
-def _chat_template(tokenizer: Tokenizer, chat_template: str):
+def template_of(tokenizer: Tokenizer, chat_template: str):
   """The chat template ``data.chat_template`` names (:class:`acco_jax.data.chat.Template`): None
   for the built-in one."""
   from acco_jax.data import chat
@@ -292,6 +297,25 @@ def stop_ids(tokenizer: Tokenizer, examples: Sequence[Example]) -> tuple[int, ..
   return tuple(ids)
 
 
+def turn_end_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+  """The ids a reply stops at under the tokenizer's own chat template, if it has one: the
+  end-of-text and the end-of-turn token the template closes an assistant turn with."""
+  from acco_jax.data import chat
+
+  if not tokenizer.name.startswith("hf:"):
+    return (tokenizer.eot_id,)
+  template = chat.read(os.path.dirname(tokenizer.path), tokenizer.special_tokens())
+  if template is None:
+    return (tokenizer.eot_id,)
+  probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+  try:
+    turn = [text for text, trained in chat.pieces(template, probe, "probe") if trained][-1]
+  except (errors.UserValueError, IndexError):
+    return (tokenizer.eot_id,)
+  ex = Example(((turn, True),), rendered=True, end_of_turn=chat.end_of_turn(template, turn))
+  return stop_ids(tokenizer, [ex])
+
+
 def prepare(
   source: str,
   tokenizer: Tokenizer | str,
@@ -317,7 +341,7 @@ def prepare(
     tokenizer = get_tokenizer(tokenizer, cache_dir=cache_dir, train_text=texts)
   elif not isinstance(tokenizer, Tokenizer):
     tokenizer = get_tokenizer(tokenizer, cache_dir=cache_dir)
-  examples = instruct.load(source, fmt, _chat_template(tokenizer, chat_template))
+  examples = instruct.load(source, fmt, template_of(tokenizer, chat_template))
   try:
     train, held_out = split_documents(examples, eval_fraction, seed)
   except errors.UserValueError:

@@ -80,8 +80,9 @@ class Tokenizer(abc.ABC):
     """The text of every special token beyond the end-of-text (a model directory's)."""
     return ()
 
-  def encode_rendered(self, texts: Sequence[str]) -> list[tuple[list[int], list[int]]]:
-    """A chat template's texts as ids with their special tokens, and where each id starts."""
+  def encode_rendered(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple]]]:
+    """A chat template's texts as ids with their special tokens, and the characters
+    ``(start, end)`` each id spans."""
     raise NotImplementedError(f"{self.name} reads no chat template's special tokens")
 
   def to_hf(self, directory: str) -> None:
@@ -203,15 +204,15 @@ class HFTokenizer(Tokenizer):
     )  # fast: tokenizers>=0.21
     return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
-  def encode_rendered(self, texts: Sequence[str]) -> list[tuple[list[int], list[int]]]:
+  def encode_rendered(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple]]]:
     """Each text's ids with its special tokens (``<|im_start|>``) as their ids, as a chat
-    template's text is read, and the character offset each id starts at."""
+    template's text is read, and the characters ``(start, end)`` each id spans."""
     self._tok.encode_special_tokens = False
     try:
       encoded = self._tok.encode_batch(list(texts), add_special_tokens=False)
     finally:
       self._tok.encode_special_tokens = True
-    return [(e.ids, [start for start, _ in e.offsets]) for e in encoded]
+    return [(e.ids, [tuple(span) for span in e.offsets]) for e in encoded]
 
   def special_tokens(self) -> tuple[str, ...]:
     """The text of every special token (added tokens marked special)."""
