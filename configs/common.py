@@ -96,7 +96,7 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   # Instruction data (data.source=jsonl:<path or glob> or instruct:embedded; acco_jax.data.instruct):
   # the loss is on the responses only
   c.data.format = "alpaca"  # jsonl: alpaca | prompt_completion | chat
-  c.data.chat_template = "builtin"  # chat: builtin | hf (the tokenizer's, with generation marks)
+  c.data.chat_template = "builtin"  # chat: builtin | hf (the tokenizer's own, marked or not)
   c.data.packing = False  # several examples a row (segment masks) | one a row, padded to buckets
   c.data.bucket = 64  # packing=False: rows padded to a multiple of this (one program per bucket)
 
