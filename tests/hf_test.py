@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from acco_jax import errors, hf, model
-from acco_jax.models import base, gpt_neo, llama
+from acco_jax.models import base, gpt_neo
 from acco_jax.run import trainer
 from configs import gpt2_acco
 
@@ -68,10 +68,9 @@ def test_fixtures_cover_what_a_mapping_can_get_wrong():
 # -- the comparison fails on each mapping error ----------------------------------------------------
 
 
-def _interleaved_rope(x_BxLxHxK, positions_BxL, theta):
+def _interleaved_rope(x_BxLxHxK, positions_BxL, inv_freq):
   """RoPE read the other way: features (2i, 2i+1) as the pairs, not (i, i + K/2)."""
   K = x_BxLxHxK.shape[-1]
-  inv_freq = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
   angle = positions_BxL.astype(jnp.float32)[..., None, None] * inv_freq
   x = x_BxLxHxK.astype(jnp.float32).reshape(*x_BxLxHxK.shape[:-1], K // 2, 2)
   cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -99,7 +98,7 @@ def _swap_q_k(tensors):
 
 
 MUTANTS = {
-  "rope-interleaved": ("llama", lambda mp: mp.setattr(llama, "rotate", _interleaved_rope)),
+  "rope-interleaved": ("llama", lambda mp: mp.setattr(base, "rotate", _interleaved_rope)),
   "neo-scaled-scores": ("gpt_neo", lambda mp: mp.setattr(base, "attention", _scaled_attention)),
   "q-k-swapped": (
     "gpt_neo",

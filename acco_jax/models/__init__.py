@@ -1,4 +1,4 @@
-"""The architectures a run can train: GPT-2, GPT-Neo and Llama, one module each.
+"""The architectures a run can train: GPT-2, GPT-Neo, Llama, Qwen2, Qwen3 and Mistral, one module each.
 
 Each module implements :class:`acco_jax.models.base.Architecture`; :mod:`acco_jax.model` is the
 interface the rest of the package calls (it composes an architecture's pieces into the model).
@@ -10,14 +10,21 @@ from __future__ import annotations
 from types import ModuleType
 
 from acco_jax import errors
-from acco_jax.models import base, gpt2, gpt_neo, llama
+from acco_jax.models import base, gpt2, gpt_neo, llama, mistral, qwen2, qwen3
 from acco_jax.models.base import ARCHS as ARCHS
 from acco_jax.models.base import ModelConfig as ModelConfig
 
-_BY_NAME: dict[str, ModuleType] = {"gpt2": gpt2, "gpt_neo": gpt_neo, "llama": llama}
+_BY_NAME: dict[str, ModuleType] = {  # one line an architecture, in base.ARCHS' order
+  "gpt2": gpt2,
+  "gpt_neo": gpt_neo,
+  "llama": llama,
+  "qwen2": qwen2,
+  "qwen3": qwen3,
+  "mistral": mistral,
+}
 assert tuple(_BY_NAME) == ARCHS
 for _name, _module in _BY_NAME.items():
-  base.register_check(_name, _module.check)
+  base.register(_name, _module.check, _module.USES)
 
 
 def get(arch: str) -> base.Architecture:

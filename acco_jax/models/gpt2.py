@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from acco_jax import errors
 from acco_jax.models import base
 
 # Sizes (parameter counts with tied embeddings):
@@ -39,20 +38,18 @@ SIZES = {
 }
 
 
+USES: tuple[str, ...] = ()  # no architecture-specific field (a tied head, full attention)
+
+
 def check(cfg: base.ModelConfig) -> None:
-  base.require_defaults(cfg, "kv_heads", "rope_theta", "window", "layer_types")
-  if not cfg.tied_head:
-    raise errors.UserValueError("model.arch=gpt2 ties its head to the token embedding")
+  """Nothing beyond the schema's checks (every specific field at its default)."""
 
 
 def _dense(cfg, rngs, d_in, d_out, std):
-  dt = jnp.dtype(cfg.dtype)
-  init = nnx.initializers.normal(std)
-  return nnx.Linear(d_in, d_out, dtype=dt, kernel_init=init, rngs=rngs)
+  return base.dense(cfg, rngs, d_in, d_out, std=std)
 
 
-def _layer_norm(cfg, rngs):
-  return nnx.LayerNorm(cfg.D, epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+_layer_norm = base.layer_norm
 
 
 class Block(nnx.Module):
@@ -74,7 +71,7 @@ class Block(nnx.Module):
     keys = (None, None) if key is None else tuple(jax.random.split(key))
     qkv_BxLx3xHxK = self.attn_qkv(self.ln_1(x_BxLxD)).reshape(B, L, 3, cfg.H, cfg.head_dim)
     q, k, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
-    att = base.attention(q, k, v, cfg, segments_BxL=ctx.segments_BxL, cache=ctx.cache)
+    att = base.block_attention(q, k, v, cfg, ctx)
     att_BxLxD = self.attn_out(att.reshape(B, L, D))
     x_BxLxD = x_BxLxD + base.dropout(att_BxLxD, cfg.dropout, keys[0])
     h_BxLxF = jax.nn.gelu(self.mlp_fc(self.ln_2(x_BxLxD)), approximate=True)

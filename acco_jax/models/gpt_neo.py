@@ -21,8 +21,6 @@ Parameters::
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from acco_jax import errors
@@ -46,10 +44,10 @@ def layer_types(cfg: base.ModelConfig) -> tuple[str, ...]:
   return tuple(pattern[i % len(pattern)] for i in range(cfg.N))
 
 
+USES = ("window", "layer_types")  # its tied head and learned positions are GPT-2's
+
+
 def check(cfg: base.ModelConfig) -> None:
-  base.require_defaults(cfg, "kv_heads", "rope_theta")
-  if not cfg.tied_head:
-    raise errors.UserValueError("model.arch=gpt_neo ties its head to the token embedding")
   bad = sorted({t for t in cfg.layer_types.split(",") if t.strip() not in LAYER_TYPES})
   if bad or not cfg.layer_types.strip():
     raise errors.UserValueError(
@@ -63,14 +61,10 @@ def check(cfg: base.ModelConfig) -> None:
 
 
 def _dense(cfg, rngs, d_in, d_out, bias=True):
-  init = nnx.initializers.normal(0.02)
-  return nnx.Linear(
-    d_in, d_out, use_bias=bias, dtype=jnp.dtype(cfg.dtype), kernel_init=init, rngs=rngs
-  )
+  return base.dense(cfg, rngs, d_in, d_out, bias=bias)
 
 
-def _layer_norm(cfg, rngs):
-  return nnx.LayerNorm(cfg.D, epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+_layer_norm = base.layer_norm
 
 
 class Block(nnx.Module):
@@ -92,18 +86,8 @@ class Block(nnx.Module):
     B, L, _ = h_BxLxD.shape
     heads = lambda t: t.reshape(B, L, cfg.H, cfg.head_dim)
     q, k, v = heads(self.attn_q(h_BxLxD)), heads(self.attn_k(h_BxLxD)), heads(self.attn_v(h_BxLxD))
-    segments = ctx.segments_BxL
-    attend = lambda window: base.attention(
-      q, k, v, cfg, scale=1.0, window=window, segments_BxL=segments, cache=ctx.cache
-    )
-    types = layer_types(cfg)
-    keys = L if ctx.cache is None else ctx.cache.length  # keys a query may see, at most
-    if cfg.window >= keys or "local" not in types:  # a local block sees every earlier key
-      return attend(None)
-    if isinstance(ctx.layer, int):
-      return attend(cfg.window if types[ctx.layer] == "local" else None)
-    local_N = jnp.asarray(np.array([t == "local" for t in types]))  # the order is traced
-    return jax.lax.cond(local_N[ctx.layer], lambda: attend(cfg.window), lambda: attend(None))
+    local_N = base.local_layers(cfg)  # a local block sees keys within cfg.window
+    return base.block_attention(q, k, v, cfg, ctx, scale=1.0, local_N=local_N)
 
   def __call__(self, x_BxLxD, ctx: base.Context, key=None):
     cfg = self.cfg

@@ -1,22 +1,23 @@
 """The model a config names without pretrained weights: ``model.arch``'s preset ``model.size``
-with the config's size overrides (``model.D/N/H/F/kv_heads``; 0 keeps the preset's)."""
+with the config's size overrides (``model.D/N/H/F/kv_heads/K``; 0 keeps the preset's).
+
+Which fields are sizes and which are the run's settings is :class:`acco_jax.models.base.Field`'s
+schema: :data:`SIZES` and :data:`SETTINGS` derive from it."""
 
 from __future__ import annotations
 
 from acco_jax import model
+from acco_jax.models import base
 
-SIZES = ("D", "N", "H", "F", "kv_heads")  # the model.* sizes a config may override
+SIZES = base.config_sizes()  # the model.* sizes a config may override: D, H, N, F, kv_heads, K
+SETTINGS = base.fields_of(base.SETTING)  # dtype, remat, dropout, attention, vocab_multiple
 
 
 def settings(config) -> dict:
-  """The run's own model fields, which apply to a preset and to pretrained weights alike."""
+  """The run's own model fields (those the config sets), which apply to a preset and to
+  pretrained weights alike."""
   m = config.model
-  return dict(
-    dtype=m.dtype,
-    remat=m.remat,
-    attention=m.attention,
-    vocab_multiple=m.get("vocab_multiple", 1),
-  )
+  return {k: m[k] for k in SETTINGS if k in m}
 
 
 def named(config, vocab_size: int, **fields) -> model.ModelConfig:

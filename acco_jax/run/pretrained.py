@@ -32,11 +32,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax import errors, hf, model, models
+from acco_jax.models import base
 from acco_jax.run import presets
 
 FROM_SOURCE = "init"  # model.size and data.tokenizer: the source's
-_SIZES = {"D": "D", "N": "N", "H": "H", "F": "mlp_dim", "kv_heads": "num_kv_heads"}
-_SETTINGS = ("dtype", "remat", "attention", "vocab_multiple", "dropout")
 
 
 class Source(NamedTuple):
@@ -98,23 +97,23 @@ def _source_fields(src: Source) -> dict:
   if src.kind == "hf":
     return hf.model_fields(src.path)
   fields = dict(_recorded(src.path)["model"])
-  return {k: v for k, v in fields.items() if k not in _SETTINGS}
+  return {k: v for k, v in fields.items() if k not in presets.SETTINGS}
 
 
 def _contradictions(config, fields: dict, vocab_size: int) -> list[str]:
   m, where = config.model, "config.json" if source(config).kind == "hf" else "the run's"
   theirs = model.ModelConfig(**{**fields, "dtype": "float32"})
   if m.size == FROM_SOURCE:
-    given = {k: m[k] for k in _SIZES if m.get(k)}
+    given = {k: m[k] for k in presets.SIZES if m.get(k)}
   else:
     mine = presets.named(config, vocab_size)
-    given = {k: getattr(mine, attr) for k, attr in _SIZES.items()}
+    given = {k: base.resolved(mine, k) for k in presets.SIZES}
     if mine.arch != theirs.arch:
       return [f"model.arch={mine.arch} ({where}: {theirs.arch})"]
   return [
-    f"model.{k}={v} ({where}: {getattr(theirs, _SIZES[k])})"
+    f"model.{k}={v} ({where}: {base.resolved(theirs, k)})"
     for k, v in given.items()
-    if v != getattr(theirs, _SIZES[k])
+    if v != base.resolved(theirs, k)
   ]
 
 
