@@ -178,8 +178,9 @@ def _our_mask(directory, messages, tmp_path):
   path = tmp_path / "chat.jsonl"
   path.write_text(json.dumps({"messages": messages}) + "\n")
   exs = instruct.read_jsonl(str(path), "chat", examples.template_of(tok, "hf"))
-  ids, trained = examples.encode(tok, exs).example(0)
-  return ids.tolist(), trained.astype(int).tolist()
+  encoded = examples.encode(tok, exs)
+  ids, trained = encoded.example(0)
+  return ids.tolist(), trained.astype(int).tolist(), examples.prompt_ids(encoded, 0).tolist()
 
 
 def _transformers_mask(directory, messages):
@@ -194,7 +195,13 @@ def test_marked_template_trains_transformers_assistant_tokens(tmp_path):
   directory = _chat_dir(tmp_path / "marked", MARKED_CHATML)
   ids, mask = _transformers_mask(directory, CHAT)
   assert 0 < sum(mask) < len(mask)
-  assert _our_mask(directory, CHAT, tmp_path) == (ids, mask)
+  got_ids, got_mask, prompt = _our_mask(directory, CHAT, tmp_path)
+  assert (got_ids, got_mask) == (ids, mask)
+  # exact match's prompt: the conversation before the last reply with the generation prompt
+  want = transformers.AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(
+    CHAT[:-1], tokenize=True, add_generation_prompt=True, return_dict=True
+  )["input_ids"]
+  assert prompt == list(want)
 
 
 def test_smollm2_template_without_marks_trains_what_its_marked_twin_marks(tmp_path):
@@ -213,7 +220,7 @@ def test_smollm2_template_without_marks_trains_what_its_marked_twin_marks(tmp_pa
     CHAT, tokenize=True, return_dict=True
   )["input_ids"]
   assert list(want_ids) == ids  # the twin renders SmolLM2's text
-  assert _our_mask(plain, CHAT, tmp_path) == (ids, mask)
+  assert _our_mask(plain, CHAT, tmp_path)[:2] == (ids, mask)
 
 
 def test_smollm2_export_keeps_its_chat_template_generation_config_and_floats(tmp_path):
