@@ -219,6 +219,9 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   # 'a:b': a jax.profiler trace of stages a to b into <workdir>/profile (Perfetto JSON; read it with
   # ui.perfetto.dev or `python -m bench.gpu.profile_table TRACE`); '' = none
   c.train.profile_stages = ""
+  # before any work: the predicted peak memory per device and on the host (acco_jax/run/memory.py),
+  # one line; a run predicted not to fit the machine is refused (False: printed, not refused)
+  c.train.memory_check = True
 
   c.ckpt = ml_collections.ConfigDict()
   c.ckpt.every = 50  # updates between checkpoints (0 = only at the end)
@@ -232,6 +235,9 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.mesh = ml_collections.ConfigDict()
   c.mesh.num_devices = 0  # devices on the data axis (0 = all)
   c.mesh.cpu_devices = 8  # simulated host devices (CPU only; ignored where GPUs are the devices)
+  # CPU: use the most of those devices (halving) whose predicted host peak fits in 80% of the
+  # machine's memory (acco_jax/run/memory.py); sets mesh.num_devices
+  c.mesh.fit_memory = False
 
   c.dist = ml_collections.ConfigDict()
   c.dist.initialize = "auto"  # auto (SLURM / JAX_COORDINATOR_ADDRESS) | on | off

@@ -11,7 +11,9 @@ data-parallel method runs through --config.method (zero1, ddp, dpu with dpu_warm
 LoCo methods with --config.data.packing=True. Presets:
 
   cpu           the embedded instruction set (which book is a verse from; a verse's last word),
-                from the quick start's run (model.init=run:runs/acco), 150 updates, 2-core CPU
+                from the quick start's run (model.init=run:runs/acco), 150 updates, 2-core CPU; on
+                fewer of the 8 simulated devices where the model would not fit the machine's
+                memory (mesh.fit_memory: SmolLM2-135M on 24 GB takes 2)
   tiny          tests: a model.init of the test's
   gpt_neo-2.7b  the paper's Table 5: Alpaca (data.source=jsonl:<alpaca.jsonl>, format alpaca),
                 mini-batches padded to their longest example (buckets of 64, at most 512 tokens),
@@ -40,6 +42,7 @@ def get_config(arg: str = "cpu"):
     c.model.vocab_multiple = 1
     c.data.seq_len = 128
     c.batch.microbatch_size, c.batch.microbatches = 4, 4  # 8 devices: 128 rows per update
+    c.mesh.fit_memory = True  # fewer simulated devices where a large model.init needs it
     c.opt.lr, c.opt.warmup_updates = 1e-3, 10
     c.train.num_updates, c.train.eval_every, c.train.log_every = 150, 50, 10
     c.dpu_warmup_updates = 10

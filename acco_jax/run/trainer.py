@@ -35,6 +35,7 @@ from acco_jax.run import (
   profile,
   report,
 )
+from acco_jax.run import memory as memory_lib
 from acco_jax.run import metrics as metrics_lib
 from acco_jax.run import start as start_lib
 from acco_jax.run.build import Run as Run
@@ -76,8 +77,11 @@ def train_and_evaluate(
       f"workdir {workdir!r} is a file: pass --workdir a directory (new or a run's)"
     )
   compile_cache.configure(config.compile.cache_dir)
+  lead = jax.process_index() == 0
+  memory_lib.fit_devices(config, lambda c: build(c, check_only=True), lead=lead)  # fit_memory
   run = build(config)
   loop = Loop(run, config, workdir)
+  memory_lib.check_run(run, config, lead=lead)  # the predicted peak; refused if it cannot fit
   # -- restore or initialise (acco_jax.run.start); nothing written to the workdir before ---------
   begun = start_lib.restore_or_init(
     run, config, workdir, loop.stream, loop.rows_per_stage, init_params, loop.lead
