@@ -1,4 +1,5 @@
-"""Every family trains every architecture: GPT-Neo and Llama (GPT-2 is every other test's model)
+"""Every family trains every architecture: GPT-Neo, Llama and its variants Qwen2, Qwen3, Mistral
+and Llama 3's scaled RoPE (GPT-2 is every other test's model)
 through the data-parallel methods, the LoCo methods, the pipeline's schedules and data methods,
 SkipPipe's paths, Muon and HDEE's experts.
 
@@ -81,6 +82,45 @@ DEFAULT = {  # one method of each family
 def test_each_family_trains_the_architecture(case, arch):
   module, overrides = DEFAULT[case]
   _trains(_config(module, arch, **overrides))
+
+
+# The Llama family's variants, each with what it adds: Qwen2's q/k/v biases, Qwen3's q/k norms and
+# head width of its own (32, with D 32 and 4 heads), Mistral's sliding window (8 of 16 tokens), and
+# Llama with RoPE scaled as Llama 3.1 scales it. The default run trains each new architecture under
+# ACCO (about 8 s each on 2 cores, mostly compiling); the scaled RoPE (constants of Llama's own
+# program), every family's method of DEFAULT and the traced layer orders of SkipPipe (where
+# Mistral's window meets a traced block index) are slow.
+VARIANTS = {
+  "qwen2": ("qwen2", {}),
+  "qwen3": ("qwen3", {}),
+  "mistral": ("mistral", {}),
+  "llama-rope-llama3": (
+    "llama",
+    {"model.size": "3.2-1b", "model.F": 64, "model.kv_heads": 2, "model.N": 2},
+  ),
+}
+VARIANT_SLOW = {**DEFAULT, "pipeline-skippipe-acco": None, "skippipe-paths-acco": None}
+
+
+def _variant(case: str, variant: str):
+  arch, sizes = VARIANTS[variant]
+  module, overrides = DEFAULT.get(case) or SLOW[case]
+  return _config(module, arch, **{**sizes, **overrides})
+
+
+@pytest.mark.parametrize(
+  "variant",
+  [v if VARIANTS[v][0] != "llama" else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS],
+)
+def test_each_llama_variant_trains_under_acco(variant):
+  _trains(_variant("acco", variant))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", [c for c in VARIANT_SLOW if c != "acco"])
+def test_each_family_trains_the_llama_variant(case, variant):
+  _trains(_variant(case, variant))
 
 
 SLOW = {  # the rest of each family

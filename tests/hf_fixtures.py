@@ -14,6 +14,11 @@ the wrong place). The fixtures cover what a mapping can get wrong:
   alternating global and local attention, the local window (4) shorter than the sequence (16).
 - ``llama``: bfloat16 weights; grouped-query attention (4 query heads over 2 key/value heads), an
   untied head, a non-default ``rope_theta`` and RMSNorm epsilon.
+- ``llama3``, ``llama_linear``: Llama with RoPE scaled as Llama 3.1 scales it (of the head's 4
+  frequencies one kept, one mixed, two divided: the thresholds straddle them) and linearly.
+- ``qwen2``: q, k and v biases, a tied head.
+- ``qwen3``: q and k RMSNorms, a head width (16) other than D / H (8), an untied head.
+- ``mistral``: a sliding window (4) shorter than the sequence.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "data", "hf")
-NAMES = ("gpt2", "gpt_neo", "llama")
+NAMES = ("gpt2", "gpt_neo", "llama", "llama3", "llama_linear", "qwen2", "qwen3", "mistral")
 TEXT = "In the beginning God created the heaven and the earth. And the earth was without form."
 SEQ = 16  # tokens per reference row
 VOCAB = 320  # the tiny tokenizer's ids (256 bytes, specials, merges)
@@ -71,18 +76,39 @@ def _config(name: str, vocab: int, eos_id: int, bos_id: int):
       attention_types=[[["global", "local"], 2]],
       **common,
     )
-  return transformers.LlamaConfig(
+  family = dict(
     hidden_size=32,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     intermediate_size=48,
     max_position_embeddings=64,
-    rope_theta=5000.0,
     rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
     **common,
   )
+  rope = {"rope_type": "default", "rope_theta": 5000.0}
+  if name == "llama3":  # wavelengths 6.3, 53, 445, 3738 against thresholds 8 and 64
+    rope = dict(
+      rope_type="llama3",
+      rope_theta=5000.0,
+      factor=8.0,
+      low_freq_factor=0.5,
+      high_freq_factor=4.0,
+      original_max_position_embeddings=32,
+    )
+  if name == "llama_linear":
+    rope = dict(rope_type="linear", rope_theta=5000.0, factor=4.0)
+  if name == "qwen2":
+    return transformers.Qwen2Config(**family, rope_parameters=rope, tie_word_embeddings=True)
+  if name == "qwen3":
+    return transformers.Qwen3Config(
+      **family, head_dim=16, rope_parameters=rope, tie_word_embeddings=False
+    )
+  if name == "mistral":
+    return transformers.MistralConfig(
+      **family, sliding_window=4, rope_parameters=rope, tie_word_embeddings=False
+    )
+  return transformers.LlamaConfig(**family, rope_parameters=rope, tie_word_embeddings=False)
 
 
 def build(name: str, out_dir: str, seed: int = 0) -> dict:
@@ -90,7 +116,7 @@ def build(name: str, out_dir: str, seed: int = 0) -> dict:
   import torch
   import transformers
 
-  llama = name == "llama"
+  llama = name.startswith("llama")
   tokenizer = _tokenizer("</s>" if llama else "<|endoftext|>", "<s>" if llama else None)
   eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
   bos_id = tokenizer.convert_tokens_to_ids(tokenizer.bos_token) if llama else eos_id
@@ -104,7 +130,7 @@ def build(name: str, out_dir: str, seed: int = 0) -> dict:
         torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.15)
         + (1.0 if "norm" in pname or "ln" in pname else 0.0)
       )
-  dtype = torch.bfloat16 if llama else torch.float32
+  dtype = torch.bfloat16 if name == "llama" else torch.float32
   shard = "100KB" if name == "gpt_neo" else "1GB"
   net.to(dtype).save_pretrained(out_dir, max_shard_size=shard)
   tokenizer.save_pretrained(out_dir)

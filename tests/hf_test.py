@@ -10,6 +10,7 @@ in one line before anything is prepared or written.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -23,14 +24,14 @@ import numpy as np
 import pytest
 
 from acco_jax import errors, hf, model
-from acco_jax.models import base, gpt_neo
+from acco_jax.models import base, gpt_neo, qwen2, qwen3
 from acco_jax.run import trainer
 from configs import gpt2_acco
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "data" / "hf"
 CACHE = REPO / ".pytest_cache" / "acco_data"
-ARCHS = ("gpt2", "gpt_neo", "llama")
+ARCHS = ("gpt2", "gpt_neo", "llama", "llama3", "llama_linear", "qwen2", "qwen3", "mistral")
 TOL = dict(rtol=1e-4, atol=1e-4)  # float32 on any x86-64 CPU (measured: 2e-6 here)
 
 
@@ -58,11 +59,24 @@ def test_fixtures_cover_what_a_mapping_can_get_wrong():
   assert (FIXTURES / "gpt_neo" / hf.INDEX).is_file()  # sharded weights
   lla = hf.model_config(str(FIXTURES / "llama"))
   assert lla.num_kv_heads < lla.H and not lla.tied_head and lla.rope_theta != 10000.0
+  llama3 = hf.model_config(str(FIXTURES / "llama3"))  # one frequency kept, one mixed, two divided
+  wavelength = 2 * np.pi / _FREQUENCIES(dataclasses.replace(llama3, rope_type="default"))
+  low, high = (llama3.rope_original_L / f for f in (0.5, 4.0))
+  assert [int(np.sum(m)) for m in (wavelength < high, wavelength > low)] == [1, 2]
+  assert hf.model_config(str(FIXTURES / "llama_linear")).rope_type == "linear"
+  qwen3_cfg = hf.model_config(str(FIXTURES / "qwen3"))
+  assert qwen3_cfg.head_dim * qwen3_cfg.H != qwen3_cfg.D and not qwen3_cfg.tied_head
+  assert hf.model_config(str(FIXTURES / "qwen2")).tied_head
+  mistral = hf.model_config(str(FIXTURES / "mistral"))
+  assert mistral.layer_types == "local" and mistral.window < _reference("mistral")[0].shape[1]
   dtypes = {e.dtype for e in hf.tensor_index(str(FIXTURES / "llama")).values()}
   assert dtypes == {np.dtype(jnp.bfloat16)}
   params = hf.load_params(str(FIXTURES / "gpt2"), hf.model_config(str(FIXTURES / "gpt2")))
   block = params["blocks"]["0"]
   assert np.std(block["attn_qkv"]["bias"]) > 0.1 and np.std(block["ln_1"]["scale"]) > 0.1
+  for name, leaves in (("qwen2", ("attn_k", "bias")), ("qwen3", ("attn_q_norm", "scale"))):
+    params = hf.load_params(str(FIXTURES / name), hf.model_config(str(FIXTURES / name)))
+    assert np.std(params["blocks"]["1"][leaves[0]][leaves[1]]) > 0.1, name
 
 
 # -- the comparison fails on each mapping error ----------------------------------------------------
@@ -97,8 +111,55 @@ def _swap_q_k(tensors):
   return swapped
 
 
+_FREQUENCIES = base.rope_frequencies
+
+
+def _rope_read_as(rope_type):
+  """RoPE's frequencies scaled as ``rope_type``, whatever the config says."""
+  return lambda cfg: _FREQUENCIES(dataclasses.replace(cfg, rope_type=rope_type))
+
+
+def _window_plus_one(q, k, v, cfg, *, window=None, **kwargs):
+  """A sliding window one key wider than the config's."""
+  return _ATTENTION(q, k, v, cfg, window=None if window is None else window + 1, **kwargs)
+
+
+def _swap_names(module, a, b):
+  """``module.hf_tensors`` with the tensors named ``...a`` and ``...b`` read in each other's place."""
+  tensors = module.hf_tensors
+
+  def swapped(cfg):
+    out = []
+    for t in tensors(cfg):
+      name = t.name.replace(a, "@").replace(b, a).replace("@", b)
+      out.append(t._replace(name=name))
+    return out
+
+  return swapped
+
+
 MUTANTS = {
   "rope-interleaved": ("llama", lambda mp: mp.setattr(base, "rotate", _interleaved_rope)),
+  "llama3-read-as-linear": (
+    "llama3",
+    lambda mp: mp.setattr(base, "rope_frequencies", _rope_read_as("linear")),
+  ),
+  "rope-scaling-ignored": (
+    "llama_linear",
+    lambda mp: mp.setattr(base, "rope_frequencies", _rope_read_as("default")),
+  ),
+  "qwen2-k-v-bias-swapped": (
+    "qwen2",
+    lambda mp: mp.setattr(qwen2, "hf_tensors", _swap_names(qwen2, "k_proj.bias", "v_proj.bias")),
+  ),
+  "qwen3-q-k-norm-swapped": (
+    "qwen3",
+    lambda mp: mp.setattr(qwen3, "hf_tensors", _swap_names(qwen3, "q_norm", "k_norm")),
+  ),
+  "mistral-window-off-by-one": (
+    "mistral",
+    lambda mp: mp.setattr(base, "attention", _window_plus_one),
+  ),
   "neo-scaled-scores": ("gpt_neo", lambda mp: mp.setattr(base, "attention", _scaled_attention)),
   "q-k-swapped": (
     "gpt_neo",
@@ -116,6 +177,90 @@ def test_each_mapping_error_fails_the_comparison(mutant, monkeypatch):
   with pytest.raises(AssertionError):
     np.testing.assert_allclose(got, want, **TOL)
   assert np.max(np.abs(got - want)) > 100 * TOL["atol"]
+
+
+# -- RoPE scaling in both config dialects; what is not run is refused ----------------------------------
+
+
+def _as_transformers4(directory, **rope_scaling):
+  """``directory``'s config.json as transformers 4.x wrote it: ``rope_theta`` at the top level and
+  the scaling in ``rope_scaling``, no ``rope_parameters``."""
+  path = directory / hf.CONFIG
+  config = json.loads(path.read_text())
+  params = config.pop("rope_parameters")
+  config["rope_theta"] = params["rope_theta"]
+  config["rope_scaling"] = rope_scaling
+  path.write_text(json.dumps(config))
+
+
+DIALECTS = {  # fixture: its scaling as a transformers 4.x config.json wrote it
+  "llama3": dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=0.5,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=32,
+  ),
+  "llama_linear": dict(type="linear", factor=4.0),  # 'type': the oldest files' key
+}
+
+
+@pytest.mark.parametrize("name", DIALECTS)
+def test_transformers4_rope_scaling_gives_the_same_logits(name, tmp_path):
+  directory = _copy(tmp_path, name)
+  _as_transformers4(directory, **DIALECTS[name])
+  cfg = hf.model_config(str(directory))
+  assert cfg.rope_type == name.removeprefix("llama_") and cfg.rope_theta == 5000.0
+  tokens, want = _reference(name)
+  np.testing.assert_allclose(_logits(directory, tokens), want, **TOL)
+
+
+UNRUN = {  # fixture, config.json edits: the refusal
+  "rope-dynamic": (
+    "llama",
+    {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5000.0, "factor": 2.0}},
+    "scales its rotary positions with rope_type='dynamic', which acco_jax does not run",
+  ),
+  "rope-yarn-4.x": (
+    "qwen2",
+    {"rope_parameters": None, "rope_scaling": {"type": "yarn", "factor": 4.0}},
+    "rope_type='yarn', which acco_jax does not run",
+  ),
+  "qwen2-sliding-window": (
+    "qwen2",
+    {"use_sliding_window": True},
+    "qwen2 checkpoint has use_sliding_window=True, which acco_jax does not run",
+  ),
+  "qwen3-attention-bias": (
+    "qwen3",
+    {"attention_bias": True},
+    "qwen3 checkpoint has attention_bias=True, which acco_jax does not run",
+  ),
+  "mistral-layer-types": (
+    "mistral",
+    {"layer_types": ["sliding_attention", "full_attention"]},
+    "this mistral checkpoint sets layer_types",
+  ),
+}
+
+
+@pytest.mark.parametrize("case", UNRUN)
+def test_what_is_not_run_is_refused_in_one_line(case, tmp_path):
+  name, changes, match = UNRUN[case]
+  directory = _copy(tmp_path, name)
+  _edit_config(directory, **changes)
+  with pytest.raises(errors.UserValueError, match=match) as info:
+    hf.model_config(str(directory))
+  assert "\n" not in str(info.value)
+
+
+def test_exported_config_reads_back_the_same_model(tmp_path):
+  """Each fixture's model written as a config.json (to_hf_config) reads back as itself."""
+  for name in ARCHS:
+    cfg = hf.model_config(str(FIXTURES / name))
+    (tmp_path / name).mkdir()
+    (tmp_path / name / hf.CONFIG).write_text(json.dumps(hf.hf_config(cfg)))
+    assert hf.model_config(str(tmp_path / name)) == cfg, name
 
 
 # -- a run starts from a directory; its export reads back --------------------------------------------
@@ -208,7 +353,8 @@ def _bad_dir(tmp_path, case) -> pathlib.Path:
 BAD_DIRS = {
   "no-config": "has no config.json",
   "no-weights": "has no model.safetensors or model.safetensors.index.json",
-  "unknown-model-type": "model_type 'bert' is not supported: acco_jax runs gpt2, gpt_neo, llama",
+  "unknown-model-type": "model_type 'bert' is not supported: acco_jax runs gpt2, gpt_neo, llama, "
+  "qwen2, qwen3, mistral",
   "tensor-missing": "tensor transformer.h.1.mlp.c_fc.bias is missing",
   "tensor-left-over": "tensors transformer.h.2.ln_1.weight are not part of a gpt2 model",
   "shape-disagrees": r"tensor transformer.h.0.mlp.c_fc.weight has shape \[32, 128\], config.json implies \[32, 64\]",
