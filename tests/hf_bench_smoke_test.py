@@ -28,3 +28,13 @@ def test_large_memory_smoke():
   assert r["params"] > 0 and r["devices"] == 2
   assert r["argument_gb"] >= r["state_formula_gb"] > 0 and r["total_gb"] > r["argument_gb"]
   assert "| llama-tiny | acco |" in large_memory.table([r])
+
+
+@pytest.mark.slow
+def test_sft_memory_smoke(tmp_path):
+  """bench/run/sft_memory.py on the tiny preset, 1 device: a measured peak and a prediction."""
+  from bench.run import sft_memory
+
+  (r,) = sft_memory.measure("", None, 14e9, smoke=True)
+  assert r["returncode"] == 0 and not r["over_limit"], r["tail"]
+  assert r["peak_bytes"] > 0.1e9 and r["predicted_host_bytes"] > 0.1e9

@@ -27,15 +27,20 @@ import numpy as np
 from acco_jax import errors
 
 GB = 1e9
-RUNTIME_BYTES = 0.4e9  # python, jax, the data and the tokenizer: resident before the state
+RUNTIME_BYTES = 0.7e9  # python, jax, the data, the tokenizer and a small compilation
 # the rest, in float32 parameters: the compiled programs, the evaluation's copy of the parameters
-# and what the allocator keeps after the step (SmolLM2 on 1 CPU device: 8.97 GB measured, less
-# 0.32 GB of runtime, 2.69 GB of state and the step's 3.19 GB temporaries: 2.6 GB, 4.8x)
+# and what the allocator keeps after the step (SmolLM2 on 1 CPU device measured 8.97 GB: 0.3 GB of
+# runtime, 2.69 GB of state, 3.19 GB of the step's temporaries and 2.8 GB, 5.2x, of the rest;
+# 2.5x keeps the prediction under the measured peak, within 10%)
 REST_PARAM_COPIES = 2.5
 # a stage program's temporaries per device, in float32 parameters: XLA:CPU's buffer assignment of
 # ACCO's stage on SmolLM2 (134.5M parameters, 1 row of 64 tokens) reports 3.19 GB of temporaries,
 # 5.9x the float32 parameters (gradients, their accumulation, the optimizer's updates)
 STEP_PARAM_COPIES = 6
+# XLA:GPU reuses buffers more: ACCO's stage of GPT-Neo 2.7B compiled for an abstract H100 has
+# 19.9 GB of temporaries, 1.9x its float32 parameters, activations of 4 x 512 tokens included
+# (docs/benchmarks/gpu.md, Large presets)
+STEP_PARAM_COPIES_ACCELERATOR = 2
 ACT_FLOATS_D, ACT_FLOATS_F = 12, 3  # activations kept per block and token: c_D D + c_F F floats
 
 
@@ -80,9 +85,12 @@ def predict(config, model_cfg, abstract_state, params_shapes, num_devices: int, 
   ``abstract_state(params_shapes)``; ``cpu``: the devices share the host's memory."""
   state_dev, state_all = state_bytes(abstract_state)
   params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_shapes))
-  step = STEP_PARAM_COPIES * params * 4
+  step = (STEP_PARAM_COPIES if cpu else STEP_PARAM_COPIES_ACCELERATOR) * params * 4
   acts = activation_bytes(model_cfg, config.batch.microbatch_size, config.data.seq_len)
-  ckpt = state_all  # orbax copies every array to host memory before it writes (every run saves)
+  # orbax copies every array (one replica of each shard) to host memory before it writes
+  ckpt = sum(
+    math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract_state)
+  )
   rest = REST_PARAM_COPIES * params * 4
   if cpu:  # the step's temporaries are gone while the checkpoint is saved
     extra = max(num_devices * (step + acts), ckpt)
