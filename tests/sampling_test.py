@@ -6,6 +6,8 @@ whose replies are known.
 Float32 tiny models with perturbed weights: the reference's top two logits differ by far more
 than the cached path's float error at every step checked, so the tokens must be equal."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,3 +121,13 @@ def test_greedy_stops_before_the_stop_id(counter, cache):
   got = sampling.greedy(params, cfg, prompts, 8, stop_id=(33, 9), cache=cache)
   assert got == [[12, 13, 14, 15, 16, 17, 18, 19], [31, 32], [8]]
   assert sampling.greedy(params, cfg, [[40]], 8, stop_id=[41], cache=cache) == [[]]
+
+
+def test_generate_speed_benchmark_smoke(tmp_path):
+  from bench.run import generate_speed
+
+  out = tmp_path / "g.json"
+  assert generate_speed.main(["--smoke", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["prompt"], r["new"]) for r in rows] == list(generate_speed.SMOKE_SETTINGS)
+  assert all(r["same_replies"] and r["full_tok_s"] > 0 and r["cache_tok_s"] > 0 for r in rows)
