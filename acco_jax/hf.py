@@ -100,7 +100,7 @@ def model_fields(directory: str) -> dict[str, Any]:
   hf = read_config(directory)
   arch = architecture(hf, directory)
   try:
-    fields = models.get(arch).from_hf_config(hf)
+    fields = models.from_hf_config(arch, hf)  # the fields the schema lets it set
   except KeyError as e:
     raise _refuse(directory, f"config.json lacks {e.args[0]!r}, which {arch} needs") from None
   except errors.UserValueError as e:

@@ -265,3 +265,60 @@ def test_config_refuses_a_dtype_the_model_cannot_compute_in(dtype):
     ValueError, match=rf"^dtype='{dtype}' is not a floating dtype: use 'bfloat16'"
   ):
     model.get_config("tiny", dtype=dtype)
+
+
+# -- the field schema and the architectures' presets ------------------------------------------------
+
+
+def test_field_schema_derives_sizes_settings_and_users():
+  from acco_jax.models import base
+  from acco_jax.run import presets
+
+  assert presets.SIZES == ("D", "H", "N", "F", "kv_heads", "K")
+  assert presets.SETTINGS == ("dtype", "remat", "dropout", "attention", "vocab_multiple")
+  assert base.users("window") == base.users("layer_types") == ("gpt_neo", "mistral")
+  assert base.users("kv_heads") == ("llama", "qwen2", "qwen3", "mistral")
+  assert base.users("norm_eps") == base.ARCHS
+  assert all(isinstance(f, base.Field) for f in base.FIELDS.values())
+
+
+@pytest.mark.parametrize(
+  "arch, field, value, users",
+  [
+    ("gpt2", "window", 8, "gpt_neo, mistral"),
+    ("gpt_neo", "tied_head", False, "llama, qwen2, qwen3, mistral"),
+    ("qwen2", "layer_types", "local", "gpt_neo, mistral"),
+  ],
+)
+def test_a_field_another_architecture_uses_is_refused(arch, field, value, users):
+  from acco_jax import errors
+
+  with pytest.raises(
+    errors.UserValueError, match=f"does not use {field}=.*used by {field}: {users}"
+  ):
+    model.get_config("tiny", arch=arch, **{field: value})
+
+
+# Parameter counts of the published models the presets name (their model cards' totals).
+@pytest.mark.parametrize(
+  "arch, size, expected",
+  [
+    ("qwen2", "0.5b", 494_032_768),  # Qwen2.5-0.5B
+    ("qwen3", "0.6b", 596_049_920),  # Qwen3-0.6B
+    ("mistral", "7b", 7_241_732_096),  # Mistral-7B-v0.1
+    ("llama", "3.2-1b", 1_235_814_400),  # Llama-3.2-1B
+  ],
+)
+def test_published_preset_param_counts(arch, size, expected):
+  shapes = model.param_shapes(model.get_config(size, arch=arch))
+  assert sum(math.prod(s.shape) for s in jax.tree.leaves(shapes)) == expected
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neo", "llama", "qwen2", "qwen3", "mistral"])
+def test_every_preset_reads_back_from_its_config_json(arch):
+  from acco_jax import models
+
+  for size in model.sizes(arch):
+    cfg = model.get_config(size, arch=arch, dtype="float32")
+    fields = models.from_hf_config(arch, models.get(arch).to_hf_config(cfg))
+    assert model.ModelConfig(**fields, arch=arch, dtype="float32") == cfg, size

@@ -37,3 +37,13 @@ def get(arch: str) -> base.Architecture:
 def by_hf_model_type(model_type: str) -> str | None:
   """The architecture whose Hugging Face ``model_type`` is ``model_type``, or None."""
   return next((a for a, m in _BY_NAME.items() if m.HF_MODEL_TYPE == model_type), None)
+
+
+def from_hf_config(arch: str, hf: dict) -> dict:
+  """The :class:`ModelConfig` fields of a ``config.json`` of ``arch``: the architecture's reading
+  of it, which may set only sizes and forms it uses (never a run's setting: :data:`base.FIELDS`),
+  its None values left to the defaults."""
+  fields = {k: v for k, v in get(arch).from_hf_config(hf).items() if v is not None}
+  wrong = [k for k in fields if base.FIELDS[k].kind == base.SETTING or not base.uses(arch, k)]
+  assert not wrong, f"{arch}.from_hf_config sets {wrong}, which its config.json cannot set"
+  return fields
