@@ -59,14 +59,15 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   c.comm.layout = "auto"  # auto | elementwise | owner
 
   c.model = ml_collections.ConfigDict()
-  c.model.arch = "gpt2"  # gpt2 | gpt_neo | llama (acco_jax.models)
+  c.model.arch = "gpt2"  # gpt2 | gpt_neo | llama | qwen2 | qwen3 | mistral (acco_jax.models)
   c.model.size = "tiny"  # a preset of the arch (acco_jax.model.sizes(arch)); fields below override
   #                        it when > 0; 'init': every size from model.init's source
   c.model.D = 0  # width
   c.model.N = 0  # layers
   c.model.H = 0  # heads
   c.model.F = 0  # MLP width (0: the preset's; gpt2, gpt_neo: 4*D)
-  c.model.kv_heads = 0  # llama: key/value heads of grouped-query attention (0: the preset's)
+  c.model.kv_heads = 0  # llama family: key/value heads of grouped-query attention (0: the preset's)
+  c.model.K = 0  # llama family: head width (0: the preset's; D / H unless it sets one, as qwen3)
   # Start from pretrained weights (acco_jax/run/pretrained.py): 'hf:<dir>', a local Hugging Face
   # directory (config.json, model.safetensors or its index), or 'run:<workdir>', a run of train.py
   # (its newest checkpoint's committed parameters). The source sets the architecture and sizes:
