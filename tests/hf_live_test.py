@@ -139,9 +139,10 @@ MARKED_CHATML = (
 
 
 def _smollm2_dir() -> str:
-  for d in (os.environ.get("SMOLLM2_DIR"), "/work/smollm2"):
-    if d and os.path.isfile(os.path.join(d, "model.safetensors")):
-      return d
+  """The SmolLM2 directory .ci/run builds (``SMOLLM2_DIR``, scripts/smollm2.py's output)."""
+  d = os.environ.get("SMOLLM2_DIR")
+  if d and os.path.isfile(os.path.join(d, "model.safetensors")):
+    return d
   pytest.skip("needs the SmolLM2 directory (SMOLLM2_DIR=<scripts/smollm2.py's output>)")
 
 
