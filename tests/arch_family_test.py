@@ -84,45 +84,6 @@ def test_each_family_trains_the_architecture(case, arch):
   _trains(_config(module, arch, **overrides))
 
 
-# The Llama family's variants, each with what it adds: Qwen2's q/k/v biases, Qwen3's q/k norms and
-# head width of its own (32, with D 32 and 4 heads), Mistral's sliding window (8 of 16 tokens), and
-# Llama with RoPE scaled as Llama 3.1 scales it. The default run trains each new architecture under
-# ACCO (about 8 s each on 2 cores, mostly compiling); the scaled RoPE (constants of Llama's own
-# program), every family's method of DEFAULT and the traced layer orders of SkipPipe (where
-# Mistral's window meets a traced block index) are slow.
-VARIANTS = {
-  "qwen2": ("qwen2", {}),
-  "qwen3": ("qwen3", {}),
-  "mistral": ("mistral", {}),
-  "llama-rope-llama3": (
-    "llama",
-    {"model.size": "3.2-1b", "model.F": 64, "model.kv_heads": 2, "model.N": 2},
-  ),
-}
-VARIANT_SLOW = {**DEFAULT, "pipeline-skippipe-acco": None, "skippipe-paths-acco": None}
-
-
-def _variant(case: str, variant: str):
-  arch, sizes = VARIANTS[variant]
-  module, overrides = DEFAULT.get(case) or SLOW[case]
-  return _config(module, arch, **{**sizes, **overrides})
-
-
-@pytest.mark.parametrize(
-  "variant",
-  [v if VARIANTS[v][0] != "llama" else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS],
-)
-def test_each_llama_variant_trains_under_acco(variant):
-  _trains(_variant("acco", variant))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("case", [c for c in VARIANT_SLOW if c != "acco"])
-def test_each_family_trains_the_llama_variant(case, variant):
-  _trains(_variant(case, variant))
-
-
 SLOW = {  # the rest of each family
   "ddp": (gpt2_acco, {"method": "ddp"}),
   "zero1": (gpt2_acco, {"method": "zero1"}),
@@ -208,3 +169,43 @@ def test_hdee_experts_of_the_architecture(tmp_path, arch):
     jobs.load_params(str(tmp_path / job["name"] / "params.npz"), cfg)  # the architecture's tree
   ppl = results["experts"]["M_Ho-I_He"]
   assert all(np.isfinite(v) for by in ppl.values() for v in by.values()), ppl
+
+
+# The Llama family's variants, each with what it adds: Qwen2's q/k/v biases, Qwen3's q/k norms and
+# head width of its own (32, with D 32 and 4 heads), Mistral's sliding window (8 of 16 tokens), and
+# Llama with RoPE scaled as Llama 3.1 scales it. The default run trains each new architecture under
+# ACCO (about 8 s each on 2 cores, mostly compiling); the scaled RoPE (constants of Llama's own
+# program), every family's method of DEFAULT and the rows GPT-Neo trains in (BOTH: the pipeline's
+# shared leaves, SkipPipe's traced orders, where Mistral's window meets a traced block index) are
+# slow.
+VARIANTS = {
+  "qwen2": ("qwen2", {}),
+  "qwen3": ("qwen3", {}),
+  "mistral": ("mistral", {}),
+  "llama-rope-llama3": (
+    "llama",
+    {"model.size": "3.2-1b", "model.F": 64, "model.kv_heads": 2, "model.N": 2},
+  ),
+}
+VARIANT_SLOW = {**DEFAULT, **{case: None for case in BOTH}}  # GPT-Neo's rows: traced orders too
+
+
+def _variant(case: str, variant: str):
+  arch, sizes = VARIANTS[variant]
+  module, overrides = DEFAULT.get(case) or SLOW[case]
+  return _config(module, arch, **{**sizes, **overrides})
+
+
+@pytest.mark.parametrize(
+  "variant",
+  [v if VARIANTS[v][0] != "llama" else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS],
+)
+def test_each_llama_variant_trains_under_acco(variant):
+  _trains(_variant("acco", variant))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", [c for c in VARIANT_SLOW if c != "acco"])
+def test_each_family_trains_the_llama_variant(case, variant):
+  _trains(_variant(case, variant))

@@ -54,7 +54,7 @@ TABLES = {
     {"method": "pipeline", "pipeline.data_method": d} for d in ("ddp", "zero1", "acco")
   ],
 }
-ARCHS = ("gpt2", "gpt_neo", "llama")
+ARCHS = ("gpt2", "gpt_neo", "llama", "qwen2", "qwen3", "mistral")
 # Each family against the architecture (model.arch), AdamW unless the row names an optimizer: the
 # families see a model only through acco_jax.model's interface
 ARCH_ROWS = [
@@ -131,8 +131,8 @@ def outcome(cell: dict) -> str:
   return "runs"
 
 
-# The rows of the architecture table that tests/arch_family_test.py trains GPT-Neo in (Llama: every
-# row)
+# The rows of the architecture table that tests/arch_family_test.py trains GPT-Neo, Qwen2, Qwen3
+# and Mistral in (Llama: every row)
 NEO_TRAINED = [
   {"method": "acco"},
   {"method": "diloco", "loco.workers": 4, "loco.inner": "acco"},
@@ -141,7 +141,7 @@ NEO_TRAINED = [
 
 
 def covered_by(cell: dict) -> str | None:
-  if cell.get("model.arch") == "gpt_neo":
+  if cell.get("model.arch") in ("gpt_neo", "qwen2", "qwen3", "mistral"):
     row = {k: v for k, v in cell.items() if k != "model.arch"}
     return "arch_family_test" if row in NEO_TRAINED else None
   cell = {**cell, "opt": cell.get("opt", cell.get("opt.name", "adamw"))}
@@ -197,9 +197,9 @@ def render_archs(by_row: dict[str, dict]) -> str:
     "",
     "Each family against the architecture: the families see a model only through",
     "`acco_jax.model`'s interface (`acco_jax/models/`), so every cell runs. `tests/arch_family_test.py`",
-    "trains Llama in every row and GPT-Neo in the rows it names (one method of each family by",
-    "default, where GPT-Neo's traced local blocks meet the pipeline and SkipPipe's orders when",
-    "marked slow); the other GPT-Neo cells are built, not trained.",
+    "trains Llama in every row and GPT-Neo, Qwen2, Qwen3 and Mistral in the rows it names (one",
+    "method of each family by default, where local blocks and sliding windows meet the pipeline",
+    "and SkipPipe's traced orders when marked slow); their other cells are built, not trained.",
     "",
     "| " + " | ".join(["row", *ARCHS]) + " |",
     "|" + "---|" * (len(ARCHS) + 1),
