@@ -28,11 +28,11 @@ from acco_jax import errors
 
 GB = 1e9
 RUNTIME_BYTES = 0.7e9  # python, jax, the data, the tokenizer and a small compilation
-# the rest, in float32 parameters: the compiled programs, the evaluation's copy of the parameters
-# and what the allocator keeps after the step (SmolLM2 on 1 CPU device measured 8.97 GB: 0.3 GB of
-# runtime, 2.69 GB of state, 3.19 GB of the step's temporaries and 2.8 GB, 5.2x, of the rest;
-# 2.5x keeps the prediction under the measured peak, within 10%)
-REST_PARAM_COPIES = 2.5
+# the rest, in float32 parameters: the compiled programs, the evaluation's copy of the parameters,
+# the memory-mapped checkpoint, temporaries of programs that overlap the step's and what the
+# allocator keeps (train.py's SmolLM2 fine-tune on 1 CPU device peaked at 10.7 and 11.4 GB on a
+# shared machine: beyond 0.7 GB of runtime, 2.69 GB of state and 3.4 GB of the step, 4 GB, 7.5x)
+REST_PARAM_COPIES = 7.5
 # a stage program's temporaries per device, in float32 parameters: XLA:CPU's buffer assignment of
 # ACCO's stage on SmolLM2 (134.5M parameters, 1 row of 64 tokens) reports 3.19 GB of temporaries,
 # 5.9x the float32 parameters (gradients, their accumulation, the optimizer's updates)
