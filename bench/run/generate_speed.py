@@ -37,7 +37,7 @@ def load(args):
 
   if args.hf:
     cfg = hf.model_config(args.hf, dtype="float32")
-    return hf.load_params(args.hf, cfg), cfg
+    return jax.device_put(hf.load_params(args.hf, cfg)), cfg  # not numpy: copied in every call
   cfg = model.get_config(args.size, arch=args.arch, dtype="float32")
   return jax.jit(model.init_params, static_argnums=0)(cfg, 0), cfg
 
