@@ -150,7 +150,8 @@ def check(p: Prediction, config, num_devices: int, cpu: bool, host_total=None, d
   skip = "or pass --config.train.memory_check=False if you know better"
   if p.host > host_total:
     fix = (
-      f"fewer simulated devices (--config.mesh.cpu_devices, now {num_devices}), "
+      f"fewer simulated devices (--config.mesh.cpu_devices, now {num_devices}, or "
+      "--config.mesh.fit_memory=True), "
       if cpu and num_devices > 1
       else ""
     )
