@@ -226,6 +226,11 @@ UNRUN = {  # fixture, config.json edits: the refusal
     {"rope_parameters": None, "rope_scaling": {"type": "yarn", "factor": 4.0}},
     "rope_type='yarn', which acco_jax does not run",
   ),
+  "rope-partial": (
+    "mistral",
+    {"partial_rotary_factor": 0.5},
+    "rotates only part of each head \\(partial_rotary_factor=0.5\\)",
+  ),
   "qwen2-sliding-window": (
     "qwen2",
     {"use_sliding_window": True},

@@ -237,6 +237,12 @@ def rope_fields(hf: dict, arch: str) -> dict:
       f"this {arch} checkpoint scales its rotary positions with rope_type={kind!r}, which "
       f"acco_jax does not run (it runs {', '.join(_ROPE_READS)}): use such a checkpoint"
     )
+  partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+  if partial != 1.0:
+    raise errors.UserValueError(
+      f"this {arch} checkpoint rotates only part of each head (partial_rotary_factor={partial}), "
+      "which acco_jax does not run: it rotates every feature"
+    )
   fields = dict(rope_theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))))
   if kind != "default":
     fields["rope_type"] = kind
