@@ -184,10 +184,10 @@ def _check_unused(cfg: ModelConfig) -> None:
   unused = [n for n in FIELDS if not uses(cfg.arch, n) and getattr(cfg, n) != DEFAULTS[n]]
   if unused:
     shown = ", ".join(f"{n}={getattr(cfg, n)!r}" for n in unused)
-    owners = "; ".join(f"{n}: {', '.join(users(n)) or 'none'}" for n in unused)
+    owners = "; ".join(f"{n} is {', '.join(users(n)) or 'no architecture'}'s" for n in unused)
     raise errors.UserValueError(
       f"model.arch={cfg.arch} does not use {shown}: leave {', '.join(unused)} at the default "
-      f"(used by {owners})"
+      f"({owners})"
     )
 
 
