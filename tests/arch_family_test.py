@@ -174,7 +174,7 @@ def test_hdee_experts_of_the_architecture(tmp_path, arch):
 # The Llama family's variants, each with what it adds: Qwen2's q/k/v biases, Qwen3's q/k norms and
 # head width of its own (32, with D 32 and 4 heads), Mistral's sliding window (8 of 16 tokens), and
 # Llama with RoPE scaled as Llama 3.1 scales it. The default run trains each new architecture under
-# ACCO (about 8 s each on 2 cores, mostly compiling); the scaled RoPE (constants of Llama's own
+# ACCO (about 3.5 s each on 2 idle cores, mostly compiling); the scaled RoPE (constants of Llama's own
 # program), every family's method of DEFAULT and the rows GPT-Neo trains in (BOTH: the pipeline's
 # shared leaves, SkipPipe's traced orders, where Mistral's window meets a traced block index) are
 # slow.
