@@ -23,6 +23,8 @@ Usage:
   params = model.init_params(cfg, 0)
   loss, aux = jax.jit(model.loss_fn, static_argnums=1)(params, cfg, batch)
   logits_BxLxV = model.apply(params, cfg, tokens_BxL)
+  logits_BxV, cache = model.apply_cached(params, cfg, prompt_BxP, positions_BxP, length=256,
+                                         last_B=last_B)  # generation: acco_jax.sampling
   tx = optax.adamw(3e-4, weight_decay=0.1, mask=model.decay_mask(params))
 
 Sizes: ``SIZES[arch]`` (:func:`sizes`); each architecture's module lists its presets and
