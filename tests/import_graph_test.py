@@ -139,3 +139,50 @@ def test_no_family_imports_another_beyond_what_it_shares():
   old = {**graph, "acco_jax.dp.build": graph["acco_jax.dp.build"] | {"acco_jax.pipeline.orders"}}
   assert across_families(old, declared) == {"acco_jax.dp.build": ["acco_jax.pipeline.orders"]}
   assert not any(e.startswith("acco_jax.pipeline") for e in graph["acco_jax.skippipe.orders"])
+
+
+# The algorithms: optax transforms and LoCo methods, pure functions of arrays. They reach no module
+# of the run shell (acco_jax.run), directly or through another, and no Flax, orbax, TFDS or grain.
+ALGORITHMS = (
+  "acco_jax.dp.methods",
+  "acco_jax.dp.updates",
+  "acco_jax.dp.quantize",
+  "acco_jax.dp.layouts",
+  "acco_jax.loco.base",
+  "acco_jax.loco.diloco",
+  "acco_jax.loco.streaming",
+  "acco_jax.loco.noloco",
+  "acco_jax.loco.sparseloco",
+  "acco_jax.loco.demo",
+  "acco_jax.loco.compress",
+)
+SHELL_LIBRARIES = ("flax", "orbax", "tensorflow_datasets", "grain")
+
+
+def _reached(graph, start: str) -> set[str]:
+  seen, todo = set(), [start]
+  while todo:
+    for nxt in graph[todo.pop()] - seen:
+      seen.add(nxt)
+      todo.append(nxt)
+  return seen
+
+
+def _libraries(path: pathlib.Path) -> set[str]:
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+      names.add(node.module.split(".")[0])
+  return names
+
+
+def test_the_algorithms_reach_no_shell_and_no_shell_library():
+  graph, modules = import_graph(), _modules()
+  for name in ALGORITHMS:
+    reached = _reached(graph, name) | {name}
+    shell = sorted(m for m in reached if m.startswith("acco_jax.run"))
+    assert not shell, f"{name} reaches the run shell through {shell}"
+    libraries = {m: _libraries(modules[m]) & set(SHELL_LIBRARIES) for m in reached}
+    assert not {m: v for m, v in libraries.items() if v}, f"{name} reaches {libraries}"

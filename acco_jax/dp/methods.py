@@ -30,7 +30,7 @@ from acco_jax.dp.plan import CommPlan as CommPlan
 from acco_jax.dp.plan import MethodTransformation as MethodTransformation
 from acco_jax.dp.plan import comm_plan as comm_plan
 from acco_jax.dp.plan import method as _method
-from acco_jax.run.optim import find_state
+from acco_jax.optax_state import find_state
 
 PyTree = Any
 

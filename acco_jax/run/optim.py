@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from acco_jax import errors
+from acco_jax.optax_state import find_state
 
 SCHEDULES = ("cosine", "constant", "linear")
 # Muon orthogonalises the last two axes of a leaf; leading axes (stacked blocks) are batch axes.
@@ -165,24 +166,6 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return jax.tree.map(clip, updates), state
 
   return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
-
-
-def find_state(state, predicate):
-  """The first node of an optax state (tuples, lists and dicts, depth first) that ``predicate``
-  accepts, or None."""
-  if predicate(state):
-    return state
-  if isinstance(state, tuple | list):
-    for s in state:
-      found = find_state(s, predicate)
-      if found is not None:
-        return found
-  if isinstance(state, dict):
-    for s in state.values():
-      found = find_state(s, predicate)
-      if found is not None:
-        return found
-  return None
 
 
 def hyperparams(opt_state) -> dict:
