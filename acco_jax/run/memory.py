@@ -168,6 +168,13 @@ def check(p: Prediction, config, num_devices: int, cpu: bool, host_total=None, d
     )
 
 
+def predict_run(run, config, cpu: bool) -> Prediction:
+  """:func:`predict` of a built run (:class:`acco_jax.run.build.Run`, data or not), from its own
+  abstract state."""
+  abstract = run.train.abstract_state(run.params_shapes)
+  return predict(config, run.model_cfg, abstract, run.params_shapes, run.mesh.size, cpu)
+
+
 def check_run(run, config, *, lead: bool = True) -> Prediction:
   """The trainer's pre-work check of a built run (:class:`acco_jax.run.build.Run`): prints the
   prediction in one line (``lead``) and refuses, unless ``train.memory_check`` is off, a run that
@@ -175,8 +182,7 @@ def check_run(run, config, *, lead: bool = True) -> Prediction:
   devices = run.mesh.devices.flat
   first = next(iter(devices))
   cpu = first.platform == "cpu"
-  abstract = run.train.abstract_state(run.params_shapes)
-  p = predict(config, run.model_cfg, abstract, run.params_shapes, run.mesh.size, cpu)
+  p = predict_run(run, config, cpu)
   if lead:
     print(describe(p, run.mesh.size, cpu), flush=True)
   if config.train.get("memory_check", True):
@@ -199,9 +205,7 @@ def fit_devices(config, build_checked, *, host_total=None, lead: bool = True) ->
   wanted = n = config.mesh.num_devices or jax.device_count()
   while True:
     config.mesh.num_devices = n
-    run = build_checked(config)
-    abstract = run.train.abstract_state(run.params_shapes)
-    p = predict(config, run.model_cfg, abstract, run.params_shapes, n, cpu=True)
+    p = predict_run(build_checked(config), config, cpu=True)
     if p.host <= FIT_FRACTION * host_total or n == 1:
       break
     n //= 2
