@@ -17,7 +17,8 @@ import pytest
 import acco_jax
 from acco_jax.analysis import dataflow, hlo
 from acco_jax.dp import quantize as Q
-from acco_jax.run import checkpoint, metrics
+from acco_jax.dp.plan import comm_bytes_per_stage
+from acco_jax.run import checkpoint
 from tests import methods_test as methods_ref
 from tests.methods_test import (
   FULL,
@@ -297,7 +298,7 @@ def test_compiled_collectives_move_integers(name, mode, node_size):
   assert {(c.kind, c.shape[0][0], c.bytes, c.group) for c in found} == want
   assert len(found) == len(want) and not any(c.in_loop for c in found)
   sent = sum((c.group - 1) * c.bytes / c.group for c in found)  # what one device sends
-  assert sent == metrics.comm_bytes_per_stage(train.plan, train.layout.padded_size, N)
+  assert sent == comm_bytes_per_stage(train.plan, train.layout.padded_size, N)
 
 
 def _eqns(jaxpr):

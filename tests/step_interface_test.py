@@ -1,4 +1,4 @@
-"""Every family's step implements the one interface the run shell calls (acco_jax.run.step.Step),
+"""Every family's step implements the one interface the run shell calls (acco_jax.step_api.Step),
 its capabilities (Probed, Portable) are declared by what each class defines, and the run shell
 calls a step through that interface only.
 
@@ -12,8 +12,8 @@ import pathlib
 
 import pytest
 
+from acco_jax import step_api
 from acco_jax.run import build
-from acco_jax.run import step as step_api
 from configs import gpt2_acco, gpt2_diloco, gpt2_pipeline, gpt2_zero1
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -105,3 +105,9 @@ def test_the_run_shell_calls_steps_through_the_interface_only():
     assert used <= allowed, (
       f"{rel} calls {sorted(used - allowed)}, which no step interface declares"
     )
+
+
+def test_ring_bytes_counts_a_reduce_scatter_and_an_all_gather():
+  """4 devices, 1000 bytes: each half sends 3 of the 4 chunks of 250 bytes (750 + 750)."""
+  assert step_api.ring_bytes(1000, 4) == 1500
+  assert step_api.ring_bytes(1000, 1) == 0

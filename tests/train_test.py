@@ -11,8 +11,9 @@ import pytest
 
 from acco_jax import errors
 from acco_jax.dp import quantize
+from acco_jax.dp.plan import comm_bytes_per_stage
 from acco_jax.dp.step import TrainStep
-from acco_jax.run import build, metrics, trainer
+from acco_jax.run import build, trainer
 from configs import gpt2_acco, gpt2_dpu, gpt2_zero1
 
 
@@ -155,7 +156,7 @@ def test_quantized_acco_resumes_the_identical_trajectory(tmp_path, capsys):
   assert second["eval_loss"] == whole["eval_loss"]
   sent = [r for r in rows(tmp_path / "whole") if "loss" in r][-1]["comm_bytes_per_device"]
   bf16 = trainer.build(tiny(gpt2_acco, **small)).train  # the same model, bf16 communication
-  plain = metrics.comm_bytes_per_stage(bf16.plan, bf16.layout.padded_size, bf16.num_devices)
+  plain = comm_bytes_per_stage(bf16.plan, bf16.layout.padded_size, bf16.num_devices)
   n, shard = bf16.num_devices, bf16.layout.shard_size
   assert sent == 2 * (n - 1) * quantize.wire_bytes(shard, "int8", 256)  # all-to-all + all-gather
   assert sent / plain < 0.56  # int8 + a float32 scale per 256 values + padding 944 -> 1024

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from acco_jax.dp import quantize as quantize_lib
+from acco_jax.step_api import ring_bytes
 
 
 class CommPlan(NamedTuple):
@@ -62,6 +63,40 @@ class CommPlan(NamedTuple):
   def wire_bytes(self, values: int) -> int:
     """Bytes of ``values`` values in this plan's quantized format (integers and block scales)."""
     return quantize_lib.wire_bytes(values, self.quantize, self.block)
+
+
+def comm_bytes_per_stage(plan, padded_size: int, num_devices: int) -> int:
+  """Bytes one device sends per stage with ring collectives (:func:`acco_jax.step_api.ring_bytes`).
+
+  ZeRO-1 style (reduce-scatter + all-gather of ``P`` values): ``2 (N−1)/N · P · b``; DDP's all-reduce
+  moves the same ``2 (N−1)/N · P · b``. ACCO runs one such pair every stage, i.e. twice per update.
+  """
+  n = num_devices
+  itemsize = jnp.dtype(plan.comm_dtype).itemsize
+  if n <= 1:
+    return 0
+  if getattr(plan, "quantize", "none") != "none":
+    return quantized_bytes_per_stage(plan, padded_size, n)
+  return int(ring_bytes(padded_size * itemsize, n))
+
+
+def quantized_bytes_per_stage(plan, padded_size: int, num_devices: int) -> int:
+  r"""Bytes one device sends per stage with quantized communication (:mod:`acco_jax.dp.quantize`).
+
+  With ``W(m)`` the encoded bytes of ``m`` values (integers and a float32 scale per block), ``S =
+  P/N`` the shard size, ``L`` the node size and ``A = N/L`` nodes: the node's reduce-scatter in
+  ``comm_dtype`` (``L > 1``) :math:`\frac{L-1}{L} P b`, the all-to-all of the node sums
+  :math:`(A-1)\,W(S)` (nothing with one node) and the ring all-gather of the encoded weight updates
+  :math:`(N-1)\,W(S)`.
+  """
+  n, size = num_devices, plan.node_size
+  shard, nodes = padded_size // n, n // size
+  wire = plan.wire_bytes(shard)
+  itemsize = jnp.dtype(plan.comm_dtype).itemsize
+  intra = (size - 1) * padded_size * itemsize // size if nodes > 1 else 0
+  if nodes == 1:  # the gradients never leave the node: an unquantized reduce-scatter
+    intra = (n - 1) * padded_size * itemsize // n
+  return int(intra + (nodes - 1) * wire + (n - 1) * wire)
 
 
 class MethodTransformation(optax.GradientTransformationExtraArgs):

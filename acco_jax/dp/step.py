@@ -13,8 +13,8 @@ placement of batches and per-device microbatch counts, the read-outs (committed 
 compute weights), and the state across device counts and run kinds (the checkpoint restore's
 ``reshard``; ``ckpt.init_from``'s ``export_state`` and ``import_state``: the moves themselves are in
 :mod:`acco_jax.dp.reshard`, :mod:`acco_jax.dp.reshard_owner` and :mod:`acco_jax.dp.carry`).
-It implements :class:`acco_jax.run.step.Step`, :class:`~acco_jax.run.step.Probed` and
-:class:`~acco_jax.run.step.Portable`.
+It implements :class:`acco_jax.step_api.Step`, :class:`~acco_jax.step_api.Probed` and
+:class:`~acco_jax.step_api.Portable`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax.dp import carry, layouts, methods, quantize, reshard_owner
+from acco_jax.dp.plan import comm_bytes_per_stage
 from acco_jax.dp.quantized_comm import QuantizedComm
 from acco_jax.dp.reshard import reshard_state, saved_num_devices
 from acco_jax.dp.stage import StageProgram
-from acco_jax.run import metrics as metrics_lib
-from acco_jax.run.step import StepBase
+from acco_jax.step_api import StepBase
 
 PyTree = Any
 
@@ -324,7 +324,7 @@ class TrainStep(StepBase):
     """One line on the quantized communication ('' when the plan quantizes nothing)."""
     return quantize.describe(self.plan, self.num_devices, self.layout.shard_size)
 
-  # -- what the trainer calls beyond init, step and params (acco_jax.run.step.Step) --------------
+  # -- what the trainer calls beyond init, step and params (acco_jax.step_api.Step) --------------
 
   def run(self, state: TrainState, batches: list, stage: int, total: int, counts=None):
     """:meth:`step` on the one batch of a stage (the trainer's call)."""
@@ -335,7 +335,7 @@ class TrainStep(StepBase):
     return state.opt_state
 
   def comm_bytes_per_stage(self) -> float:
-    return metrics_lib.comm_bytes_per_stage(self.plan, self.layout.padded_size, self.num_devices)
+    return comm_bytes_per_stage(self.plan, self.layout.padded_size, self.num_devices)
 
   # -- placement of a stage's inputs --------------------------------------------------------------
 

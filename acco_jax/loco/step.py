@@ -14,7 +14,7 @@ per fragment, per worker: NoLoCo's ``φ_i`` and ``δ_i`` differ), the mean pseud
 fragment in flight, and each worker's error feedback (SparseLoCo) or momentum (DeMo).
 
 Here: the state, its shardings and initial value, the schedule (:meth:`LocoStep.schedule`), the
-cache of the programs and the public API (:class:`acco_jax.run.step.Step`). The programs (stage, sync, window, apply) are in
+cache of the programs and the public API (:class:`acco_jax.step_api.Step`). The programs (stage, sync, window, apply) are in
 :mod:`acco_jax.loco.programs`; a sync's cost and log fields in :mod:`acco_jax.loco.accounting`.
 """
 
@@ -36,7 +36,7 @@ from acco_jax.loco import base, overlap, phase, programs, replica
 from acco_jax.loco.accounting import SyncAccounting
 from acco_jax.loco.base import LocoMethod, OuterState
 from acco_jax.loco.replica import REPLICA, ReplicaCollectives
-from acco_jax.run.step import StepBase
+from acco_jax.step_api import StepBase
 
 PyTree = Any
 
@@ -331,7 +331,7 @@ class LocoStep(SyncAccounting, StepBase):
     fn = lambda s: self.layout.from_shards(jax.tree.map(lambda x: x[0], s.outer.params))
     return self.helper("loco_params", fn)(state)
 
-  # -- what the trainer calls beyond init, run and params (acco_jax.run.step.Step) ---------------
+  # -- what the trainer calls beyond init, run and params (acco_jax.step_api.Step) ---------------
 
   def call_stages(self, stage: int, total: int) -> int:
     return self.schedule(stage, total).stages

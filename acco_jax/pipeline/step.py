@@ -1,8 +1,8 @@
 """Training on a pipeline mesh: the step the trainer drives (:mod:`acco_jax.pipeline.build` makes
 it from a config).
 
-:class:`PipelineStep` implements :class:`acco_jax.run.step.Step` and
-:class:`~acco_jax.run.step.Portable`, so a pipeline run goes through ``train.py`` unchanged:
+:class:`PipelineStep` implements :class:`acco_jax.step_api.Step` and
+:class:`~acco_jax.step_api.Portable`, so a pipeline run goes through ``train.py`` unchanged:
 checkpoints, metrics, evaluation and resume.
 
 State (:class:`PipeState`): each stage's parameters packed once into flat buffers
@@ -52,8 +52,8 @@ from acco_jax import errors, model
 from acco_jax.dp import methods
 from acco_jax.pipeline import carry, ticks
 from acco_jax.pipeline import programs as pipe
-from acco_jax.run.step import StepBase
 from acco_jax.skippipe import plans
+from acco_jax.step_api import StepBase, ring_bytes
 
 DATA_METHODS = ("ddp", "zero1", "acco")
 
@@ -352,9 +352,6 @@ class PipelineStep(StepBase):
     stage's gradients (``ddp``, float32) or their reduce-scatter and the weights' all-gather
     (``zero1``, ``acco``, in ``comm_dtype``), ``2 (L-1)/L`` of the stage's buffers with ring
     collectives. What crosses between stages (activations) is not counted."""
-    lanes = self.lanes
-    if lanes <= 1:
-      return 0.0
     per_stage = sum(self.packing.sizes.values())
     itemsize = self.comm_dtype.itemsize if self.sharded else 4
-    return 2 * (lanes - 1) * per_stage * itemsize / lanes
+    return ring_bytes(per_stage * itemsize, self.lanes)

@@ -19,11 +19,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from acco_jax import data, errors, model
+from acco_jax import data, errors, model, step_api
 from acco_jax.data import examples, instruct
 from acco_jax.data.tokenizer import declared_vocab_size
 from acco_jax.run import optim, parallel, presets, pretrained, profile, registry
-from acco_jax.run import step as step_api
 
 
 class Run(NamedTuple):
@@ -34,7 +33,7 @@ class Run(NamedTuple):
   model_cfg: model.ModelConfig
   params_shapes: Any  # ShapeDtypeStruct tree of the model's parameters
   train: (
-    Any  # the family's step (acco_jax.run.step.Step): dp.step.TrainStep, loco.step.LocoStep, ...
+    Any  # the family's step (acco_jax.step_api.Step): dp.step.TrainStep, loco.step.LocoStep, ...
   )
   stages_per_update: int
   total_stages: int

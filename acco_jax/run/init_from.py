@@ -36,10 +36,9 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 
-from acco_jax import data, errors, model
+from acco_jax import data, errors, model, step_api
 from acco_jax.run import build as build_lib
 from acco_jax.run import registry
-from acco_jax.run import step as step_api
 from acco_jax.run.checkpoint import open_read_only
 
 

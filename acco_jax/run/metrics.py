@@ -35,40 +35,6 @@ def peak_flops(device: jax.Device) -> float | None:
   return None
 
 
-def comm_bytes_per_stage(plan, padded_size: int, num_devices: int) -> int:
-  """Bytes one device sends per stage with ring collectives.
-
-  ZeRO-1 style (reduce-scatter + all-gather of ``P`` values): ``2 (N−1)/N · P · b``; DDP's all-reduce
-  moves the same ``2 (N−1)/N · P · b``. ACCO runs one such pair every stage, i.e. twice per update.
-  """
-  n = num_devices
-  itemsize = jax.numpy.dtype(plan.comm_dtype).itemsize
-  if n <= 1:
-    return 0
-  if getattr(plan, "quantize", "none") != "none":
-    return quantized_bytes_per_stage(plan, padded_size, n)
-  return int(2 * (n - 1) * padded_size * itemsize / n)
-
-
-def quantized_bytes_per_stage(plan, padded_size: int, num_devices: int) -> int:
-  r"""Bytes one device sends per stage with quantized communication (:mod:`acco_jax.dp.quantize`).
-
-  With ``W(m)`` the encoded bytes of ``m`` values (integers and a float32 scale per block), ``S =
-  P/N`` the shard size, ``L`` the node size and ``A = N/L`` nodes: the node's reduce-scatter in
-  ``comm_dtype`` (``L > 1``) :math:`\frac{L-1}{L} P b`, the all-to-all of the node sums
-  :math:`(A-1)\,W(S)` (nothing with one node) and the ring all-gather of the encoded weight updates
-  :math:`(N-1)\,W(S)`.
-  """
-  n, size = num_devices, plan.node_size
-  shard, nodes = padded_size // n, n // size
-  wire = plan.wire_bytes(shard)
-  itemsize = jax.numpy.dtype(plan.comm_dtype).itemsize
-  intra = (size - 1) * padded_size * itemsize // size if nodes > 1 else 0
-  if nodes == 1:  # the gradients never leave the node: an unquantized reduce-scatter
-    intra = (n - 1) * padded_size * itemsize // n
-  return int(intra + (nodes - 1) * wire + (n - 1) * wire)
-
-
 def last_logged(workdir: str) -> dict:
   """What a run's ``metrics.jsonl`` says last: the loss of its last logged stage, its last
   throughput record (the run's rate) and its last evaluation (``{}`` where the file or the rows are missing). A rerun of a finished run reports

@@ -7,9 +7,9 @@ all when the package is imported. A new family is one folder plus one line there
 A family either builds a :class:`acco_jax.run.build.Run` that the trainer drives (``build``), or
 runs a config itself (``run``: HDEE trains its experts as trainer runs of their own). The trainer
 reaches a family only through what its build returns: ``Run.train``, a
-:class:`acco_jax.run.step.Step` (the interface every family's step implements), and
+:class:`acco_jax.step_api.Step` (the interface every family's step implements), and
 ``Run.orders`` / ``Run.policy`` when set; ``ckpt.init_from`` (:mod:`acco_jax.run.init_from`) also
-through the source family's ``source_step`` and the steps' :class:`acco_jax.run.step.Portable`
+through the source family's ``source_step`` and the steps' :class:`acco_jax.step_api.Portable`
 form (:mod:`acco_jax.run.portable`).
 """
 
@@ -33,7 +33,7 @@ class Family(NamedTuple):
   name: str  # its folder under acco_jax/
   methods: tuple[str, ...]  # the values of config.method it runs
   # (config, its tokens: acco_jax.data.TokenData, or empty streams while checking the config) ->
-  # acco_jax.run.build.Run, whose train is an acco_jax.run.step.Step
+  # acco_jax.run.build.Run, whose train is an acco_jax.step_api.Step
   build: Callable[[Any, Any], Any] | None = None
   run: Callable[[Any, str], Any] | None = None  # (config, workdir): runs it instead of the trainer
   updates_done: Callable[[Any, int], int] = one_update_per_stage  # (config, stages) -> updates

@@ -11,7 +11,7 @@ evaluate (:meth:`Loop.evaluate`), save (:meth:`Loop.save`) and stop (:meth:`Loop
 Units: a *stage* is one program call of ``k`` microbatches per device; an *update* is one
 optimizer step (ACCO: a commit, every second stage; the others: every stage). Schedules, evaluation
 and checkpoint periods count updates; the checkpoint step number counts stages. A family's step
-(:class:`acco_jax.run.step.Step`) runs one or more stages a call (a LoCo window or phase runs
+(:class:`acco_jax.step_api.Step`) runs one or more stages a call (a LoCo window or phase runs
 several inner steps in one program).
 """
 

@@ -11,7 +11,7 @@ Three measurements, each its own command:
   update the trainer logged.
 * ``--bytes``: the bytes one device sends per update read from the compiled stage programs
   (``acco_jax.analysis.hlo.hlo_collectives``) of the two settings' models at N = 8 and 32, against
-  :func:`acco_jax.run.metrics.comm_bytes_per_stage` and the bf16 program. Compile only.
+  :func:`acco_jax.dp.plan.comm_bytes_per_stage` and the bf16 program. Compile only.
 * ``--cost``: what quantizing costs in compute: CPU time of one ACCO / ZeRO-1 stage of the ``d8``
   model (8 simulated devices) with each mode, interleaved repetitions, medians, as a ratio to bf16;
   and, with the CUDA plugin, the kernels (fusions) the quantization adds to the compiled XLA:GPU
@@ -215,7 +215,7 @@ def bytes_worker(args) -> dict:
   import acco_jax
   from acco_jax import model
   from acco_jax.analysis import hlo
-  from acco_jax.run import metrics
+  from acco_jax.dp.plan import comm_bytes_per_stage
 
   n = jax.device_count()
   rows = []
@@ -245,7 +245,7 @@ def bytes_worker(args) -> dict:
       big = [c for c in found if c.bytes >= 4096]
       sent = stages * sum((c.group - 1) * c.bytes / c.group for c in big)
       small = stages * sum((c.group - 1) * c.bytes / c.group for c in found if c.bytes < 4096)
-      theory = stages * metrics.comm_bytes_per_stage(train.plan, train.layout.padded_size, n)
+      theory = stages * comm_bytes_per_stage(train.plan, train.layout.padded_size, n)
       rows.append(
         {
           "setting": setting,

@@ -10,7 +10,7 @@ lists its collectives and converts each to the bytes one device sends with ring 
   \text{all-reduce: } 2\,\tfrac{N-1}{N} M,
 
 then multiplies by the stages per update (2 for ACCO: estimate + commit; 1 otherwise). Theory is
-``2 (N−1)/N · P · b`` per stage (:func:`acco_jax.run.metrics.comm_bytes_per_stage`, what the trainer
+``2 (N−1)/N · P · b`` per stage (:func:`acco_jax.dp.plan.comm_bytes_per_stage`, what the trainer
 logs as ``comm_bytes_per_device``), with ``P`` the padded flat length and ``b`` the bytes per value.
 
 Two readings, because XLA:CPU computes bf16 collectives in f32:
@@ -61,7 +61,7 @@ def worker(args) -> dict:
   import acco_jax
   from acco_jax import model
   from acco_jax.analysis import dataflow, hlo
-  from acco_jax.run import metrics
+  from acco_jax.dp.plan import comm_bytes_per_stage
 
   n = jax.device_count()
   cfg = model.get_config(args.model)
@@ -87,7 +87,7 @@ def worker(args) -> dict:
       stages = 2 if train.plan.two_stage else 1
       padded = train.layout.padded_size
       item = jnp.dtype(dtype).itemsize
-      theory_stage = metrics.comm_bytes_per_stage(train.plan, padded, n)  # = trainer's log
+      theory_stage = comm_bytes_per_stage(train.plan, padded, n)  # = trainer's log
       flat = padded * 4  # bytes of the flat buffer in f32 (XLA:CPU's collective dtype)
       found = hlo.hlo_collectives(fn.lower(state, batch).compile().as_text())
       big = [c for c in found if c.bytes >= flat]

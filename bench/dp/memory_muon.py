@@ -14,7 +14,7 @@ device:
 * the layout: row length ``R`` (elements each device owns; elementwise: ``S``), padding
   (``N R − Ψ`` elements; the owner layout's empty slots, :attr:`OwnerLayout.padding`, apart), bytes
   each device sends per update with ring collectives
-  (:func:`acco_jax.run.metrics.comm_bytes_per_stage`, 2 stages per ACCO update), and the owner
+  (:func:`acco_jax.dp.plan.comm_bytes_per_stage`, 2 stages per ACCO update), and the owner
   layout's real owned bytes per device (:attr:`OwnerLayout.loads`, max and min) against its largest
   matrix;
 * for the presets in ``--compile``: ``compiled.memory_analysis()`` of the stage program lowered with
@@ -89,7 +89,7 @@ def build(preset: str, method: str, opt: str, n: int):
 def layout_stats(train, psi: int) -> dict:
   """Row, padding, wire bytes per update and (owner layout) owned bytes per device."""
   from acco_jax.dp.flat import TreeLayout
-  from acco_jax.run import metrics
+  from acco_jax.dp.plan import comm_bytes_per_stage
 
   layout, plan, n = train.layout, train.plan, train.num_devices
   stages = 2 if plan.name == "acco" else 1
@@ -100,7 +100,7 @@ def layout_stats(train, psi: int) -> dict:
     "padding": layout.padded_size - psi,
     "comm_itemsize": train.comm_dtype.itemsize,
     "stages_per_update": stages,
-    "wire_bytes_per_update": stages * metrics.comm_bytes_per_stage(plan, layout.padded_size, n),
+    "wire_bytes_per_update": stages * comm_bytes_per_stage(plan, layout.padded_size, n),
   }
   if train.owner:
     out |= {

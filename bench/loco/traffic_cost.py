@@ -126,8 +126,9 @@ def programs_worker(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   from acco_jax.analysis import hlo
+  from acco_jax.dp.plan import comm_bytes_per_stage
   from acco_jax.loco.step import LocoStep
-  from acco_jax.run import metrics, trainer
+  from acco_jax.run import trainer
   from bench.loco import loco_compare as lc
 
   s = lc.setting(args.setting)
@@ -198,7 +199,7 @@ def programs_worker(args) -> dict:
         "optimizer": common.shard_bytes(state.opt_state),
         "communication": common.shard_bytes((state.buf, state.buf_count)),
       }
-      stage = metrics.comm_bytes_per_stage(train.plan, train.layout.padded_size, n_dev)
+      stage = comm_bytes_per_stage(train.plan, train.layout.padded_size, n_dev)
       stages = 2 if train.plan.two_stage else 1
       acct = {
         "sync_wire": {0: stage * stages},

@@ -1,5 +1,8 @@
 """What the run shell calls of a family's step: :class:`Step`, and :class:`StepBase`, the part every
-family's step shares.
+family's step shares; :func:`ring_bytes`, the count every step's ``comm_bytes_per_stage`` reports.
+
+The interface sits below both the shell and the families, so that a family's step imports no
+module of the run shell (``tests/import_graph_test.py``).
 
 A family's build (:class:`acco_jax.run.registry.Family`) returns a :class:`acco_jax.run.build.Run`
 whose ``train`` is a :class:`Step`: the data-parallel :class:`acco_jax.dp.step.TrainStep`, the
@@ -141,6 +144,17 @@ class Portable(Protocol):
 
   def import_state(self, portable, stage: int, microbatch: PyTree | None = None) -> PyTree:
     """This step's placed state from the portable form, at ``stage``."""
+
+
+def ring_bytes(nbytes: float, num_devices: int) -> float:
+  r"""Bytes one device sends to reduce ``nbytes`` over ``num_devices`` devices with ring collectives.
+
+  A ring all-reduce, or its halves, a reduce-scatter then an all-gather, moves
+  :math:`2 \frac{N-1}{N} \cdot \text{nbytes}` per device (each half :math:`\frac{N-1}{N}`); one
+  device sends nothing.
+  """
+  n = num_devices
+  return 0.0 if n <= 1 else 2 * (n - 1) * nbytes / n
 
 
 class StepBase:
