@@ -146,6 +146,15 @@ def get_base(preset: str = "cpu", method: str = "acco") -> ml_collections.Config
   # noloco: each worker averages with one random peer
   c.loco.pairings = 16  # K random perfect matchings drawn once; one is picked per sync
   c.loco.pairing_seed = 0  # the shared seed of the matchings and of the pick per sync
+  # workers as separate jobs meeting through a store (acco_jax.loco.transport; docs/workers.md)
+  c.loco.transport = "mesh"  # mesh (one SPMD program) | store:<url> (a directory or a bucket)
+  c.loco.worker = 0  # store: this job's worker id in [0, loco.workers) (its share of the data)
+  c.loco.grace_s = 30.0  # store: a round closes this long after its first payload (or when all
+  # live workers have sent theirs)
+  c.loco.min_workers = 1  # store: payloads a round waits for, whatever the grace
+  c.loco.lease_s = 120.0  # store: a worker silent this long is no longer waited for
+  c.loco.keep_rounds = 8  # store: rounds kept for workers that catch up (older ones collected)
+  c.loco.snapshot_every = 4  # store: rounds between two snapshots of the global state (joiners)
 
   # SkipPipe paths (acco_jax.pipeline): every microbatch runs stage 0's blocks, then the stages of
   # its path in path order, skipping some and (with swap) reordering them; every worker holds the

@@ -57,6 +57,8 @@ class LocoState(NamedTuple):
     overlap: with ``loco.outer_overlap`` ``delayed`` or ``eager``, each worker's
       :class:`acco_jax.loco.overlap.OverlapState` (start point, last average, own share;
       ``[M, D, s]`` shards); ``()`` when blocking, so those checkpoints are unchanged.
+    round: int32, the next round of a worker meeting the others through a store
+      (:mod:`acco_jax.loco.transport`); ``()`` on the mesh, so those checkpoints are unchanged.
   """
 
   inner: TrainState
@@ -66,6 +68,7 @@ class LocoState(NamedTuple):
   step: jax.Array
   comp: PyTree = ()
   overlap: PyTree = ()
+  round: PyTree = ()
 
 
 class Call(NamedTuple):
@@ -110,6 +113,7 @@ class LocoStep(SyncAccounting, StepBase):
     skip_nonfinite=False,
     owned=None,
     elementwise=None,
+    transport=None,
   ):
     base.check(method)
     if REPLICA not in mesh.axis_names:
@@ -147,7 +151,21 @@ class LocoStep(SyncAccounting, StepBase):
       self.mesh, self.inner.plan.axis_name, self.inner.plan.sharded, REPLICA
     )
     self.codec = programs.make_codec(method, self.layout)
-    self.matchings = programs.make_matchings(method, self.num_workers)
+    self.transport = transport  # a loco.transport.StoreTransport, or None on the mesh
+    self.params_shapes = params_like
+    self.matchings = None if transport else programs.make_matchings(method, self.num_workers)
+    if transport is not None and (self.num_workers != 1 or method.outer_overlap != "none"):
+      raise ValueError(
+        "a worker of a store run is one job: a mesh of one worker (replica axis 1) and "
+        "loco.outer_overlap='none'"
+      )
+
+  @property
+  def data_share(self) -> tuple[int, int]:
+    """``(index, count)``: this job's share of the global batch (a store worker reads its own
+    worker's; the mesh's one job reads it all)."""
+    t = self.transport
+    return (0, 1) if t is None else (t.worker, t.workers)
 
   @property
   def num_microbatches(self) -> int:
@@ -178,6 +196,7 @@ class LocoStep(SyncAccounting, StepBase):
       step=rep,
       comp=jax.tree.map(leaf, state_shape.comp),
       overlap=jax.tree.map(leaf, state_shape.overlap),
+      round=jax.tree.map(lambda _: rep, state_shape.round),
     )
 
   @property
@@ -206,6 +225,7 @@ class LocoStep(SyncAccounting, StepBase):
       step=jnp.int32(0),
       comp=jax.tree.map(copies, zeros) if self.method.sparse else (),
       overlap=jax.tree.map(copies, overlap.init_overlap(self.method.outer_overlap, one.params)),
+      round=() if self.transport is None else jnp.int32(0),
     )
 
   def init(self, params: PyTree, microbatch: PyTree | None = None) -> LocoState:
@@ -216,6 +236,8 @@ class LocoStep(SyncAccounting, StepBase):
     ``M * D * B``); other inner steps ignore it.
     """
     state = self.placed_state(params)
+    if self.transport is not None:
+      state = self.transport.join(self, state)
     if not self.inner.plan.delayed:
       return state
     if microbatch is None:
@@ -306,6 +328,8 @@ class LocoStep(SyncAccounting, StepBase):
     call = self.schedule(stage, total)
     if len(batches) != call.stages:
       raise ValueError(f"this call runs {call.stages} inner steps, got {len(batches)} batches")
+    if self.transport is not None:
+      return self._run_store(state, batches, call)
     metrics = {}
     if call.apply is not None:
       state, metrics = self.program("apply", call.apply, state)(state)
@@ -323,6 +347,26 @@ class LocoStep(SyncAccounting, StepBase):
       metrics = {**metrics, **outer}
     if call.land:
       state, outer = self.program("apply", call.send, state)(state)
+      metrics = {**metrics, **outer}
+    return state, metrics
+
+  def _run_store(self, state: LocoState, batches, call: Call):
+    """:meth:`run` of a worker meeting the others through a store: the schedule's points, each
+    sync a round (:class:`acco_jax.loco.transport.StoreTransport`; its fragment is the round's)."""
+    t, metrics = self.transport, {}
+    if call.apply is not None:
+      state, metrics = t.land(self, state)
+    if call.send is not None:
+      state, sent = t.send(self, state)
+      metrics = {**metrics, **sent}
+    for batch in batches:
+      state, inner = self.program("stage", None, state)(state, self.put_batch(batch))
+    metrics = {**metrics, **inner}
+    if call.sync is not None:
+      state, outer = t.sync(self, state)
+      metrics = {**metrics, **outer}
+    if call.land:
+      state, outer = t.land(self, state)
       metrics = {**metrics, **outer}
     return state, metrics
 
@@ -407,6 +451,7 @@ def make_loco_step(
   skip_nonfinite: bool = False,
   owned=None,
   elementwise: bool | None = None,
+  transport=None,
 ) -> LocoStep:
   """Builds the programs of a low-communication method over a ``('replica', 'data')`` mesh.
 
@@ -438,6 +483,9 @@ def make_loco_step(
     owned, elementwise: as :func:`acco_jax.make_train_step`, for an inner ``zero1(...,
       layout='owner')`` (MuLoCo: a Muon inner optimizer with each matrix whole on one device of
       its worker).
+    transport: a :class:`acco_jax.loco.transport.StoreTransport`: this process is one worker of
+      a run whose workers meet through a store (``mesh`` then has one worker); ``None``: every
+      worker is on ``mesh``.
 
   Returns:
     A :class:`LocoStep`.
@@ -453,4 +501,5 @@ def make_loco_step(
     skip_nonfinite,
     owned,
     elementwise,
+    transport,
   )

@@ -1,0 +1,121 @@
+"""Workers that meet through a store (acco_jax.loco.transport) against the same workers on one mesh.
+
+Here each worker is a thread with its own devices (two of the eight), its own step and its own
+:class:`acco_jax.loco.store.RoundStore` on one directory: separate programs that share nothing but
+the store. With every worker present in every round, ``θ_g`` equals the SPMD run's (the mean is
+taken in another order, so to float tolerance), for every method. The processes launched by
+``train.py`` are in ``loco_store_train_test.py``.
+"""
+
+import threading
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import acco_jax
+from acco_jax import loco
+from acco_jax.loco import step as loco_step
+from acco_jax.loco.store import RoundStore
+from acco_jax.loco.transport import StoreTransport
+from tests.loco_test import B, K, toy_batches, toy_loss, toy_params
+
+D = 2  # devices per worker
+
+
+def inner_tx(method):
+  if method.payload == "gradient":
+    return acco_jax.zero1(loco.keep_gradient())
+  return acco_jax.zero1(optax.adamw(2e-2, b1=0.9, b2=0.95))
+
+
+def rows_of(x, i, m):
+  """Worker ``i``'s rows of a global batch of ``m`` workers (worker-major, as on the mesh)."""
+  return x[i * len(x) // m : (i + 1) * len(x) // m]
+
+
+def drive(train, state, batches, total, share=None):
+  """The trainer's loop over a step: each call takes its stages' batches (``share``: this
+  worker's rows of each global batch)."""
+  s = 0
+  while s < total:
+    n = train.schedule(s, total).stages
+    take = batches[s : s + n]
+    if share is not None:
+      take = [jax.tree.map(lambda x: rows_of(x, *share), b) for b in take]
+    state, _ = train.run(state, take, s, total)
+    s += n
+  return state
+
+
+def spmd(method, workers, batches, total):
+  mesh = loco_step.worker_mesh(workers, jax.devices()[: workers * D])
+  train = loco_step.make_loco_step(
+    toy_loss, inner_tx(method), method, mesh, num_microbatches=K, params=toy_params()
+  )
+  state = drive(train, train.init(toy_params()), batches, total)
+  # each worker's θ_g (NoLoCo's slow weights differ from worker to worker)
+  per_worker = lambda m: train.layout.from_shards(jax.tree.map(lambda x: x[m], state.outer.params))
+  return [jax.device_get(per_worker(m)) for m in range(workers)]
+
+
+def worker(method, i, workers, url, batches, total, out, **store_kwargs):
+  store = RoundStore(url, i, grace_s=60.0, min_workers=workers, poll_s=0.01, **store_kwargs)
+  store.check_run({"run": "loco_store_test", "method": method.name})
+  store.acquire()
+  transport = StoreTransport(store, i, workers, snapshot_every=2)
+  mesh = loco_step.worker_mesh(1, jax.devices()[i * D : (i + 1) * D])
+  train = loco_step.make_loco_step(
+    toy_loss,
+    inner_tx(method),
+    method,
+    mesh,
+    num_microbatches=K,
+    params=toy_params(),
+    transport=transport,
+  )
+  state = drive(train, train.init(toy_params()), batches, total, share=(i, workers))
+  out[i] = jax.device_get(train.params(state))
+  transport.close()
+
+
+def through_store(method, workers, batches, total, url):
+  out, errors = {}, []
+
+  def run(i):
+    try:
+      worker(method, i, workers, url, batches, total, out)
+    except BaseException as e:  # surfaced below
+      errors.append(e)
+
+  threads = [threading.Thread(target=run, args=(i,)) for i in range(workers)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  if errors:
+    raise errors[0]
+  return out
+
+
+METHODS = {
+  "diloco": lambda: loco.diloco(sync_every=2),
+  "streaming_diloco": lambda: loco.streaming_diloco(
+    sync_every=4, fragments=2, overlap_steps=1, quantize="none"
+  ),
+  "sparseloco": lambda: loco.sparseloco(sync_every=2, topk=8, chunk=8, bits=2),
+  "demo": lambda: loco.demo(1e-2, topk=8, chunk=8),
+  "noloco": lambda: loco.noloco(sync_every=2, pairings=4),
+}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_store_workers_equal_the_mesh_when_all_are_present(name, tmp_path):
+  method, workers, total = METHODS[name](), 4 if name == "noloco" else 2, 8
+  batches = toy_batches(total, workers * D * K * B)
+  want = spmd(method, workers, batches, total)
+  got = through_store(method, workers, batches, total, str(tmp_path / "store"))
+  for i in range(workers):
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    jax.tree.map(close, got[i], want[i])
