@@ -2,7 +2,7 @@
 
 A data-parallel state (:class:`acco_jax.dp.step.TrainState`: flat weights, ``[N, s_l]`` shards) and
 a pipeline state (each stage's parameters packed in flat buffers over a ``stage`` axis) hold the
-same training in different layouts. :class:`Portable` is what they have in common, as host numpy arrays in the *model's own*
+same training in different layouts. :class:`PortableState` is what they have in common, as host numpy arrays in the *model's own*
 structure (``acco_jax.model.init_params``: ``{'blocks': {'0': ..., ...}, **shared}``):
 
 - ``params``: the committed parameters θ, float32 (ACCO and WP: the committed copy, not the
@@ -23,13 +23,13 @@ the form: a run that needs them starts them the way a fresh run does (see each f
 
 Contract for a family's step (what :mod:`acco_jax.run.init_from` calls):
 
-``export_state(saved) -> Portable``
+``export_state(saved) -> PortableState``
   ``saved`` is the step's state as a checkpoint of it holds it: host numpy leaves with the shapes
   they were *written* with (any device count or mesh), in the tree structure of the step's
   ``abstract_state(params_shapes)``. The step that exports was built from the source run's config
   (the family's ``source_step``, :class:`acco_jax.run.registry.Family`), on this process's devices.
 ``export_params(saved) -> params``
-  The committed parameters alone, ``Portable.params`` (``python -m acco_jax.export``; a LoCo
+  The committed parameters alone, ``PortableState.params`` (``python -m acco_jax.export``; a LoCo
   step has this one only: its global parameters θ_g).
 ``import_state(portable, stage, microbatch=None) -> state``
   This run's state, placed like ``abstract_state`` (every device array sharded as the step
@@ -54,7 +54,7 @@ import numpy as np
 PyTree = Any
 
 
-class Portable(NamedTuple):
+class PortableState(NamedTuple):
   """A train state's parameters and inner optimizer state in the model's structure (host numpy).
 
   Attributes:
@@ -111,7 +111,7 @@ def _spec(x) -> str:
   return f"{np.dtype(x.dtype).name}{list(np.shape(x))}"
 
 
-def check_fits(portable: Portable, params_like: PyTree, opt_like: PyTree) -> None:
+def check_fits(portable: PortableState, params_like: PyTree, opt_like: PyTree) -> None:
   """Raises a one-line ``ValueError`` unless ``portable`` has this run's structure, shapes and
   dtypes: ``params`` those of ``params_like``, ``opt`` those of ``opt_like`` (both in the model's
   structure, e.g. ``jax.eval_shape`` of the model and of the inner optimizer's ``init``)."""

@@ -5,7 +5,7 @@ The interface sits below both the shell and the families, so that a family's ste
 module of the run shell (``tests/import_graph_test.py``).
 
 A family's build (:class:`acco_jax.run.registry.Family`) returns a :class:`acco_jax.run.build.Run`
-whose ``train`` is a :class:`Step`: the data-parallel :class:`acco_jax.dp.step.TrainStep`, the
+whose ``step`` is a :class:`Step`: the data-parallel :class:`acco_jax.dp.step.TrainStep`, the
 low-communication :class:`acco_jax.loco.step.LocoStep` and the pipeline's
 :class:`acco_jax.pipeline.step.PipelineStep`. The trainer (:mod:`acco_jax.run.trainer`), the
 checkpoint restore (:mod:`acco_jax.run.start`), ``ckpt.init_from``, ``model.init=run:`` and the
@@ -137,10 +137,10 @@ class Probed(Protocol):
 @runtime_checkable
 class Portable(Protocol):
   """A step whose state moves to and from the model's own structure (``ckpt.init_from`` across run
-  kinds: :mod:`acco_jax.run.portable`)."""
+  kinds: :mod:`acco_jax.portable`)."""
 
   def export_state(self, saved: PyTree):
-    """A saved state (host numpy) -> :class:`acco_jax.run.portable.Portable`."""
+    """A saved state (host numpy) -> :class:`acco_jax.portable.PortableState`."""
 
   def import_state(self, portable, stage: int, microbatch: PyTree | None = None) -> PyTree:
     """This step's placed state from the portable form, at ``stage``."""

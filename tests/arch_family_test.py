@@ -41,7 +41,7 @@ def _config(module, arch: str, **overrides):
 def _losses(config, stages: int) -> list[float]:
   """The loss of each of ``stages`` stages of the config's step on one fixed batch."""
   run = build.build(config)
-  train = run.train
+  train = run.step
   rows = train.microbatches_per_stage * config.batch.microbatch_size
   stream = build.batch_stream(run, config, run.tokens.train, rows, seed=0)
   if run.orders is not None:  # SkipPipe: each microbatch's layer order rides in the batch

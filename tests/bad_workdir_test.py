@@ -35,9 +35,7 @@ def saved(tmp_path_factory):
   run = trainer.build(config)
   rows = run.mesh.size * config.batch.microbatch_size
   prime = next(trainer.batch_stream(run, config, run.tokens.train, rows, seed=1))
-  state = run.train.init(
-    model.init_params(run.model_cfg, 0), parallel.global_batch(prime, run.mesh)
-  )
+  state = run.step.init(model.init_params(run.model_cfg, 0), parallel.global_batch(prime, run.mesh))
   stream = trainer.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
   with checkpoint.Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
     for stage in (2, 4):
@@ -108,7 +106,7 @@ def test_corrupt_latest_checkpoint_falls_back_and_trains_on(workdir, caplog):
   assert '"event": "restored", "stage": 2' in (workdir / "metrics.jsonl").read_text()
   run = trainer.build(tiny())
   with checkpoint.Checkpointer(workdir / "checkpoints") as ckpt:  # the final state replaced step 4
-    extra = ckpt.restore(4, run.train.abstract_state(run.params_shapes))[1]
+    extra = ckpt.restore(4, run.step.abstract_state(run.params_shapes))[1]
   assert extra["stage"] == 4
 
 

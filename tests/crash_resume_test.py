@@ -332,7 +332,7 @@ def final_state(config, workdir: pathlib.Path, step: int | None = None):
   run = trainer.build(config)
   with Checkpointer(workdir / "checkpoints") as ckpt:
     step = ckpt.latest_step() if step is None else step
-    state, extra = ckpt.restore(step, run.train.abstract_state(run.params_shapes))
+    state, extra = ckpt.restore(step, run.step.abstract_state(run.params_shapes))
   return step, state, extra
 
 
@@ -428,5 +428,5 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
       if '"outer_fragment"' in r
     ]
     assert synced == list(range(2 * h, total + 1, h)), synced
-    one_sync = trainer.build(config).train.wire_bytes(0)  # every sync's bytes, the last included
+    one_sync = trainer.build(config).step.wire_bytes(0)  # every sync's bytes, the last included
     assert summary["wire_bytes_per_worker"] == pytest.approx(total // h * one_sync)

@@ -166,8 +166,8 @@ def test_unequal_budgets_through_the_trainer_match_the_reference(tmp_path):
   summary = trainer.train_and_evaluate(config, str(tmp_path))
   run = trainer.build(config)
   with checkpoint.Checkpointer(str(tmp_path / "checkpoints")) as ckpt:
-    state, _ = ckpt.restore(None, run.train.abstract_state(run.params_shapes))
-  got = jax.device_get(run.train.params(state))
+    state, _ = ckpt.restore(None, run.step.abstract_state(run.params_shapes))
+  got = jax.device_get(run.step.params(state))
   want = reference_acco(config, run, summary["stages"])
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), got, want)
   # not vacuous: training moved the parameters well beyond the tolerance

@@ -1,6 +1,6 @@
 """ckpt.init_from: a run starts from another run's checkpoint, across run kinds and device counts.
 
-Three layers. The data-parallel export and import (acco_jax.dp.carry): ``carry_test``. Here, the
+Three layers. The data-parallel export and import (acco_jax.dp.relayout): ``relayout_test``. Here, the
 shell (acco_jax.run.init_from) on tiny trainer runs: what the new run starts with, against the source checkpoint read by the ordinary restore and
 cut with the source layout's from_shards; the data position, the update counter, the refusals.
 And one train.py launch.
@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from acco_jax import errors
+from acco_jax import errors, portable
 from acco_jax.dp.methods import AccoState
 from acco_jax.dp.step import TrainStep
-from acco_jax.run import build, portable, trainer
+from acco_jax.run import build, trainer
 from acco_jax.run import init_from as init_from_lib
 from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_acco, gpt2_diloco, gpt2_pipeline, gpt2_zero1, hdee
@@ -70,26 +70,26 @@ def source_run(workdir, config, stages: int, seed: int = 0):
     if jnp.issubdtype(x.dtype, jnp.floating)
     else rng.integers(1, 9, x.shape)
   ).astype(x.dtype)
-  abstract = run.train.abstract_state(run.params_shapes)
+  abstract = run.step.abstract_state(run.params_shapes)
   host = jax.tree.map(draw, abstract)
   host = host._replace(stage=np.int32(stages))
   if isinstance(host.opt_state, AccoState):
     host = host._replace(opt_state=host.opt_state._replace(stage=np.int32(stages)))
   if host.buf_count is not None:
     host = host._replace(buf_count=np.ones_like(host.buf_count))
-  rows = run.mesh.size * run.train.num_microbatches * config.batch.microbatch_size
+  rows = run.mesh.size * run.step.num_microbatches * config.batch.microbatch_size
   stream = build.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
   extra = {
     "stage": stages,
     "data": {**stream.get_state(), "step": stages},
     "tokens_seen": stages * rows * config.data.seq_len,
     "vocab": build.vocab_meta(run.model_cfg),
-    "comm": build.comm_meta(config, run.train),
+    "comm": build.comm_meta(config, run.step),
     "config": config.to_json_best_effort(),
   }
   with Checkpointer(pathlib.Path(workdir) / "checkpoints", async_save=False) as ckpt:
     ckpt.save(stages, portable.place(host, abstract), extra=extra)
-  return host, run.train.layout
+  return host, run.step.layout
 
 
 def view(host, layout):
@@ -159,15 +159,15 @@ def test_zero1_run_starts_an_acco_run(sources):
   config = tiny(gpt2_acco, **{"ckpt.init_from": str(root / "zero1"), "mesh.num_devices": 4})
   run = build.build(config)
   stream = build.batch_stream(run, config, run.tokens.train, 4, seed=config.train.seed)
-  started = init_from_lib.start(run, config, stream, rows_per_stage=4)
-  assert started.stage == 4 and stream.get_state()["step"] == 8  # 2 updates; 32 rows / 4
-  assert started.tokens_seen == 2 * 16 * 8
-  state = portable.to_host(started.state)
-  got = view(state, run.train.layout)
+  imported = init_from_lib.start(run, config, stream, rows_per_stage=4)
+  assert imported.stage == 4 and stream.get_state()["step"] == 8  # 2 updates; 32 rows / 4
+  assert imported.tokens_seen == 2 * 16 * 8
+  state = portable.to_host(imported.state)
+  got = view(state, run.step.layout)
   want = view(*made["zero1"])
   same_bits(got["theta"], want["theta"], "theta")
   same_bits(got["opt"], want["opt"], "inner optimizer state")
-  same_bits(run.train.layout.from_shards(state.params), want["theta"], "params")
+  same_bits(run.step.layout.from_shards(state.params), want["theta"], "params")
   assert int(state.opt_state.stage) == 4 == int(state.stage)  # an estimate next
   assert int(state.buf_count.sum()) == 4  # primed: one microbatch per device
 
@@ -398,15 +398,15 @@ def test_train_py_acco_to_pipeline_and_back(tmp_path):
   assert json.loads(back.stdout.strip().splitlines()[-1])["updates"] == 6
 
 
-@pytest.mark.slow  # two trainer runs with Muon; the moves themselves: carry_owner_test (default)
+@pytest.mark.slow  # two trainer runs with Muon; the moves themselves: relayout_owner_test (default)
 def test_owner_layout_run_starts_an_owner_run_on_4_devices(tmp_path, capsys, monkeypatch):
   """opt.name=muon: a zero1 run's owner-layout checkpoint on 8 devices (Muon's momentum per owned
   matrix) continues as acco on 4, whose owners are others: θ and the inner state arrive bit for
-  bit in the model's structure (acco_jax.dp.carry_owner; against the plain layout:
-  carry_owner_test)."""
+  bit in the model's structure (acco_jax.dp.relayout_owner; against the plain layout:
+  relayout_owner_test)."""
   muon = {"opt.name": "muon", "train.num_updates": 2, "ckpt.every": 2}
   trainer.train_and_evaluate(tiny(gpt2_zero1, **muon), str(tmp_path / "src"))
-  source = build.build(tiny(gpt2_zero1, **muon)).train
+  source = build.build(tiny(gpt2_zero1, **muon)).step
   assert source.owner
   with Checkpointer(tmp_path / "src" / "checkpoints", read_only=True) as ckpt:
     saved, _ = ckpt.restore_host(None, lambda e: source.abstract_state(source_shapes(source)))

@@ -31,10 +31,10 @@ def test_diloco_tiny_end_to_end(tmp_path):
   train_rows = [r for r in logged if "loss" in r]
   assert all(len(r["worker_loss"]) == 4 for r in train_rows)
   run = trainer.build(config)
-  per_sync = run.train.wire_bytes(0)
+  per_sync = run.step.wire_bytes(0)
   assert summary["wire_bytes_per_worker"] == pytest.approx(3 * per_sync)
   # bytes of one sync: a ring all-reduce of every (padded) float32 value, 2 (M - 1) / M of them
-  assert per_sync == pytest.approx(2 * 3 / 4 * 4 * run.train.layout.padded_size)
+  assert per_sync == pytest.approx(2 * 3 / 4 * 4 * run.step.layout.padded_size)
   assert summary["updates"] == 6 and np.isfinite(summary["eval_loss"])
   assert summary["eval_loss"] < np.log(257) - 0.5
 
@@ -77,7 +77,7 @@ def test_summary_keys_have_one_order_however_the_values_arrived():
 def _final_state(workdir, config):
   run = trainer.build(config)
   with Checkpointer(str(workdir / "checkpoints")) as ckpt:
-    state, extra = ckpt.restore(None, run.train.abstract_state(run.params_shapes))
+    state, extra = ckpt.restore(None, run.step.abstract_state(run.params_shapes))
   return jax.device_get(state), extra
 
 
@@ -121,8 +121,8 @@ def test_sparseloco_logs_bytes_and_density_and_checkpoints_its_error_feedback(tm
   run = trainer.build(config)
   outer = [r for r in rows(tmp_path) if "outer_fragment" in r]
   assert [r["step"] for r in outer] == [2, 4, 6]
-  assert {r["sync_bytes_per_worker"] for r in outer} == {run.train.wire_bytes(0)}
-  assert {r["sent_density"] for r in outer} == {run.train.density()} and run.train.density() < 0.1
+  assert {r["sync_bytes_per_worker"] for r in outer} == {run.step.wire_bytes(0)}
+  assert {r["sent_density"] for r in outer} == {run.step.density()} and run.step.density() < 0.1
   # an all-gather of 4 workers: each sends its packed payload on, 3 times
   assert whole["wire_bytes_per_worker"] == 3 * 3 * whole["payload_bytes_per_sync"]
 

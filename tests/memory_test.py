@@ -82,7 +82,7 @@ def test_fit_memory_halves_the_devices_until_the_prediction_fits(tmp_path):
 
 def _predicted(config):
   run = build.build(config, check_only=True)
-  abstract = run.train.abstract_state(run.params_shapes)
+  abstract = run.step.abstract_state(run.params_shapes)
   return memory.predict(config, run.model_cfg, abstract, run.params_shapes, run.mesh.size, True)
 
 

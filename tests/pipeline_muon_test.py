@@ -166,7 +166,7 @@ def test_muon_on_the_packed_buffers_is_plain_optax_on_the_tree(params):
 def test_config_builds_muon_in_the_pipeline_and_keeps_the_refusals():
   config = tiny(gpt2_pipeline, **{"opt.name": "muon", "pipeline.data_method": "zero1"})
   run = build.build(config)
-  assert run.train.packing.matrix_slots > 0 and "matrices" in run.train.packing.sizes
+  assert run.step.packing.matrix_slots > 0 and "matrices" in run.step.packing.sizes
   config = tiny(gpt2_pipeline, **{"opt.name": "muon", "comm.quantize": "int8"})
   with pytest.raises(errors.UserValueError, match="comm.quantize is not supported"):
     build.build(config)

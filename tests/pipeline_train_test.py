@@ -38,7 +38,7 @@ def _losses(workdir):
 def test_scheduled_plan_trains_and_refuses_another_plan(tmp_path):
   config = _config()
   run = trainer.build(config)
-  sched, planned = run.train.schedule, run.train.planned
+  sched, planned = run.step.schedule, run.step.planned
   assert sched.mesh_wide and sched.lanes == 2 and planned is not None
   # the plan is the one plans.make gives for this config, and some microbatch changes lanes
   again = plans.make(config.pipeline, run.model_cfg, 8, sched.num_microbatches, 1, equal=True)
@@ -51,9 +51,9 @@ def test_scheduled_plan_trains_and_refuses_another_plan(tmp_path):
   assert sorted(losses) == [1, 2] and losses[2] < losses[1]
   # the checkpoint holds the plan; the state holds each stage's buffers on that stage's devices
   with Checkpointer(tmp_path / "run" / "checkpoints") as ckpt:
-    _, extra = ckpt.restore(None, run.train.abstract_state(run.params_shapes))
+    _, extra = ckpt.restore(None, run.step.abstract_state(run.params_shapes))
   assert extra["plan"] == json.loads(json.dumps(plans.record(planned)))
-  state = run.train.abstract_state(run.params_shapes)
+  state = run.step.abstract_state(run.params_shapes)
   spec = jax.tree.leaves(state.params)[0].sharding.spec
   assert spec[0] == "stage", spec
 
@@ -73,12 +73,12 @@ def test_resume_keeps_the_saved_plan():
   recorded with this run's settings)."""
   config = _config()
   run = trainer.build(config)
-  planned, p = run.train.planned, config.pipeline
+  planned, p = run.step.planned, config.pipeline
   other = schedule.schedule(
     planned.topology,
     planned.costs,
     planned.partition,
-    run.train.schedule.num_microbatches,
+    run.step.schedule.num_microbatches,
     p.skip,
     p.swap,
     seed=7,
@@ -86,22 +86,22 @@ def test_resume_keeps_the_saved_plan():
   )
   assert other != planned.plan
   with pytest.raises(errors.UserValueError, match="without a scheduled plan"):
-    run.train.check_checkpoint({})
-  run.train.check_checkpoint(
+    run.step.check_checkpoint({})
+  run.step.check_checkpoint(
     {"plan": json.loads(json.dumps(plans.record(planned._replace(plan=other))))}
   )
-  assert run.train.planned.plan == other
-  assert run.train.schedule.columns == ticks.from_plan(other, planned.partition).columns
+  assert run.step.planned.plan == other
+  assert run.step.schedule.columns == ticks.from_plan(other, planned.partition).columns
   moved = plans.record(planned)
   moved["partition"] = moved["partition"][::-1]  # another stage assignment: another device layout
   with pytest.raises(
     errors.UserValueError, match="stage assignment .* is not the one this version"
   ):
-    run.train.check_checkpoint({"plan": moved})
+    run.step.check_checkpoint({"plan": moved})
   broken = plans.record(planned)
   broken["plan"]["order"][0] = broken["plan"]["order"][0][1:]  # a step left out
   with pytest.raises(ValueError, match="every step of every route exactly once"):
-    run.train.check_checkpoint({"plan": broken})
+    run.step.check_checkpoint({"plan": broken})
 
 
 def test_bench_reports_the_plan_train_trains(tmp_path):
@@ -126,6 +126,6 @@ def test_bench_reports_the_plan_train_trains(tmp_path):
   reported = json.loads((tmp_path / "skippipe_plan.json").read_text())
   config = gpt2_skippipe.get_config("tiny")
   config.method = "pipeline"
-  planned = trainer.build(config).train.planned
+  planned = trainer.build(config).step.planned
   assert reported["plan"] == json.loads(json.dumps(plans.record(planned)))["plan"]
   assert reported["partition"] == [list(p) for p in planned.partition]

@@ -1,5 +1,5 @@
 """ckpt.init_from of an owner-layout state (issue 47, part 4): Muon's state, kept per owned matrix,
-mapped back to the model's structure (acco_jax.dp.carry_owner) and cut again for other owners.
+mapped back to the model's structure (acco_jax.dp.relayout_owner) and cut again for other owners.
 
 Against the plain layout: ZeRO-1 with the owner layout and DDP with whole leaves run the same
 optimizer on the same batches, so the owner run's exported state (θ, Muon's momentum, SGD's trace
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import acco_jax
-from acco_jax.dp import carry_owner
-from acco_jax.run import portable
+from acco_jax import portable
+from acco_jax.dp import relayout_owner
 from tests.methods_test import B, K, N, first_microbatch, make_batches
 from tests.owner_step_test import loss_with_stack, params_with_stack
 
@@ -117,7 +117,7 @@ def test_a_state_of_another_optimizer_is_refused(runs):
     [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes, strict=True)]
   )
   with pytest.raises(ValueError, match="another inner optimizer|not this inner optimizer"):
-    carry_owner.to_model(
+    relayout_owner.to_model(
       s_owner.opt_state, layout, owner.tx.inner, optax.sgd(0.1, momentum=0.9), like
     )
 

@@ -1,4 +1,4 @@
-"""ckpt.init_from's first layer: the data-parallel export and import (acco_jax.dp.carry) on the small
+"""ckpt.init_from's first layer: the data-parallel export and import (acco_jax.dp.relayout) on the small
 model of methods_test, and the pipeline's both ways. A state trained on 8 devices is saved, read
 back as host arrays, exported and imported on 4 devices, and compared bit for bit with a numpy
 reading of both states that does not use FlatLayout (elastic_test.logical_shards). The shell and
@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from acco_jax import portable
 from acco_jax.dp.methods import AccoState, WpState
-from acco_jax.run import build, portable
+from acco_jax.run import build
 from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_pipeline, gpt2_zero1
 from tests.elastic_test import PARAMS, logical_flat, logical_shards, padding
@@ -142,7 +143,7 @@ def pipe_run(**overrides):
 
 def unpacked(run, host):
   """θ and the inner optimizer state of a pipeline state, in the model's structure."""
-  opt, cut = host.opt_state, lambda sub: run.train.packing.unpack(sub)
+  opt, cut = host.opt_state, lambda sub: run.step.packing.unpack(sub)
   apart = isinstance(opt, AccoState)
   inner = opt.inner_state if apart else opt
   return {
@@ -162,7 +163,7 @@ def test_pipeline_and_data_parallel_both_ways(tmp_path):
   source = pipe_run(
     **{"pipeline.stages": 2, "pipeline.blocks_per_stage": "1,3", "pipeline.data_method": "acco"}
   )
-  train = source.train
+  train = source.step
   state = train.init(jax.tree.map(jnp.asarray, model_params(source)))
   rows = train.microbatches_per_stage * 2
   rng = np.random.default_rng(0)
@@ -193,25 +194,25 @@ def test_pipeline_and_data_parallel_both_ways(tmp_path):
 
   zero1 = build.build(tiny(gpt2_zero1, **{"model.N": 4, "mesh.num_devices": 4}))
   into = portable.to_host(
-    zero1.train.import_state(
+    zero1.step.import_state(
       exported,
       1,
       build.prime_batch(zero1, tiny(gpt2_zero1, **{"model.N": 4, "mesh.num_devices": 4})),
     )
   )
-  got = view(into, zero1.train.layout)
+  got = view(into, zero1.step.layout)
   same_bits(got["theta"], want["theta"], "pipeline -> zero1 theta")
   same_bits(got["opt"], want["opt"], "pipeline -> zero1 inner state")
 
-  back = zero1.train.export_state(into)
+  back = zero1.step.export_state(into)
   target = pipe_run(**{"pipeline.data_method": "zero1"})  # 4 stages x 2 lanes, 1 block each
-  assert target.train.packing.counts == (1, 1, 1, 1)
-  placed = target.train.import_state(back, 1)
+  assert target.step.packing.counts == (1, 1, 1, 1)
+  placed = target.step.import_state(back, 1)
   assert tuple(jax.tree.leaves(placed.params)[0].sharding.spec) == ("stage", "data")
   got = unpacked(target, portable.to_host(placed))
   same_bits(got["theta"], want["theta"], "zero1 -> pipeline theta")
   same_bits(got["opt"], want["opt"], "zero1 -> pipeline inner state")
-  placed, metrics = target.train.step(placed, {"inputs": tok[:16, :-1], "targets": tok[:16, 1:]})
+  placed, metrics = target.step.step(placed, {"inputs": tok[:16, :-1], "targets": tok[:16, 1:]})
   assert np.isfinite(float(metrics["loss"]))  # it trains on
 
 

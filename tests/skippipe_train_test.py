@@ -49,7 +49,7 @@ def _config(method="zero1", stages=4, skip=0.0, swap=False, **opt):
 
 
 def _batches(run, config, n):
-  rows = run.mesh.size * run.train.num_microbatches * config.batch.microbatch_size
+  rows = run.mesh.size * run.step.num_microbatches * config.batch.microbatch_size
   stream = trainer.batch_stream(run, config, run.tokens.train, rows, seed=0)
   if run.orders is not None:
     stream = orders_lib.OrderedStream(stream, run.orders)
@@ -60,12 +60,12 @@ def _train(stages):
   config = _config("zero1", stages=stages, name="sgd", lr=0.5, b1=0.9, schedule="constant")
   run = trainer.build(config)
   params = model.init_params(run.model_cfg, 0)
-  state = run.train.init(params)
+  state = run.step.init(params)
   losses = []
   for batch in _batches(run, config, 2):
-    state, m = run.train.step(state, parallel.global_batch(batch, run.mesh))
+    state, m = run.step.step(state, parallel.global_batch(batch, run.mesh))
     losses.append(float(m["loss"]))
-  return run, jax.device_get(run.train.params(state)), losses
+  return run, jax.device_get(run.step.params(state)), losses
 
 
 @pytest.mark.slow  # the skipped/swapped-orders test trains through the same path by default
@@ -101,9 +101,9 @@ def test_skipped_and_swapped_orders_move_exactly_the_expected_weights():
   # two swapped orders that leave stage 1 (block 1) out: (3, 2) and (2, 3), alternating
   ps = [(3, 2) if g % 2 else (2, 3) for g in range(n_mb)]
   batch["order"] = run.orders.rows_for(ps)
-  state = run.train.init(params)
-  state, _ = run.train.step(state, parallel.global_batch(batch, run.mesh))
-  after = jax.device_get(run.train.params(state))
+  state = run.step.init(params)
+  state, _ = run.step.step(state, parallel.global_batch(batch, run.mesh))
+  after = jax.device_get(run.step.params(state))
 
   grad = jax.jit(jax.grad(_reference_loss), static_argnums=2)
   expected = jax.tree.map(np.zeros_like, params)
@@ -138,7 +138,7 @@ def test_random_paths_follow_the_batch_index():
   a, b = run.orders.order_rows(3), run.orders.order_rows(3)
   np.testing.assert_array_equal(a, b)
   assert not np.array_equal(run.orders.order_rows(3), run.orders.order_rows(4))
-  assert a.shape == (run.mesh.size * run.train.num_microbatches, 2)  # B = 1; stage 0 + 1 stage
+  assert a.shape == (run.mesh.size * run.step.num_microbatches, 2)  # B = 1; stage 0 + 1 stage
   assert (a[:, 0] == 0).all() and set(np.unique(a[:, 1])) <= {1, 2, 3}
 
 

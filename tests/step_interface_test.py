@@ -36,7 +36,7 @@ def _members(protocol) -> set[str]:
 def _step(name):
   module, _ = FAMILIES[name]
   config = module.get_config("tiny")
-  return build.build(config, check_only=True).train
+  return build.build(config, check_only=True).step
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -72,13 +72,13 @@ def test_an_object_without_a_member_is_not_a_step():
 
 # the run shell's modules that hold a step, and the names they hold it under
 CALLERS = {
-  "acco_jax/run/trainer.py": ("train", "self.train", "run.train"),
-  "acco_jax/run/start.py": ("train",),
-  "acco_jax/run/init_from.py": ("train", "found['step']"),
+  "acco_jax/run/trainer.py": ("step", "self.step", "run.step"),
+  "acco_jax/run/start.py": ("step", "run.step"),
+  "acco_jax/run/init_from.py": ("step", "found['step']"),
   "acco_jax/run/saved.py": ("found['step']",),
-  "acco_jax/run/report.py": ("run.train",),
-  "acco_jax/run/monitor.py": ("train",),
-  "acco_jax/run/build.py": ("train", "checked.train"),
+  "acco_jax/run/report.py": ("run.step",),
+  "acco_jax/run/monitor.py": ("step",),
+  "acco_jax/run/build.py": ("step", "checked.step"),
 }
 
 

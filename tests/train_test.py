@@ -155,7 +155,7 @@ def test_quantized_acco_resumes_the_identical_trajectory(tmp_path, capsys):
   assert losses(tmp_path / "split") == losses(tmp_path / "whole")
   assert second["eval_loss"] == whole["eval_loss"]
   sent = [r for r in rows(tmp_path / "whole") if "loss" in r][-1]["comm_bytes_per_device"]
-  bf16 = trainer.build(tiny(gpt2_acco, **small)).train  # the same model, bf16 communication
+  bf16 = trainer.build(tiny(gpt2_acco, **small)).step  # the same model, bf16 communication
   plain = comm_bytes_per_stage(bf16.plan, bf16.layout.padded_size, bf16.num_devices)
   n, shard = bf16.num_devices, bf16.layout.shard_size
   assert sent == 2 * (n - 1) * quantize.wire_bytes(shard, "int8", 256)  # all-to-all + all-gather
@@ -191,7 +191,7 @@ def test_resume_with_another_quantization_keeps_or_refuses_the_residual(tmp_path
   with pytest.raises(errors.UserValueError, match=r"written without a residual.*quantize=none"):
     build.check_comm(plain, int8, SimpleNamespace(keeps_residual=True))
   acco_int8 = tiny(gpt2_acco, **{"comm.quantize": "int8"})
-  build.check_comm(plain, acco_int8, trainer.build(acco_int8).train)
+  build.check_comm(plain, acco_int8, trainer.build(acco_int8).step)
 
 
 def test_odd_microbatches_for_acco_is_a_clear_error(tmp_path):
@@ -216,7 +216,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "checkpoints"))
   assert ckpt.latest_step() == 4, ckpt.all_steps()
   run = trainer.build(config)
-  target = run.train.abstract_state(run.params_shapes)
+  target = run.step.abstract_state(run.params_shapes)
   state, _ = ckpt.restore(None, target)
   assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(state))
 
@@ -239,7 +239,7 @@ def test_nonfinite_skip_drops_the_bad_microbatches_and_keeps_training(tmp_path):
   assert any(r["skipped_microbatches"] > 0 for r in logged), logged
   run = trainer.build(config)
   with Checkpointer(str(tmp_path / "checkpoints")) as ckpt:
-    state, _ = ckpt.restore(None, run.train.abstract_state(run.params_shapes))
-  after = jax.device_get(run.train.params(state))
+    state, _ = ckpt.restore(None, run.step.abstract_state(run.params_shapes))
+  after = jax.device_get(run.step.params(state))
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(after))
   assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(state))

@@ -1,7 +1,7 @@
 """A data-parallel train state to and from the portable form (``ckpt.init_from`` across run kinds).
 
 :meth:`acco_jax.dp.step.TrainStep.export_state` and :meth:`~acco_jax.dp.step.TrainStep.import_state`
-call these; the form and the contract are :mod:`acco_jax.run.portable`'s. What each part of a
+call these; the form and the contract are :mod:`acco_jax.portable`'s. What each part of a
 :class:`~acco_jax.dp.step.TrainState` becomes:
 
 - ``params`` (``[N, s_l]`` shards, any ``N``) and every parameter-shaped subtree of the inner
@@ -30,7 +30,7 @@ and the compute weights' quantization error: ``w`` restarts at θ.
 
 **The owner layout** (``layout='owner'``, Muon): θ is put back into the model's shapes from the
 owners' shards of the saved device count, and the inner state becomes the state the same optimizer
-holds on the model's tree (:mod:`acco_jax.dp.carry_owner`); import cuts both for this run's owners.
+holds on the model's tree (:mod:`acco_jax.dp.relayout_owner`); import cuts both for this run's owners.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from acco_jax.dp import carry_owner, reshard_owner
+from acco_jax.dp import relayout_owner, reshard_owner
 from acco_jax.dp.flat import TreeLayout, leaves_of
 from acco_jax.dp.methods import AccoState, WpState
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.dp.reshard import saved_num_devices
-from acco_jax.run.portable import Portable, check_fits, map_param_subtrees, place
+from acco_jax.portable import PortableState, check_fits, map_param_subtrees, place
 
 
 class _OwnerView:
@@ -67,10 +67,10 @@ class _OwnerView:
     return jax.tree.map(np.asarray, self.layout.to_shards(tree))
 
   def inner_to_model(self, inner):
-    return carry_owner.to_model(inner, self.layout, self.inner_tx, self.tree_tx, self.like)
+    return relayout_owner.to_model(inner, self.layout, self.inner_tx, self.tree_tx, self.like)
 
   def inner_to_shards(self, tree_state):
-    return carry_owner.to_owner(tree_state, self.layout, self.inner_tx, self.tree_tx, self.like)
+    return relayout_owner.to_owner(tree_state, self.layout, self.inner_tx, self.tree_tx, self.like)
 
   def inner_like(self):
     return jax.eval_shape(self.tree_tx.init, self.like)
@@ -121,8 +121,8 @@ def _updates(plan, stage: int) -> int:
   return stage - 1 if warmup and stage > warmup else stage
 
 
-def export_state(step, saved) -> Portable:
-  """``saved`` (host numpy, written on any device count) -> :class:`Portable` (see the module)."""
+def export_state(step, saved) -> PortableState:
+  """``saved`` (host numpy, written on any device count) -> :class:`PortableState` (see the module)."""
   layout, plan, opt = step.layout, step.plan, saved.opt_state
   apart = isinstance(opt, AccoState | WpState)
   theta = opt.committed if apart else saved.params
@@ -143,7 +143,7 @@ def export_state(step, saved) -> Portable:
     dropped.append(f"{int(np.sum(saved.buf_count))} microbatch gradients in flight")
   if saved.residual is not None and np.any(np.asarray(saved.residual)):
     dropped.append("the undelivered residual of quantized sends")
-  return Portable(
+  return PortableState(
     params=theta_model,
     opt=inner_model,
     updates=_updates(plan, stage),
@@ -152,8 +152,8 @@ def export_state(step, saved) -> Portable:
   )
 
 
-def import_state(step, portable: Portable, stage: int, microbatch=None):
-  """:class:`Portable` -> this step's state, placed, at stage ``stage`` (see the module)."""
+def import_state(step, portable: PortableState, stage: int, microbatch=None):
+  """:class:`PortableState` -> this step's state, placed, at stage ``stage`` (see the module)."""
   layout, plan = step.layout, step.plan
   owner = _OwnerView(step, layout.num_shards) if isinstance(layout, OwnerLayout) else None
   like = owner.like if owner else model_like(layout)

@@ -12,7 +12,7 @@ which stage kind runs when (a DPU warm-up runs 'sync' stages, one 'fill', then '
 placement of batches and per-device microbatch counts, the read-outs (committed parameters,
 compute weights), and the state across device counts and run kinds (the checkpoint restore's
 ``reshard``; ``ckpt.init_from``'s ``export_state`` and ``import_state``: the moves themselves are in
-:mod:`acco_jax.dp.reshard`, :mod:`acco_jax.dp.reshard_owner` and :mod:`acco_jax.dp.carry`).
+:mod:`acco_jax.dp.reshard`, :mod:`acco_jax.dp.reshard_owner` and :mod:`acco_jax.dp.relayout`).
 It implements :class:`acco_jax.step_api.Step`, :class:`~acco_jax.step_api.Probed` and
 :class:`~acco_jax.step_api.Portable`.
 """
@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.dp import carry, layouts, methods, quantize, reshard_owner
+from acco_jax.dp import layouts, methods, quantize, relayout, reshard_owner
 from acco_jax.dp.plan import comm_bytes_per_stage
 from acco_jax.dp.quantized_comm import QuantizedComm
 from acco_jax.dp.reshard import reshard_state, saved_num_devices
@@ -397,19 +397,19 @@ class TrainStep(StepBase):
     return TrainState(**reshard_owner.saved_structure(old, tx, self.plan.delayed, self.comm_dtype))
 
   def export_state(self, saved):
-    """A saved state (host numpy, any device count) -> :class:`acco_jax.run.portable.Portable`:
-    θ and the inner state in the model's structure (:mod:`acco_jax.dp.carry`)."""
-    return carry.export_state(self, saved)
+    """A saved state (host numpy, any device count) -> :class:`acco_jax.portable.PortableState`:
+    θ and the inner state in the model's structure (:mod:`acco_jax.dp.relayout`)."""
+    return relayout.export_state(self, saved)
 
   def export_params(self, saved) -> PyTree:
     """The committed parameters θ of a saved state (host numpy, any device count), float32 in
     the model's structure (ACCO's and WP's committed copy, not an estimate or prediction)."""
-    return carry.export_state(self, saved).params
+    return relayout.export_state(self, saved).params
 
   def import_state(self, portable, stage: int, microbatch: PyTree | None = None):
     """The state of a run that starts from ``portable`` at ``stage``, placed; a delayed method
-    primes its buffer with ``microbatch`` as :meth:`init` does (:mod:`acco_jax.dp.carry`)."""
-    return carry.import_state(self, portable, stage, microbatch)
+    primes its buffer with ``microbatch`` as :meth:`init` does (:mod:`acco_jax.dp.relayout`)."""
+    return relayout.import_state(self, portable, stage, microbatch)
 
   # -- timing probes (heterogeneous budgets, slow-worker detection) -------------------------------
 

@@ -34,7 +34,18 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
   shapes = model.param_shapes(model_cfg)
   total, k = config.train.num_updates, int(config.batch.microbatches)
   axes = tuple(train.mesh.axis_names)
-  return build_lib.Run(train.mesh, tokens, model_cfg, shapes, train, 1, total, k, None, axes)
+  return build_lib.Run(
+    mesh=train.mesh,
+    tokens=tokens,
+    model_cfg=model_cfg,
+    params_shapes=shapes,
+    step=train,
+    stages_per_update=1,
+    total_stages=total,
+    base_microbatches=k,
+    budgets=None,
+    batch_axis=axes,
+  )
 
 
 def source_step(config, model_cfg: model.ModelConfig, num_devices: int) -> loco_lib.LocoStep:

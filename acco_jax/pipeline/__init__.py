@@ -8,7 +8,7 @@ and reordered paths from :mod:`acco_jax.skippipe`.
   programs.py   the traced programs: the only module with ``shard_map`` and collectives
                 (``ppermute``, ``psum``, ``pmean``)
   step.py       the training step the trainer drives (``method=pipeline``)
-  build.py      that step from a config; carry.py its state to and from ``ckpt.init_from``'s form
+  build.py      that step from a config; relayout.py its state to and from ``ckpt.init_from``'s form
   family.py     ``method=pipeline`` for the run shell's registry (:mod:`acco_jax.run.registry`)
 """
 

@@ -9,9 +9,9 @@ import numpy as np
 
 from acco_jax import data, errors, model
 from acco_jax.dp import layouts, methods
-from acco_jax.pipeline import carry, ticks
 from acco_jax.pipeline import packing as packing_lib
 from acco_jax.pipeline import programs as pipe
+from acco_jax.pipeline import relayout, ticks
 from acco_jax.pipeline.step import PipelineStep, build_state
 from acco_jax.run import build as build_lib
 from acco_jax.run import parallel
@@ -116,7 +116,7 @@ def _split_and_tx(config, model_cfg, stages: int, lanes: int):
   return counts, shapes, tx if matrices is None else packing_lib.on_view(tx, buffers)
 
 
-def source_step(config, model_cfg: model.ModelConfig, num_devices: int) -> carry.SourceStep:
+def source_step(config, model_cfg: model.ModelConfig, num_devices: int) -> relayout.SourceStep:
   """The step of a pipeline run of ``config`` as ``ckpt.init_from`` reads its checkpoints: the
   state's structure and its export (no mesh: it is never run)."""
   stages = int(config.pipeline.stages)
@@ -127,7 +127,7 @@ def source_step(config, model_cfg: model.ModelConfig, num_devices: int) -> carry
   packing = pipe.packing_for(shapes, stages, counts, matrices=whole_matrices(config, shapes))
   comm = jnp.dtype(config.comm_dtype)
   build = lambda params: build_state(packing, tx, data_method, 1, comm, params)
-  return carry.SourceStep(packing, tx, data_method, build)
+  return relayout.SourceStep(packing, tx, data_method, build)
 
 
 def build_run(config, tokens: data.TokenData) -> build_lib.Run:
@@ -168,15 +168,15 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
   )
   axis = pipe.DATA if lanes > 1 and not schedule.mesh_wide else None
   return build_lib.Run(
-    mesh,
-    tokens,
-    model_cfg,
-    shapes,
-    train,
-    per_update,
-    total,
-    M,
-    None,
+    mesh=mesh,
+    tokens=tokens,
+    model_cfg=model_cfg,
+    params_shapes=shapes,
+    step=train,
+    stages_per_update=per_update,
+    total_stages=total,
+    base_microbatches=M,
+    budgets=None,
     batch_axis=axis,
     batch_whole=True,
   )

@@ -1,7 +1,7 @@
 """A pipeline train state to and from the portable form (``ckpt.init_from`` across run kinds).
 
 :class:`acco_jax.pipeline.step.PipelineStep` and :func:`source_step` call these; the form and
-the contract are :mod:`acco_jax.run.portable`'s. What each part of a
+the contract are :mod:`acco_jax.portable`'s. What each part of a
 :class:`~acco_jax.pipeline.step.PipeState` becomes:
 
 - ``params`` and every parameter-shaped subtree of the inner optimizer's state, ``{g: [S, P_g]}``
@@ -10,7 +10,7 @@ the contract are :mod:`acco_jax.run.portable`'s. What each part of a
   this run's stages, split and lanes, bit for bit. Any split unpacks: the offsets depend on the
   blocks per stage, not on the lanes' padding.
 - ``pipeline.data_method=acco`` (:class:`~acco_jax.dp.methods.AccoState`): the form carries the
-  committed θ and the inner state S, as for the data-parallel ACCO (:mod:`acco_jax.dp.carry`):
+  committed θ and the inner state S, as for the data-parallel ACCO (:mod:`acco_jax.dp.relayout`):
   the estimate θ̃ of a round in progress and the flushes' gradients in the buffer are dropped.
   Import into ``acco`` starts a fresh cycle: the compute weights are θ, the buffer is empty and the
   first flush fills it at θ (as a new pipeline-ACCO run starts), then estimates and commits
@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from acco_jax.dp.methods import AccoState
-from acco_jax.run.portable import Portable, check_fits, map_param_subtrees, place
+from acco_jax.portable import PortableState, check_fits, map_param_subtrees, place
 
 
 def _updates(data_method: str, stage: int) -> int:
@@ -44,8 +44,8 @@ def _check(packing) -> None:
     )
 
 
-def export_state(packing, data_method: str, saved) -> Portable:
-  """``saved`` (host numpy, as written) -> :class:`Portable` (see the module)."""
+def export_state(packing, data_method: str, saved) -> PortableState:
+  """``saved`` (host numpy, as written) -> :class:`PortableState` (see the module)."""
   _check(packing)
   opt = saved.opt_state
   acco = isinstance(opt, AccoState)
@@ -58,7 +58,7 @@ def export_state(packing, data_method: str, saved) -> Portable:
     dropped.append("the estimate of the round in progress")
   if saved.buf_count is not None and int(np.asarray(saved.buf_count)):
     dropped.append(f"{int(np.asarray(saved.buf_count))} flushes' gradients in flight")
-  return Portable(
+  return PortableState(
     params=jax.tree.map(lambda x: x.astype(np.float32), unpack(theta)),
     opt=map_param_subtrees(unpack, inner, saved.params),
     updates=_updates(data_method, stage),
@@ -67,8 +67,8 @@ def export_state(packing, data_method: str, saved) -> Portable:
   )
 
 
-def import_state(step, portable: Portable, stage: int):
-  """:class:`Portable` -> ``step``'s state, placed, at stage ``stage`` (see the module)."""
+def import_state(step, portable: PortableState, stage: int):
+  """:class:`PortableState` -> ``step``'s state, placed, at stage ``stage`` (see the module)."""
   _check(step.packing)
   like = step.params_like
   abstract = step.abstract_state(like)
@@ -105,7 +105,7 @@ class SourceStep:
     """``None``: a pipeline checkpoint's leaf paths are its state's."""
     return None
 
-  def export_state(self, saved) -> Portable:
+  def export_state(self, saved) -> PortableState:
     return export_state(self.packing, self.data_method, saved)
 
   def export_params(self, saved):

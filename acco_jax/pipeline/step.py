@@ -50,8 +50,8 @@ from jax.sharding import PartitionSpec as P
 
 from acco_jax import errors, model
 from acco_jax.dp import methods
-from acco_jax.pipeline import carry, ticks
 from acco_jax.pipeline import programs as pipe
+from acco_jax.pipeline import relayout, ticks
 from acco_jax.skippipe import plans
 from acco_jax.step_api import StepBase, ring_bytes
 
@@ -249,13 +249,13 @@ class PipelineStep(StepBase):
       self._make_programs()
 
   def export_state(self, saved):
-    """The portable form of a saved state (``ckpt.init_from``; :mod:`acco_jax.pipeline.carry`)."""
-    return carry.export_state(self.packing, self.data_method, saved)
+    """The portable form of a saved state (``ckpt.init_from``; :mod:`acco_jax.pipeline.relayout`)."""
+    return relayout.export_state(self.packing, self.data_method, saved)
 
   def import_state(self, portable, stage: int, microbatch=None) -> PipeState:
-    """This run's state from the portable form, at ``stage`` (:mod:`acco_jax.pipeline.carry`;
+    """This run's state from the portable form, at ``stage`` (:mod:`acco_jax.pipeline.relayout`;
     ``microbatch`` is not used: ACCO's first flush fills its buffer)."""
-    return carry.import_state(self, portable, stage)
+    return relayout.import_state(self, portable, stage)
 
   def reshard(self, saved):
     """Refuses a checkpoint of another mesh (its stages' buffers are cut for that mesh)."""

@@ -25,16 +25,15 @@ from acco_jax.data.tokenizer import declared_vocab_size
 from acco_jax.run import optim, parallel, presets, pretrained, profile, registry
 
 
-class Run(NamedTuple):
-  """Everything built from the config before the loop starts."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run:
+  """Everything built from the config before the loop starts (a family's build returns it)."""
 
   mesh: Any
   tokens: data.TokenData
   model_cfg: model.ModelConfig
   params_shapes: Any  # ShapeDtypeStruct tree of the model's parameters
-  train: (
-    Any  # the family's step (acco_jax.step_api.Step): dp.step.TrainStep, loco.step.LocoStep, ...
-  )
+  step: step_api.Step  # the family's step: dp.step.TrainStep, loco.step.LocoStep, ...
   stages_per_update: int
   total_stages: int
   base_microbatches: int  # per device per stage without heterogeneous budgets
@@ -126,7 +125,7 @@ def prime_batch(run: Run, config):
   prime = next(batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed + 1))
   if run.orders is not None:  # device i primes with the path of its first microbatch
     prime["order"] = run.orders.prime_rows(
-      run.train.num_microbatches, jax.process_index(), jax.process_count()
+      run.step.num_microbatches, jax.process_index(), jax.process_count()
     )
   return parallel.global_batch(prime, run.mesh, run.batch_axis, run.batch_whole)
 
@@ -165,19 +164,19 @@ def build(config, *, check_only: bool = False) -> Run:
     )
   _check_config(config)
   checked = family.build(config, declared_tokens(config))
-  _check_probes(config, checked.train)
+  _check_probes(config, checked.step)
   profile.parse(config.train.get("profile_stages", ""), checked.total_stages)  # within the run
   if check_only:
     return checked
   return family.build(config, prepare_tokens(config))
 
 
-def _check_probes(config, train: step_api.Step) -> None:
+def _check_probes(config, step: step_api.Step) -> None:
   """Timing probes (slow workers, adaptive budgets) need a step that times its devices apart."""
   asked = [
     k for k in ("health.probe_every", "hetero.adaptive") if config[k.split(".")[0]][k.split(".")[1]]
   ]
-  if asked and not isinstance(train, step_api.Probed):
+  if asked and not isinstance(step, step_api.Probed):
     raise errors.UserValueError(
       f"{asked[0]}: method={config.method} cannot time its devices apart from training (only "
       "the data-parallel methods probe): leave it at its default"
@@ -301,16 +300,16 @@ def check_vocab(extra: dict, cfg: model.ModelConfig) -> None:
   )
 
 
-def comm_meta(config, train) -> dict:
+def comm_meta(config, step) -> dict:
   """What a checkpoint records of the communication format (read back by :func:`check_comm`)."""
   return {
     "quantize": config.comm.quantize,
     "error_feedback": bool(config.comm.error_feedback),
-    "residual": bool(train.keeps_residual),
+    "residual": bool(step.keeps_residual),
   }
 
 
-def check_comm(extra: dict, config, train) -> None:
+def check_comm(extra: dict, config, step) -> None:
   """Refuses a checkpoint whose ZeRO-1 residual of quantized sends the config would drop or lack.
 
   Another ``comm.quantize`` is otherwise fine to resume with: ACCO's residual rides in its
@@ -318,7 +317,7 @@ def check_comm(extra: dict, config, train) -> None:
   weights every device holds (int8, int4). Checkpoints without the record restore as long as
   their leaves match.
   """
-  saved, now = extra.get("comm"), comm_meta(config, train)
+  saved, now = extra.get("comm"), comm_meta(config, step)
   if saved is None or saved["residual"] == now["residual"]:
     return
   was = f"comm.quantize={saved['quantize']}, comm.error_feedback={saved['error_feedback']}"

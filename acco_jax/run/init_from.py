@@ -3,7 +3,7 @@
 The trainer calls :func:`start` when ``ckpt.init_from`` is set and the run's own workdir holds no
 checkpoint (with one, the run resumes from it and ``init_from`` is ignored). The source may be of
 another run kind: ``ddp``, ``zero1``, ``acco``, ``dpu``, ``wp`` or ``pipeline``, on any device count
-and mesh, onto any of them (:mod:`acco_jax.dp.carry`, :mod:`acco_jax.pipeline.carry`). The source's config is in its checkpoint (``extra['config']``):
+and mesh, onto any of them (:mod:`acco_jax.dp.relayout`, :mod:`acco_jax.pipeline.relayout`). The source's config is in its checkpoint (``extra['config']``):
 its family builds the source's step (:attr:`acco_jax.run.registry.Family.source_step`) on this
 run's device count, the checkpoint is read as host arrays with the shapes it was written with
 (:meth:`acco_jax.run.checkpoint.Checkpointer.restore_host`, read-only: nothing in the source
@@ -13,7 +13,7 @@ What carries over:
 
 - the committed parameters and the inner optimizer's state (moments, step count, injected
   hyperparameters), bit for bit; gradient buffers, ACCO's estimate and quantization residuals do
-  not (:mod:`acco_jax.dp.carry` says why and what a delayed method starts with instead);
+  not (:mod:`acco_jax.dp.relayout` says why and what a delayed method starts with instead);
 - the update counter: this run starts at the first stage of the source's update count ``U``
   (ACCO: stage ``2U``), so ``train.num_updates`` counts from the source's first update, like a
   resume: the learning-rate schedule continues from the carried step count, and a run of
@@ -42,8 +42,8 @@ from acco_jax.run import registry
 from acco_jax.run.checkpoint import open_read_only
 
 
-class Started(NamedTuple):
-  """A run started from another run's checkpoint."""
+class Imported(NamedTuple):
+  """This run's state imported from another run's checkpoint (``ckpt.init_from``)."""
 
   state: Any  # this run's train state
   stage: int  # the stage it starts at
@@ -143,7 +143,7 @@ def _check_optimizer(path: str, src, config, shapes) -> None:
     )
 
 
-def _check_source(path: str, src, extra: dict, config, train) -> registry.Family:
+def _check_source(path: str, src, extra: dict, config, step) -> registry.Family:
   family = registry.lookup(src.method)
   if family.name == "loco":
     raise _refuse(
@@ -162,12 +162,12 @@ def _check_source(path: str, src, extra: dict, config, train) -> registry.Family
         "does not move onto another mesh; start from a run with pipeline.paths=random or another "
         "schedule",
       )
-    train.check_checkpoint(extra)  # the same plan settings on the same mesh, or refused
+    step.check_checkpoint(extra)  # the same plan settings on the same mesh, or refused
   if family.source_step is None:
     raise _refuse(
       path,
       f"checkpoints of method={src.method} cannot start another run yet (its family "
-      "exports none: acco_jax.run.portable)",
+      "exports none: acco_jax.portable)",
     )
   return family
 
@@ -180,7 +180,7 @@ def _first_stage(config, updates: int) -> int:
   return stage
 
 
-def start(run, config, stream, rows_per_stage: int) -> Started:
+def start(run, config, stream, rows_per_stage: int) -> Imported:
   """This run's state from the newest checkpoint in ``config.ckpt.init_from`` (the module).
 
   Args:
@@ -190,8 +190,8 @@ def start(run, config, stream, rows_per_stage: int) -> Started:
     rows_per_stage: rows of one of this run's stages (the global batch).
   """
   path = config.ckpt.init_from
-  train = run.train
-  if not isinstance(train, step_api.Portable):
+  step = run.step
+  if not isinstance(step, step_api.Portable):
     raise _refuse(
       path,
       f"a method={config.method} run cannot start from another run's checkpoint: its "
@@ -202,7 +202,7 @@ def start(run, config, stream, rows_per_stage: int) -> Started:
 
   def target_of(extra: dict):
     src = _source_config(path, extra)
-    family = _check_source(path, src, extra, config, train)
+    family = _check_source(path, src, extra, config, step)
     src_model = _check_model(path, src, extra, run.model_cfg)
     _check_optimizer(path, src, config, run.params_shapes)
     found.update(config=src, step=family.source_step(src, src_model, run.mesh.size))
@@ -227,7 +227,7 @@ def start(run, config, stream, rows_per_stage: int) -> Started:
   except errors.UserValueError as e:
     raise _refuse(path, f"the data position cannot be kept: {e}") from None
   try:
-    state = train.import_state(portable, stage, build_lib.prime_batch(run, config))
+    state = step.import_state(portable, stage, build_lib.prime_batch(run, config))
   except errors.UserError:
     raise
   except ValueError as e:
@@ -246,4 +246,4 @@ def start(run, config, stream, rows_per_stage: int) -> Started:
     f"{run.mesh.size} devices; data continues at global batch {position['step']}"
     + (f"; not carried: {portable.dropped}" if portable.dropped else "")
   )
-  return Started(state, stage, int(extra.get("tokens_seen", 0)), event, line)
+  return Imported(state, stage, int(extra.get("tokens_seen", 0)), event, line)

@@ -171,7 +171,7 @@ def check(p: Prediction, config, num_devices: int, cpu: bool, host_total=None, d
 def predict_run(run, config, cpu: bool) -> Prediction:
   """:func:`predict` of a built run (:class:`acco_jax.run.build.Run`, data or not), from its own
   abstract state."""
-  abstract = run.train.abstract_state(run.params_shapes)
+  abstract = run.step.abstract_state(run.params_shapes)
   return predict(config, run.model_cfg, abstract, run.params_shapes, run.mesh.size, cpu)
 
 

@@ -66,10 +66,10 @@ def slow_message(mb_time_s, factor: float, stage: int) -> str | None:
   )
 
 
-def probe(train, state, batch, stage: int, slow_factor: float, writer) -> np.ndarray:
+def probe(step, state, batch, stage: int, slow_factor: float, writer) -> np.ndarray:
   """``[processes, 2]`` seconds per microbatch and per stage communication of every process
   (:meth:`TrainStep.probe`, gathered); logged, and slow processes named in a warning."""
-  mb_s, comm_s = train.probe(state, batch)
+  mb_s, comm_s = step.probe(state, batch)
   times = np.asarray(multihost_utils.process_allgather(np.array([mb_s, comm_s]))).reshape(-1, 2)
   writer.event(
     "probe", stage=stage, mb_time_s=times[:, 0].tolist(), comm_time_s=times[:, 1].tolist()

@@ -6,11 +6,11 @@ all when the package is imported. A new family is one folder plus one line there
 
 A family either builds a :class:`acco_jax.run.build.Run` that the trainer drives (``build``), or
 runs a config itself (``run``: HDEE trains its experts as trainer runs of their own). The trainer
-reaches a family only through what its build returns: ``Run.train``, a
+reaches a family only through what its build returns: ``Run.step``, a
 :class:`acco_jax.step_api.Step` (the interface every family's step implements), and
 ``Run.orders`` / ``Run.policy`` when set; ``ckpt.init_from`` (:mod:`acco_jax.run.init_from`) also
 through the source family's ``source_step`` and the steps' :class:`acco_jax.step_api.Portable`
-form (:mod:`acco_jax.run.portable`).
+capability (their state as an :class:`acco_jax.portable.PortableState`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ class Family(NamedTuple):
   name: str  # its folder under acco_jax/
   methods: tuple[str, ...]  # the values of config.method it runs
   # (config, its tokens: acco_jax.data.TokenData, or empty streams while checking the config) ->
-  # acco_jax.run.build.Run, whose train is an acco_jax.step_api.Step
+  # acco_jax.run.build.Run, whose step is an acco_jax.step_api.Step
   build: Callable[[Any, Any], Any] | None = None
   run: Callable[[Any, str], Any] | None = None  # (config, workdir): runs it instead of the trainer
   updates_done: Callable[[Any, int], int] = one_update_per_stage  # (config, stages) -> updates
   # (config, model_cfg, num_devices) -> a step of this family's run of ``config`` on this
   # process's first num_devices devices, never run: it reads a checkpoint of that run
-  # (``abstract_state``) and exports it (``export_state``; acco_jax.run.portable). None: this
+  # (``abstract_state``) and exports it (``export_state``; acco_jax.portable). None: this
   # family's checkpoints cannot start another run (ckpt.init_from)
   source_step: Callable[[Any, Any, int], Any] | None = None
 

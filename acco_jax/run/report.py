@@ -151,7 +151,7 @@ def finished(run: Run, config, workdir: str, stage: int, wire_bytes: float, lead
   logged = metrics_lib.last_logged(workdir)
   at = logged.pop("eval_step", None)
   summary = {"unigram_baseline": data.unigram_entropy(data.loss_tokens(run.tokens.train)), **logged}
-  summary.update(run.train.summary(wire_bytes))
+  summary.update(run.step.summary(wire_bytes))
   summary.update(stages=stage, updates=updates_done(config, stage))
   sample_path = os.path.join(workdir, "sample.txt")
   if config.train.sample_tokens and os.path.exists(sample_path):

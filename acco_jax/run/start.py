@@ -38,8 +38,8 @@ def initializer(mesh):
   return jax.jit(model.init_params, static_argnums=0, out_shardings=NamedSharding(mesh, P()))
 
 
-class Begun(NamedTuple):
-  """What the stage loop starts from."""
+class LoopStart(NamedTuple):
+  """What the stage loop starts from: a restored checkpoint, an imported state or a fresh one."""
 
   state: Any  # the step's state, placed
   stage: int  # stages done
@@ -57,7 +57,7 @@ def open_checkpointer(config, workdir: str) -> checkpoint.Checkpointer:
 
 def restore_or_init(
   run: Run, config, workdir: str, stream, rows_per_stage: int, init_params, lead: bool
-) -> Begun:
+) -> LoopStart:
   """The state the run starts from, and the data ``stream`` set to its position."""
   has_dir = os.path.isdir(os.path.join(workdir, "checkpoints"))
   ckpt = open_checkpointer(config, workdir) if has_dir else None
@@ -71,38 +71,36 @@ def restore_or_init(
     ckpt.close()
   events = []
   if config.ckpt.init_from:  # another run's checkpoint, maybe of another kind (init_from.py)
-    started = init_from_lib.start(run, config, stream, rows_per_stage)
-    state, start, tokens_seen = started.state, started.stage, started.tokens_seen
-    events.append(("initialized_from", started.event))
+    imported = init_from_lib.start(run, config, stream, rows_per_stage)
+    state, start, tokens_seen = imported.state, imported.stage, imported.tokens_seen
+    events.append(("initialized_from", imported.event))
     if lead:
-      print(started.line, flush=True)
+      print(imported.line, flush=True)
   else:
     start, tokens_seen = 0, 0
-    state = run.train.init(
-      _params(run, config, init_params, events, lead), prime_batch(run, config)
-    )
+    state = run.step.init(_params(run, config, init_params, events, lead), prime_batch(run, config))
   events.append(("config", dict(config=json.loads(config.to_json_best_effort()))))
-  return Begun(state, start, tokens_seen, {}, events, None)
+  return LoopStart(state, start, tokens_seen, {}, events, None)
 
 
-def _restore(run: Run, config, workdir: str, ckpt, stream, rows_per_stage: int, lead) -> Begun:
+def _restore(run: Run, config, workdir: str, ckpt, stream, rows_per_stage: int, lead) -> LoopStart:
   """The newest intact checkpoint of this workdir, on this run's mesh (another device count:
   resharded), and the data position it recorded."""
-  train, n, events, moved = run.train, run.mesh.size, [], []
+  step, n, events, moved = run.step, run.mesh.size, [], []
 
   def reshard(saved):
     moved.append(True)
-    return train.reshard(saved)  # LoCo and pipeline steps refuse another mesh
+    return step.reshard(saved)  # LoCo and pipeline steps refuse another mesh
 
   def check(extra):  # before any array is read: the clearest message for a config change
     check_vocab(extra, run.model_cfg)
-    check_comm(extra, config, train)  # LoCo steps keep no residual: always the same
-    train.check_checkpoint(extra)  # e.g. a pipeline's scheduled plan
+    check_comm(extra, config, step)  # LoCo steps keep no residual: always the same
+    step.check_checkpoint(extra)  # e.g. a pipeline's scheduled plan
 
-  target = train.abstract_state(run.params_shapes)
+  target = step.abstract_state(run.params_shapes)
   restore_t0 = time.time()
   state, extra = ckpt.restore(
-    None, target, reshard=reshard, check_extra=check, saved_like=train.saved_like
+    None, target, reshard=reshard, check_extra=check, saved_like=step.saved_like
   )
   start, tokens_seen = int(extra["stage"]), int(extra.get("tokens_seen", 0))
   position = extra["data"]
@@ -125,7 +123,7 @@ def _restore(run: Run, config, workdir: str, ckpt, stream, rows_per_stage: int, 
       f"ckpt.init_from ignored: resuming from this workdir's checkpoint of stage {start}",
       flush=True,
     )
-  return Begun(state, start, tokens_seen, extra, events, ckpt)
+  return LoopStart(state, start, tokens_seen, extra, events, ckpt)
 
 
 def _params(run: Run, config, init_params, events: list, lead: bool):

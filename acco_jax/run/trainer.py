@@ -83,17 +83,17 @@ def train_and_evaluate(
   loop = Loop(run, config, workdir)
   memory_lib.check_run(run, config, lead=lead)  # the predicted peak; refused if it cannot fit
   # -- restore or initialise (acco_jax.run.start); nothing written to the workdir before ---------
-  begun = start_lib.restore_or_init(
+  origin = start_lib.restore_or_init(
     run, config, workdir, loop.stream, loop.rows_per_stage, init_params, loop.lead
   )
-  if begun.stage >= run.total_stages:  # nothing left: report the finished run, train nothing
-    if begun.ckpt is not None:
-      begun.ckpt.close()
+  if origin.stage >= run.total_stages:  # nothing left: report the finished run, train nothing
+    if origin.ckpt is not None:
+      origin.ckpt.close()
     if on_params is not None:  # a kill may have come between the last checkpoint and this call
-      on_params(run.train.params(begun.state))
-    sent = float(begun.extra.get("wire_bytes", 0.0))
-    return report.finished(run, config, workdir, begun.stage, sent, loop.lead)
-  loop.begin(begun, max_stages=max_stages, launch=launch)
+      on_params(run.step.params(origin.state))
+    sent = float(origin.extra.get("wire_bytes", 0.0))
+    return report.finished(run, config, workdir, origin.stage, sent, loop.lead)
+  loop.begin(origin, max_stages=max_stages, launch=launch)
   return loop.run(on_params)
 
 
@@ -122,10 +122,10 @@ class Loop:
 
   def __init__(self, run: Run, config, workdir: str):
     self.built, self.config, self.workdir = run, config, workdir
-    self.train = run.train
+    self.step = run.step
     self.lead = jax.process_index() == 0
     # microbatches one stage takes from the stream (a pipeline: M per data lane, not per device)
-    self.rows_per_stage = self.train.microbatches_per_stage * config.batch.microbatch_size
+    self.rows_per_stage = self.step.microbatches_per_stage * config.batch.microbatch_size
     stream = batch_stream(
       run, config, run.tokens.train, self.rows_per_stage, seed=config.train.seed
     )
@@ -136,19 +136,19 @@ class Loop:
 
   # -- set-up ---------------------------------------------------------------------------------------
 
-  def begin(self, begun: start_lib.Begun, *, max_stages=None, launch=None) -> None:
+  def begin(self, origin: start_lib.LoopStart, *, max_stages=None, launch=None) -> None:
     """Takes the restored or initialised state and opens what the loop writes to."""
     run, config = self.built, self.config
-    self.state, self.stage, self.tokens_seen = begun.state, begun.stage, begun.tokens_seen
-    self.start, self.max_stages = begun.stage, max_stages
-    self.ckpt = begun.ckpt or start_lib.open_checkpointer(config, self.workdir)
+    self.state, self.stage, self.tokens_seen = origin.state, origin.stage, origin.tokens_seen
+    self.start, self.max_stages = origin.stage, max_stages
+    self.ckpt = origin.ckpt or start_lib.open_checkpointer(config, self.workdir)
     self.writer = metrics_lib.MetricWriter(self.workdir, enabled=self.lead)
-    for name, fields in begun.events:
+    for name, fields in origin.events:
       self.writer.event(name, **fields)
-    self.sent = float(begun.extra.get("wire_bytes", 0.0))  # bytes a worker sent to the others
+    self.sent = float(origin.extra.get("wire_bytes", 0.0))  # bytes a worker sent to the others
     self.eval_fn = report.eval_function(run.model_cfg)  # the full model, also after SkipPipe
     self.instruction = isinstance(run.tokens, data.InstructData)  # prompts and responses
-    self.comm_stage = self.train.comm_bytes_per_stage()
+    self.comm_stage = self.step.comm_bytes_per_stage()
     self.flops_token = model.flops_per_token(run.model_cfg)
     self.peak = metrics_lib.peak_flops(jax.devices()[0])
     baseline = data.unigram_entropy(data.loss_tokens(run.tokens.train))
@@ -176,19 +176,19 @@ class Loop:
     self.outer = []  # (stage, a sync's device metrics), written with the next row
 
   def _print_header(self, baseline: float) -> None:
-    run, config, train = self.built, self.config, self.train
+    run, config, step = self.built, self.config, self.step
     if not self.lead:
       return
     print(
-      f"method={config.method} devices={run.mesh.size} params={train.num_params:,} "
-      f"vocab={run.model_cfg.V} k/stage={train.num_microbatches} "
+      f"method={config.method} devices={run.mesh.size} params={step.num_params:,} "
+      f"vocab={run.model_cfg.V} k/stage={step.num_microbatches} "
       f"B={config.batch.microbatch_size} L={config.data.seq_len} stages={run.total_stages} "
       f"unigram_baseline={baseline:.3f} nats",
       flush=True,
     )
     if self.instruction:
       print(report.describe_examples(run, config), flush=True)
-    line = train.describe()  # the sync schedule, quantized sends, a pipeline's plan; or ''
+    line = step.describe()  # the sync schedule, quantized sends, a pipeline's plan; or ''
     if line:
       print(line, flush=True)
 
@@ -238,15 +238,15 @@ class Loop:
 
   def call(self) -> None:
     """One call of the step and what follows it: a log row, an evaluation, a checkpoint."""
-    config, train, total = self.config, self.train, self.built.total_stages
-    stages = train.call_stages(self.stage, total)
+    config, step, total = self.config, self.step, self.built.total_stages
+    stages = step.call_stages(self.stage, total)
     batches, positions = zip(*(next(self.feed) for _ in range(stages)), strict=True)
     self.probe(batches[0])
-    sent = train.sent_bytes(self.stage, total)
+    sent = step.sent_bytes(self.stage, total)
     with self.profiler.stage(self.stage, stages):
-      self.state, m = train.run(self.state, list(batches), self.stage, total, self.budgets)
+      self.state, m = step.run(self.state, list(batches), self.stage, total, self.budgets)
     self.sent += sent
-    outer = train.outer_metrics(m)
+    outer = step.outer_metrics(m)
     if outer is not None:
       self.outer.append((self.stage + stages, outer))
     self.consumed = positions[-1]
@@ -277,7 +277,7 @@ class Loop:
         self.watchdog.progress(self.stage)
     self.write_row()  # the previous logged call's, now that this one is queued behind it
     self.in_flight = m["loss"]
-    used = self.train.microbatches_per_stage if self.budgets is None else int(self.budgets.sum())
+    used = self.step.microbatches_per_stage if self.budgets is None else int(self.budgets.sum())
     # width: data.seq_len, or an instruction batch's bucket
     self.tokens_seen += used * self.config.batch.microbatch_size * width * stages
     # elementwise, per worker under LoCo: a reduction here would be a collective across every
@@ -307,7 +307,7 @@ class Loop:
     if not (adapt or (every and stage % every == 0)):
       return
     times = monitor.probe(
-      self.train, self.state, batch, stage, config.health.slow_factor, self.writer
+      self.step, self.state, batch, stage, config.health.slow_factor, self.writer
     )
     if self.recorder is not None:
       self.recorder.probed(stage, times)
@@ -341,19 +341,19 @@ class Loop:
     """``tree``, or under LoCo across processes (per-worker values) a copy on every device."""
     if all(x.is_fully_addressable or x.is_fully_replicated for x in jax.tree.leaves(tree)):
       return tree
-    return self.train.replicated(tree)
+    return self.step.replicated(tree)
 
   def queue_row(self, m: dict, update: int) -> None:
     """Keeps the device values of this call's log row (and of the syncs since the last row): they
     are read once the next call is queued (:meth:`write_row`)."""
-    lr = optim.hyperparams(self.train.optimizer_state(self.state))
+    lr = optim.hyperparams(self.step.optimizer_state(self.state))
     lr = lr.get("learning_rate", float("nan"))
     self.pending = {
       "stage": self.stage,
       "update": update,
       "metrics": self.readable(m),
       "nonfinite": self.nonfinite,
-      "lr": self.train.replicated(lr) if isinstance(lr, jax.Array) else lr,  # donated next
+      "lr": self.step.replicated(lr) if isinstance(lr, jax.Array) else lr,  # donated next
       "tokens_seen": self.tokens_seen,
       "budgets": None if self.budgets is None else self.budgets.tolist(),
       "sent": self.sent,
@@ -391,9 +391,9 @@ class Loop:
         row["mfu"] = rate * self.flops_token / (self.peak * self.built.mesh.size)
     if p["budgets"] is not None:  # every device's budget this stage
       row["budgets"] = p["budgets"]
-    row.update(self.train.log_fields(m, p["sent"]))  # LoCo: per-worker losses, bytes sent
+    row.update(self.step.log_fields(m, p["sent"]))  # LoCo: per-worker losses, bytes sent
     for at, o in outer:  # the syncs since the last row
-      self.writer.write(at, self.train.sync_row(o))
+      self.writer.write(at, self.step.sync_row(o))
     self.writer.write(p["stage"], row)
     self.progress.update(p["stage"], f"loss {loss:.3f}", self.clock)
     self.summary["loss"] = loss
@@ -412,7 +412,7 @@ class Loop:
     """Held-out loss (and, for instruction data with ``train.exact_match=every``, answers)."""
     run, config = self.built, self.config
     self.write_row()
-    params = self.train.params(self.state)
+    params = self.step.params(self.state)
     ev = report.evaluate(run, config, params, self.eval_fn)
     if self.instruction and config.train.exact_match == "every":
       ev.update(report.answers(run, config, params, None, self.lead))
@@ -431,10 +431,10 @@ class Loop:
       "tokens_seen": self.tokens_seen,
       "vocab": vocab_meta(run.model_cfg),
       "wire_bytes": self.sent,
-      "comm": comm_meta(config, self.train),
+      "comm": comm_meta(config, self.step),
       **model_meta(run),
       "config": config.to_json_best_effort(),
-      **self.train.checkpoint_extra(),
+      **self.step.checkpoint_extra(),
     }
     self.ckpt.save(stage, self.state, extra=extra)
 
@@ -468,13 +468,13 @@ class Loop:
   def finish(self, on_params) -> None:
     """The end: the last row and syncs, the final evaluation, answers and sample, and the last
     checkpoint."""
-    run, config, stage, train = self.built, self.config, self.stage, self.train
+    run, config, stage, step = self.built, self.config, self.stage, self.step
     self.write_row()
     self.throughput()
     for at, outer in jax.device_get([(at, self.readable(o)) for at, o in self.outer]):
-      self.writer.write(at, train.sync_row(outer))
-    self.summary.update(train.summary(self.sent))
-    final = train.params(self.state)
+      self.writer.write(at, step.sync_row(outer))
+    self.summary.update(step.summary(self.sent))
+    final = step.params(self.state)
     if on_params is not None:
       on_params(final)
     update = updates_done(config, stage)

@@ -73,7 +73,7 @@ def measure(
 
   config = config_for(source, fmt, seq_len, packing, stages, small)
   run = build.build(config)
-  rows = run.mesh.size * run.train.num_microbatches * config.batch.microbatch_size
+  rows = run.mesh.size * run.step.num_microbatches * config.batch.microbatch_size
   stream = build.batch_stream(run, config, run.tokens.train, rows, seed=0)
   batches = [next(stream) for _ in range(stages)]
   computed = sum(b["weights"].size for b in batches)
@@ -83,18 +83,18 @@ def measure(
     int(b["segments"].max(axis=1).sum()) if "segments" in b else len(b["inputs"]) for b in batches
   )
   params = start.initializer(run.mesh)(run.model_cfg, 0)
-  state = run.train.init(params, build.prime_batch(run, config))
+  state = run.step.init(params, build.prime_batch(run, config))
   placed = [parallel.global_batch(b, run.mesh, run.batch_axis) for b in batches]
   for b in placed[:4]:  # every bucket's program compiled before the clock starts
-    state, m = run.train.step(state, b)
+    state, m = run.step.step(state, b)
   widths = {b["inputs"].shape[1] for b in batches}
   for w in widths:
     b = next(p for p, raw in zip(placed, batches, strict=True) if raw["inputs"].shape[1] == w)
-    state, m = run.train.step(state, b)
+    state, m = run.step.step(state, b)
   jax.block_until_ready(m["loss"])
   t0 = time.perf_counter()
   for b in placed:
-    state, m = run.train.step(state, b)
+    state, m = run.step.step(state, b)
   jax.block_until_ready(m["loss"])
   elapsed = time.perf_counter() - t0
   return {

@@ -119,15 +119,15 @@ def comm_worker(args) -> None:
       tokens = convergence.tokens_per_update(s)
       params = run.params_shapes
       if not isinstance(
-        run.train, LocoStep
+        run.step, LocoStep
       ):  # DDP: the stage's all-reduce over every device, every step
-        state = run.train.abstract_state(params)
-        fn = run.train.stage_program("sync", state)
+        state = run.step.abstract_state(params)
+        fn = run.step.stage_program("sync", state)
         batch = {
           k: jax.ShapeDtypeStruct(
             (tokens // s["seq_len"], s["seq_len"]),
             "int32",
-            sharding=run.train._sharding(jax.P("data")),
+            sharding=run.step._sharding(jax.P("data")),
           )
           for k in ("inputs", "targets")
         }
@@ -137,11 +137,11 @@ def comm_worker(args) -> None:
         out[label] = {
           "hlo_bytes_per_sync": per_step,
           "syncs_per_step": 1.0,
-          "params": run.train.layout.num_params,
-          "padded": run.train.layout.padded_size,
+          "params": run.step.layout.num_params,
+          "padded": run.step.layout.padded_size,
         }
         continue
-      train, m = run.train, run.train.method
+      train, m = run.step, run.step.method
       state = train.abstract_state(params)
       comps = []
       for p in range(len(train.parts)):

@@ -136,7 +136,7 @@ def programs_worker(args) -> dict:
   for label in args.methods:
     config = lc.make_config(label, 0, args.setting)
     run = trainer.build(config)
-    train = run.train
+    train = run.step
     shapes = run.params_shapes
     state = train.abstract_state(shapes)
     n_dev = run.mesh.size

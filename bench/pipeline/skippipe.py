@@ -118,7 +118,7 @@ def _train(run, config, orders):
   from acco_jax.run import parallel, trainer
   from acco_jax.skippipe import orders as orders_lib
 
-  train, mesh = run.train, run.mesh
+  train, mesh = run.step, run.mesh
   rows = mesh.size * train.num_microbatches * config.batch.microbatch_size
   stream = trainer.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
   stream = orders_lib.OrderedStream(stream, orders)
@@ -159,7 +159,7 @@ def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None
       if skip not in runs:
         runs[skip] = trainer.build(_config(seeds[0], skip, False, conv))
       run = runs[skip]
-      num_mb = run.mesh.size * run.train.num_microbatches
+      num_mb = run.mesh.size * run.step.num_microbatches
       for swap in ([None] if skip == 0.0 else []) + [False, True]:
         if (seed, None if swap is None else skip, bool(swap)) in done:
           continue  # written by an earlier, cut-off invocation with the same setting

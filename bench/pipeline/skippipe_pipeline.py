@@ -87,8 +87,8 @@ def config(variant: str, seed: int, setting: dict):
 
 def stage_visits(run, stages: int) -> list[int]:
   """Microbatches of one step that visit each stage (stage 0: all of them)."""
-  sched = run.train.schedule
-  lanes = 1 if sched.mesh_wide else run.train.lanes  # per-lane tables run in every lane
+  sched = run.step.schedule
+  lanes = 1 if sched.mesh_wide else run.step.lanes  # per-lane tables run in every lane
   visits = [0] * stages
   for path in sched.paths:
     for s in (0, *path):
@@ -122,7 +122,7 @@ def train_one(run, cfg) -> tuple[dict, list[float]]:
   from acco_jax import model
   from acco_jax.run import parallel, trainer
 
-  train = run.train
+  train = run.step
   rows = train.microbatches_per_stage * cfg.batch.microbatch_size
   stream = trainer.batch_stream(run, cfg, run.tokens.train, rows, seed=cfg.train.seed)
   state = train.init(model.init_params(run.model_cfg, cfg.train.seed))
@@ -181,7 +181,7 @@ def worker(out: str, seeds: list[int], setting: dict) -> None:
         visits=stage_visits(run, S),
         left_out=left_out,
         moved=_moved(init, params, S),
-        ticks=run.train.schedule.num_ticks,
+        ticks=run.step.schedule.num_ticks,
         wall_s=round(time.perf_counter() - t0, 1),
       )
       common.log(

@@ -73,7 +73,7 @@ def measure(method: str, preset: str, saves: int, restores: int) -> list[dict]:
     group, field = key.split(".")
     config[group][field] = value
   run = trainer.build(config)
-  abstract = run.train.abstract_state(run.params_shapes)
+  abstract = run.step.abstract_state(run.params_shapes)
   rng = np.random.default_rng(0)
   state = jax.tree.map(
     lambda x: jax.device_put(np.asarray(rng.normal(size=x.shape)).astype(x.dtype), x.sharding),
