@@ -1,5 +1,7 @@
 """One-way imports: the run shell imports no family, a family imports of another only what that
-one declares shared (``SHARED`` in its ``__init__``), and the import graph has no cycle.
+one declares shared (``SHARED`` in its ``__init__``), the import graph has no cycle, the
+algorithms reach no module of the shell, and the data-parallel family reaches the shell only
+through its seam (``family.py``, ``build.py``).
 
 Every ``import`` statement counts, also one inside a function (a lazy import is still an edge).
 The implicit import of a module's parent packages does not: ``acco_jax/__init__`` registers the
@@ -186,3 +188,38 @@ def test_the_algorithms_reach_no_shell_and_no_shell_library():
     assert not shell, f"{name} reaches the run shell through {shell}"
     libraries = {m: _libraries(modules[m]) & set(SHELL_LIBRARIES) for m in reached}
     assert not {m: v for m, v in libraries.items() if v}, f"{name} reaches {libraries}"
+
+
+# The data-parallel family meets the run shell at one seam: ``family.py`` (its registry entry) and
+# ``build.py`` (a config -> the shell's ``Run``: it reads the config's groups, checks the health
+# fields, makes the mesh and returns the shell's own type, so it is shell by what it does, and it
+# stays in dp/ because the registry imports it lazily, on call, so that registering the family
+# costs no import). Every other module of dp/ (methods, step, stage, layouts, relayout, reshard,
+# ...) reaches no module of acco_jax.run and neither seam module, directly or through another:
+# the step interface (acco_jax.step_api) and the portable form (acco_jax.portable) sit below both.
+DP_SEAM = ("acco_jax.dp.family", "acco_jax.dp.build")
+
+
+def _dp_reaching_the_shell(graph) -> dict[str, list[str]]:
+  out = {}
+  for name in sorted(graph):
+    if name.startswith("acco_jax.dp.") and name not in DP_SEAM:
+      bad = sorted(m for m in _reached(graph, name) if m.startswith("acco_jax.run") or m in DP_SEAM)
+      if bad:
+        out[name] = bad
+  return out
+
+
+def test_the_data_parallel_family_reaches_the_shell_only_through_its_seam():
+  graph = import_graph()
+  assert _dp_reaching_the_shell(graph) == {}
+  assert {"acco_jax.dp.step", "acco_jax.dp.relayout", "acco_jax.dp.methods"} <= set(graph)
+  # the imports dp/ had before: its step's byte count from the shell's metrics, its methods'
+  # find_state from the shell's optim; and a module reaching the seam reaches the shell through it
+  for module, old in (
+    ("acco_jax.dp.step", "acco_jax.run.metrics"),
+    ("acco_jax.dp.methods", "acco_jax.run.optim"),
+    ("acco_jax.dp.relayout", "acco_jax.dp.build"),
+  ):
+    found = _dp_reaching_the_shell({**graph, module: graph[module] | {old}})
+    assert old in found[module], (module, old)
