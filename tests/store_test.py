@@ -7,7 +7,9 @@ import json
 import multiprocessing
 import os
 import pathlib
+import queue
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -133,48 +135,72 @@ def test_blocks_keep_their_dtype(tmp_path):
 
 
 def _race(url, worker, n_rounds, barrier, out):
-  """A spawned worker: publish, meet at the barrier, decide; report views and exclusive wins."""
+  """A spawned worker: publish, meet the others at a barrier, then all decide at once.
+
+  Each process pauses 50 ms between seeing a round ready and creating its set.json, so that
+  several try to create it together; reports its views and its (round, created) attempts.
+  """
   s = RoundStore(url, worker, grace_s=0.3, poll_s=0.01)
   s.acquire()
-  created = s._create
-  wins = []
+  ready, create, attempts = s._ready, s._create, []
+
+  def ready_then_pause(*args):
+    if ready(*args):
+      time.sleep(0.05)
+      return True
+    return False
 
   def counting(path, data):
-    won = created(path, data)
-    if won and path.endswith("set.json"):
-      wins.append(path)
+    won = create(path, data)
+    if path.endswith("set.json"):
+      attempts.append((path, won))
     return won
 
-  s._create = counting
+  s._ready, s._create = ready_then_pause, counting
   views, late = [], []
   for r in range(n_rounds):
     if worker == 2 and r % 5 == 4:
       time.sleep(0.6)  # a straggler: past the others' grace
     published = s.publish(r, blocks(worker, ranks=2))
-    barrier.wait() if r % 5 != 4 else None
+    if r % 5 != 4:
+      barrier.wait(timeout=60)
     views.append(s.members(r, 2))
     late.append(not published)
   s.release()
-  out.put((worker, views, late, wins))
+  out.put((worker, views, late, attempts))
+
+
+def run_racers(url, n, n_rounds):
+  ctx = multiprocessing.get_context("spawn")
+  barrier, out = ctx.Barrier(n), ctx.Queue()
+  procs = [ctx.Process(target=_race, args=(url, w, n_rounds, barrier, out)) for w in range(n)]
+  for p in procs:
+    p.start()
+  results, deadline = [], time.monotonic() + 120
+  try:
+    while len(results) < n:
+      try:
+        results.append(out.get(timeout=0.5))
+      except queue.Empty:
+        crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        assert not crashed and time.monotonic() < deadline, f"racers failed: {crashed}"
+  finally:
+    for p in procs:
+      p.join(timeout=10)
+      if p.is_alive():
+        p.kill()
+  return sorted(results)
 
 
 def test_processes_racing_to_decide_agree_on_one_set(tmp_path):
-  ctx = multiprocessing.get_context("spawn")
-  n, n_rounds = 3, 12
-  barrier, out = ctx.Barrier(n), ctx.Queue()
-  procs = [
-    ctx.Process(target=_race, args=(str(tmp_path), w, n_rounds, barrier, out)) for w in range(n)
-  ]
-  for p in procs:
-    p.start()
-  results = sorted(out.get(timeout=120) for _ in procs)
-  for p in procs:
-    p.join(timeout=30)
-    assert p.exitcode == 0
+  n_rounds = 12
+  results = run_racers(str(tmp_path), 3, n_rounds)
   views = [v for _, v, _, _ in results]
   assert views[0] == views[1] == views[2]
-  wins = [w for _, _, _, ws in results for w in ws]
+  attempts = [a for _, _, _, tries in results for a in tries]
+  wins = [path for path, won in attempts if won]
   assert len(wins) == len(set(wins)) == n_rounds  # one decider per round
+  assert len(attempts) >= n_rounds + 4  # the creates did collide
   for r in range(n_rounds):
     if r % 5 != 4:
       assert views[0][r] == [0, 1, 2]
@@ -390,6 +416,8 @@ def test_collect_removes_old_rounds_and_all_but_two_snapshots(tmp_path):
     s.members(2, 1)
   with pytest.raises(FileNotFoundError):  # a round never collected and never published
     s.read(8, 1, 0)
+  assert not s.publish(4, blocks(0, ranks=1))  # into a collected round: refused, nothing written
+  assert not (tmp_path / "rounds/00000004").exists()
   s.collect(3)  # an older collect never lowers the floor
   with pytest.raises(RoundGone):
     s.read(5, 0, 0)
@@ -420,3 +448,52 @@ def test_memory_filesystem(tmp_path):
   with pytest.raises(RoundGone):
     stores[0].read(1, 0, 0)
   stores[0].fs.rm(stores[0].root, recursive=True)
+
+
+def test_s3_through_an_s3_compatible_server(tmp_path):
+  """The protocol on S3 semantics (exclusive create = a conditional put): moto's server, local."""
+  pytest.importorskip("s3fs")
+  server_lib = pytest.importorskip("moto.server")
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  server = server_lib.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+  server.start()
+  try:
+    options = dict(
+      endpoint_url=f"http://127.0.0.1:{port}", key="test", secret="test", client_kwargs={}
+    )
+    stores = [
+      RoundStore("s3://bucket/run", w, grace_s=0.1, storage_options=options) for w in range(2)
+    ]
+    stores[0].fs.mkdir("bucket")
+    with pytest.raises(errors.UserValueError, match=r"^the store s3://nobucket/run cannot be"):
+      RoundStore("s3://nobucket/run", 0, storage_options=options).check_run(RECORD)
+    stores[0].check_run(RECORD)
+    with pytest.raises(errors.UserValueError, match="holds another run"):
+      stores[1].check_run(dict(RECORD, run="other"))
+    for s in stores:
+      s.acquire()
+    with pytest.raises(errors.UserValueError, match="worker 1 is already running"):
+      RoundStore("s3://bucket/run", 1, storage_options=options).acquire()
+    for r in range(3):
+      for s in stores[: 1 if r == 1 else 2]:
+        assert s.publish(r, blocks(s.worker))
+      assert stores[0].members(r, 2) == stores[1].members(r, 2) == ([0] if r == 1 else [0, 1])
+    assert not stores[1].publish(1, blocks(1))
+    assert stores[1].fs.ls("bucket/run/rounds/00000001", detail=False) == [
+      "bucket/run/rounds/00000001/set.json",
+      "bucket/run/rounds/00000001/w0.d0.npy",
+      "bucket/run/rounds/00000001/w0.d1.npy",
+    ]
+    np.testing.assert_array_equal(stores[1].read(2, 0, 1), blocks(0)[1])
+    stores[0].write_snapshot(2, 0, {"a": np.ones(2, ml_dtypes.bfloat16)})
+    stores[0].finish_snapshot(2)
+    assert stores[1].latest_snapshot() == 2
+    assert stores[1].read_snapshot(2, 0)["a"].dtype == ml_dtypes.bfloat16
+    RoundStore("s3://bucket/run", 0, keep_rounds=1, storage_options=options).collect(3)
+    with pytest.raises(RoundGone):
+      stores[1].read(1, 0, 0)
+    assert stores[1].latest_decided() == 2
+  finally:
+    server.stop()

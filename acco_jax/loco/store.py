@@ -111,7 +111,9 @@ class RoundStore:
   """One worker process's view of the store at ``url`` (see the module docstring).
 
   ``worker`` is the worker id (``loco.worker``), ``process`` this process's index inside the
-  worker's own job. ``clock`` and ``sleep`` are injectable for tests.
+  worker's own job. ``clock`` and ``sleep`` are injectable for tests. ``storage_options`` go to
+  the filesystem (e.g. ``endpoint_url`` of an S3-compatible server; fsspec also reads them from
+  environment variables such as ``FSSPEC_S3_ENDPOINT_URL``).
   """
 
   def __init__(
@@ -127,11 +129,12 @@ class RoundStore:
     poll_s: float = 0.05,
     clock=time.time,
     sleep=time.sleep,
+    storage_options: dict | None = None,
   ):
     self.url, self.worker, self.process = url, int(worker), int(process)
     self.grace_s, self.min_workers, self.lease_s = grace_s, max(1, int(min_workers)), lease_s
     self.keep_rounds, self.poll_s, self.clock, self.sleep = keep_rounds, poll_s, clock, sleep
-    self.fs, self.root = _open_fs(url)
+    self.fs, self.root = _open_fs(url, storage_options or {})
     self.root = self.root.rstrip("/")
     self.local = isinstance(self.fs, LocalFileSystem)
     self.host, self.pid = socket.gethostname(), os.getpid()
@@ -193,7 +196,7 @@ class RoundStore:
   def _read_json(self, path: str) -> dict:
     """The JSON object at ``path`` (FileNotFoundError if none); retries a write seen half done."""
     for attempt in range(100):
-      data = self.fs.cat_file(path)
+      data = self._cat(path)
       try:
         return json.loads(data)
       except json.JSONDecodeError:
@@ -201,6 +204,11 @@ class RoundStore:
           raise
         time.sleep(0.02)
     raise AssertionError("unreachable")
+
+  def _cat(self, path: str) -> bytes:
+    """The object at ``path``, read fresh (s3fs sizes a read from its listing cache)."""
+    self.fs.invalidate_cache(path)
+    return self.fs.cat_file(path)
 
   def _has(self, path: str) -> bool:
     self.fs.invalidate_cache(path)
@@ -376,10 +384,11 @@ class RoundStore:
   def publish(self, r: int, blocks: dict[int, np.ndarray]) -> bool:
     """Write this worker's payload blocks of round ``r`` (data rank -> array).
 
-    False, leaving nothing written, if round ``r`` was decided before the payload was whole
-    (the worker is late: it resynchronizes instead).
+    False, leaving nothing written, if round ``r`` was decided (or collected) before the payload
+    was whole: the worker is late and resynchronizes instead. True means the payload was whole
+    before this process saw a decision; only :meth:`members` says whether it made the round.
     """
-    if self.decided(r) is not None:
+    if self.decided(r) is not None or self._gone(r):
       return False
     for rank, x in sorted(blocks.items()):
       self._put(self._block(r, self.worker, int(rank)), encode_array(x))
@@ -473,7 +482,7 @@ class RoundStore:
   def read(self, r: int, worker: int, rank: int) -> np.ndarray:
     """Worker ``worker``'s block of data rank ``rank`` in round ``r`` (RoundGone if collected)."""
     try:
-      data = self.fs.cat_file(self._block(r, worker, rank))
+      data = self._cat(self._block(r, worker, rank))
     except FileNotFoundError:
       if self._gone(r):
         raise RoundGone(f"round {r} of {self.url} was collected") from None
@@ -499,7 +508,7 @@ class RoundStore:
   def read_snapshot(self, r: int, rank: int) -> dict[str, np.ndarray]:
     """Data rank ``rank``'s arrays of snapshot ``r`` (RoundGone if it was collected)."""
     try:
-      return decode_arrays(self.fs.cat_file(self._snap(r, f"d{rank}.npz")))
+      return decode_arrays(self._cat(self._snap(r, f"d{rank}.npz")))
     except FileNotFoundError:
       raise RoundGone(f"snapshot {r} of {self.url} is gone: read latest_snapshot()") from None
 
@@ -538,10 +547,10 @@ class RoundStore:
           self.fs.rm(self._snap(s), recursive=True)
 
 
-def _open_fs(url: str):
+def _open_fs(url: str, storage_options: dict):
   """(filesystem, path) of a store URL; one line for an unknown protocol or a missing backend."""
   try:
-    return fsspec.core.url_to_fs(url)
+    return fsspec.core.url_to_fs(url, **storage_options)
   except ImportError as e:
     raise errors.UserRuntimeError(
       f"the store {url} needs a filesystem package this environment lacks ({_one_line(e)}): "
