@@ -222,19 +222,32 @@ def test_a_second_live_holder_is_refused_in_one_line(tmp_path):
   assert f"pid {os.getpid()}" in message and "give each worker its own loco.worker" in message
 
 
+def dead_pid() -> int:
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  return dead.pid
+
+
+def test_a_worker_killed_on_this_host_is_not_waited_for(tmp_path):
+  stores = workers(tmp_path, 2, grace_s=1e6)
+  path = tmp_path / "workers/w0.p0.json"
+  path.write_text(json.dumps(dict(json.loads(path.read_text()), pid=dead_pid())))
+  assert stores[1].live_workers() == [1]
+  stores[1].publish(0, blocks(1))
+  assert stores[1].members(0, 2) == [1]  # at once, not after the grace
+
+
 def test_a_dead_holder_on_this_host_is_taken_over(tmp_path):
   first = RoundStore(str(tmp_path), 0)
   first.acquire()
-  dead = subprocess.Popen([sys.executable, "-c", "pass"])
-  dead.wait()
   path = tmp_path / "workers/w0.p0.json"
   lease = json.loads(path.read_text())
-  path.write_text(json.dumps(dict(lease, pid=dead.pid)))
+  path.write_text(json.dumps(dict(lease, pid=dead_pid())))
   second = RoundStore(str(tmp_path), 0)
   second.acquire()
   assert json.loads(path.read_text())["token"] == second._token
   # the same on another host is not provably dead: refused until stale
-  path.write_text(json.dumps(dict(lease, pid=dead.pid, host="elsewhere")))
+  path.write_text(json.dumps(dict(lease, pid=dead_pid(), host="elsewhere")))
   with pytest.raises(errors.UserValueError, match="host elsewhere"):
     RoundStore(str(tmp_path), 0).acquire()
 

@@ -63,11 +63,16 @@ def _show(value) -> str:
   return value if isinstance(value, str) else json.dumps(value)
 
 
+def _unnamed(dtype: np.dtype) -> bool:
+  """A dtype .npy files cannot name (ml_dtypes' bfloat16, float8...): saved as bits + a name."""
+  return dtype.kind == "V" and dtype.type is not np.void
+
+
 def encode_array(x: np.ndarray) -> bytes:
   """``np.save`` bytes; a dtype NumPy cannot name (bfloat16, float8) as an npz of bits + name."""
   x = np.asarray(x)
   buf = io.BytesIO()
-  if x.dtype.kind == "V" and x.dtype.type is not np.void:
+  if _unnamed(x.dtype):
     bits = x.view(f"u{x.dtype.itemsize}")
     np.savez(buf, data=bits, dtype=np.array(x.dtype.name))
   else:
@@ -88,7 +93,7 @@ def encode_arrays(arrays: dict[str, np.ndarray]) -> bytes:
   plain, names = {}, {}
   for key, x in arrays.items():
     x = np.asarray(x)
-    if x.dtype.kind == "V" and x.dtype.type is not np.void:
+    if _unnamed(x.dtype):
       names[key] = x.dtype.name
       x = x.view(f"u{x.dtype.itemsize}")
     plain[key] = x
@@ -146,13 +151,11 @@ class RoundStore:
   def _path(self, *parts) -> str:
     return "/".join((self.root,) + tuple(str(p) for p in parts))
 
-  def _round(self, r: int, name: str = "") -> str:
-    return self._path("rounds", f"{r:08d}", name) if name else self._path("rounds", f"{r:08d}")
+  def _round(self, r: int, *name: str) -> str:
+    return self._path("rounds", f"{r:08d}", *name)
 
-  def _snap(self, r: int, name: str = "") -> str:
-    return (
-      self._path("snapshots", f"{r:08d}", name) if name else self._path("snapshots", f"{r:08d}")
-    )
+  def _snap(self, r: int, *name: str) -> str:
+    return self._path("snapshots", f"{r:08d}", *name)
 
   def _lease_path(self) -> str:
     return self._path("workers", f"w{self.worker}.p{self.process}.json")
@@ -213,6 +216,13 @@ class RoundStore:
   def _has(self, path: str) -> bool:
     self.fs.invalidate_cache(path)
     return self.fs.exists(path)
+
+  def _rm(self, path: str) -> None:
+    """Delete ``path`` (a folder with what is in it); already gone is fine (two collectors)."""
+    try:
+      self.fs.rm(path, recursive=True)
+    except FileNotFoundError:
+      pass
 
   def _ls(self, path: str) -> list[str]:
     """Base names under ``path`` (none if it does not exist), listing cache dropped first."""
@@ -366,11 +376,11 @@ class RoundStore:
         out.append(json.loads(data))
       except json.JSONDecodeError:
         continue  # a lease being written: counted at the next look
-    now = self.clock()
-    return [x for x in out if now - x.get("time", 0.0) < self.lease_s]
+    return [x for x in out if self._holder_alive(x)]
 
   def live_workers(self) -> list[int]:
-    """Worker ids holding a lease renewed within ``lease_s`` (by any of their processes)."""
+    """Worker ids holding a lease renewed within ``lease_s`` (by any of their processes),
+    less those whose holder is a process of this host that is gone."""
     return sorted({int(x["worker"]) for x in self._leases()})
 
   def _expected(self, r: int) -> set[int]:
@@ -538,13 +548,13 @@ class RoundStore:
       folder = self._path("rounds")
       for name in self._ls(folder):
         if name.isdigit() and int(name) < below:
-          self.fs.rm(f"{folder}/{name}", recursive=True)
+          self._rm(f"{folder}/{name}")
     rounds, complete = self._snapshots()
     if complete:
       keep = set(complete[-2:]) | {s for s in rounds if s > complete[-1]}
       for s in rounds:
         if s not in keep:
-          self.fs.rm(self._snap(s), recursive=True)
+          self._rm(self._snap(s))
 
 
 def _open_fs(url: str, storage_options: dict):
