@@ -107,7 +107,22 @@ def test_below_min_workers_keeps_waiting_until_one_more_arrives(tmp_path, capsys
   assert s.members(0, 2) == [0, 1]
   assert fake.now >= 1090.0
   said = capsys.readouterr().err.strip().splitlines()
-  assert len(said) == 1 and "loco.min_workers=2" in said[0] and "arrived [0]" in said[0]
+  assert said == [
+    f"round 0 of {tmp_path} undecided after 60 s: arrived [0], live [0], missing [], "
+    "loco.min_workers=2, grace 0.5 s"
+  ]
+
+
+def test_members_can_give_up_after_a_timeout(tmp_path):
+  fake = FakeTime()
+  s = RoundStore(str(tmp_path), 0, min_workers=2, clock=fake.clock, sleep=fake.sleep)
+  s.acquire()
+  s.publish(0, blocks(0))
+  with pytest.raises(
+    errors.UserTimeoutError, match=r"^round 0 of .* undecided after 5 s: arrived \[0\]"
+  ):
+    s.members(0, 2, timeout_s=5.0)
+  assert 5.0 <= fake.now - 1000.0 < 6.0 and s.decided(0) is None
 
 
 def test_a_joiner_is_not_waited_for_before_its_first_round(tmp_path):

@@ -409,8 +409,8 @@ class RoundStore:
       return False
     return True
 
-  def _arrived(self, r: int, ranks: int) -> list[int]:
-    """Workers with all ``ranks`` blocks of round ``r`` in the store."""
+  def arrived(self, r: int, ranks: int) -> list[int]:
+    """Workers with all ``ranks`` blocks of round ``r`` in the store now (no waiting)."""
     seen: dict[int, set[int]] = {}
     for name in self._ls(self._round(r)):
       m = _BLOCK.fullmatch(name)
@@ -452,13 +452,14 @@ class RoundStore:
       return False
     return live <= set(arrived) or self.clock() - first >= self.grace_s
 
-  def members(self, r: int, ranks: int) -> list[int]:
+  def members(self, r: int, ranks: int, *, timeout_s: float | None = None) -> list[int]:
     """Block until round ``r`` is decided; its sorted member ids.
 
     A worker has arrived when all ``ranks`` of its blocks are in the store. This process decides
     (if no one else did first) once every live worker has arrived, or ``grace_s`` after it first
-    saw an arrival; either way only with at least ``min_workers`` arrived. Raises
-    :class:`RoundGone` if the round was collected.
+    saw an arrival; either way only with at least ``min_workers`` arrived. Short of those it
+    waits (a line on stderr each minute), renewing its lease. Raises :class:`RoundGone` if the
+    round was collected, ``errors.UserTimeoutError`` after ``timeout_s`` (None: never).
     """
     start = self.clock()
     first, live, live_at, said_at, poll = None, set(), -float("inf"), start, self.poll_s
@@ -470,24 +471,28 @@ class RoundStore:
         if self._gone(r):
           raise RoundGone(f"round {r} of {self.url} was collected")
         live, live_at = self._expected(r), self.clock()
-      arrived = self._arrived(r, ranks)
+      arrived = self.arrived(r, ranks)
       if arrived and first is None:
         first = self.clock()
       if self._ready(arrived, live, first):
         return self._decide(r, arrived, live)
       self.heartbeat()
+      waited = self.clock() - start
+      if timeout_s is not None and waited >= timeout_s:
+        raise errors.UserTimeoutError(self._waiting(r, arrived, live, waited))
       if self.clock() - said_at >= 60.0:
         said_at = self.clock()
-        print(
-          f"round {r}: waiting for loco.min_workers={self.min_workers}; arrived {arrived}, "
-          f"live {sorted(live)}, missing {sorted(live - set(arrived))} "
-          f"({said_at - start:.0f} s)",
-          file=sys.stderr,
-          flush=True,
-        )
+        print(self._waiting(r, arrived, live, waited), file=sys.stderr, flush=True)
       self.sleep(poll)
-      if self.clock() - start > 2.0:
+      if waited > 2.0:
         poll = min(max(self.poll_s, 0.5), poll * 1.1)
+
+  def _waiting(self, r: int, arrived: list[int], live: set[int], waited: float) -> str:
+    return (
+      f"round {r} of {self.url} undecided after {waited:.0f} s: arrived {arrived}, live "
+      f"{sorted(live)}, missing {sorted(live - set(arrived))}, loco.min_workers="
+      f"{self.min_workers}, grace {self.grace_s:g} s"
+    )
 
   def read(self, r: int, worker: int, rank: int) -> np.ndarray:
     """Worker ``worker``'s block of data rank ``rank`` in round ``r`` (RoundGone if collected)."""
