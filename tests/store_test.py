@@ -278,6 +278,11 @@ def test_a_stale_lease_is_taken_over_and_its_holder_told(tmp_path):
   assert new.live_workers() == [1]
   with pytest.raises(store_lib.LeaseLost, match="worker 1's lease .* was taken by host"):
     old.heartbeat(force=True)
+  with pytest.raises(store_lib.LeaseLost):  # again: a heartbeat thread that swallowed it
+    old.heartbeat()
+  with pytest.raises(store_lib.LeaseLost):
+    old.publish(0, blocks(1))
+  assert not (tmp_path / "rounds").exists()
   new.heartbeat(force=True)
   new.release()
   assert new.live_workers() == [] and not (tmp_path / "workers/w1.p1.json").exists()

@@ -144,6 +144,7 @@ class RoundStore:
     self.local = isinstance(self.fs, LocalFileSystem)
     self.host, self.pid = socket.gethostname(), os.getpid()
     self._token = None  # set while this process holds its lease
+    self._lost = None  # the LeaseLost once another process took the lease
     self._from_round = 0
     self._beat_at = -float("inf")
 
@@ -309,7 +310,7 @@ class RoundStore:
     this host is taken over. ``from_round``: the first round this worker publishes (a joiner's),
     so that the rounds before it do not wait for it.
     """
-    self._token, self._from_round = uuid.uuid4().hex, int(from_round)
+    self._token, self._from_round, self._lost = uuid.uuid4().hex, int(from_round), None
     path = self._lease_path()
     for _ in range(10):
       if self._create(path, self._lease_body()):
@@ -339,15 +340,22 @@ class RoundStore:
       return {}
     if held.get("token") != self._token:
       self._token = None
-      raise LeaseLost(
+      self._lost = LeaseLost(
         f"{self._who()}'s lease in {self.url} was taken by host {held.get('host')}, pid "
         f"{held.get('pid')} (this process was silent longer than lease_s={self.lease_s:g} s): "
         "give each worker its own loco.worker, or a longer lease"
       )
+      raise self._lost
     return held
 
   def heartbeat(self, *, force: bool = False) -> None:
-    """Renew the lease (at most every ``lease_s / 8`` unless ``force``); LeaseLost if taken."""
+    """Renew the lease (at most every ``lease_s / 8`` unless ``force``).
+
+    Raises LeaseLost if another process took it, and again at every later call (and at
+    :meth:`publish`), so that a heartbeat thread swallowing it does not hide it.
+    """
+    if self._lost is not None:
+      raise self._lost
     if self._token is None:
       return
     if not force and self.clock() - self._beat_at < self.lease_s / 8:
@@ -398,6 +406,8 @@ class RoundStore:
     was whole: the worker is late and resynchronizes instead. True means the payload was whole
     before this process saw a decision; only :meth:`members` says whether it made the round.
     """
+    if self._lost is not None:
+      raise self._lost
     if self.decided(r) is not None or self._gone(r):
       return False
     for rank, x in sorted(blocks.items()):
