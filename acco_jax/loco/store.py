@@ -21,9 +21,19 @@ The store is any fsspec URL or a plain directory (``/shared/run1``, ``file:///..
 
 Writes are atomic: on a local (or shared POSIX) filesystem a temporary name in the same folder,
 then a rename (exclusive creates: a hard link, which fails if the name exists); on an object store
-one put. Times (leases, deadlines) are this host's ``clock``; the grace deadline is measured from
-this process's own first sight of an arrival, so clock skew between hosts only matters for lease
-staleness (``lease_s``, minutes).
+one put, and an exclusive create is ``open(path, "xb")``: a conditional put on S3 (s3fs >= 2025.7)
+and GCS (gcsfs). ``memory://`` creates exclusively too, but only within one process. Times (leases,
+deadlines) are this host's ``clock``; the grace deadline is measured from this process's own first
+sight of an arrival, so clock skew between hosts only matters for lease staleness (``lease_s``).
+
+A worker is *live* while one of its processes renews its lease within ``lease_s``, unless that
+process is on this host (same host name) and gone: a worker killed here is not waited for, and a
+restart takes its id back at once (containers sharing a host name must share a PID namespace).
+
+What the caller handles: :class:`RoundGone` (a ``KeyError``) when a round or snapshot it reads was
+collected (resynchronize from :meth:`RoundStore.latest_snapshot`); :class:`LeaseLost` when another
+process took this worker's id; ``errors.UserValueError`` (one line, nothing written) from
+:meth:`RoundStore.check_run` and :meth:`RoundStore.acquire`.
 """
 
 import io
