@@ -63,7 +63,7 @@ def test_every_live_worker_arrived_decides_at_once(tmp_path):
   stores = workers(tmp_path, 3, grace_s=1e6)
   for s in stores:
     assert s.publish(0, blocks(s.worker))
-  assert stores[1].members(0, 2) == [0, 1, 2]
+  assert stores[1].members(0, 2, timeout_s=60) == [0, 1, 2]
   assert [s.decided(0) for s in stores] == [[0, 1, 2]] * 3
   record = json.loads((tmp_path / "rounds/00000000/set.json").read_text())
   assert record["decided_by"] == 1 and record["live"] == [0, 1, 2] and record["round"] == 0
@@ -104,7 +104,7 @@ def test_below_min_workers_keeps_waiting_until_one_more_arrives(tmp_path, capsys
   s = RoundStore(str(tmp_path), 0, grace_s=0.5, min_workers=2, clock=fake.clock, sleep=fake.sleep)
   s.acquire()
   s.publish(0, blocks(0))
-  assert s.members(0, 2) == [0, 1]
+  assert s.members(0, 2, timeout_s=1000) == [0, 1]
   assert fake.now >= 1090.0
   said = capsys.readouterr().err.strip().splitlines()
   assert said == [
@@ -132,7 +132,10 @@ def test_a_joiner_is_not_waited_for_before_its_first_round(tmp_path):
   assert stores[0].live_workers() == [0, 1, 2]
   for s in stores:
     s.publish(0, blocks(s.worker))
-  assert stores[0].members(0, 2) == [0, 1]  # would wait forever for worker 2 otherwise
+  assert stores[0].members(0, 2, timeout_s=60) == [
+    0,
+    1,
+  ]  # would wait forever for worker 2 otherwise
 
 
 def test_blocks_keep_their_dtype(tmp_path):
@@ -179,7 +182,7 @@ def _race(url, worker, n_rounds, barrier, out):
     published = s.publish(r, blocks(worker, ranks=2))
     if r % 5 != 4:
       barrier.wait(timeout=60)
-    views.append(s.members(r, 2))
+    views.append(s.members(r, 2, timeout_s=60))
     late.append(not published)
   s.release()
   out.put((worker, views, late, attempts))
@@ -249,7 +252,7 @@ def test_a_worker_killed_on_this_host_is_not_waited_for(tmp_path):
   path.write_text(json.dumps(dict(json.loads(path.read_text()), pid=dead_pid())))
   assert stores[1].live_workers() == [1]
   stores[1].publish(0, blocks(1))
-  assert stores[1].members(0, 2) == [1]  # at once, not after the grace
+  assert stores[1].members(0, 2, timeout_s=60) == [1]  # at once, not after the grace
 
 
 def test_a_dead_holder_on_this_host_is_taken_over(tmp_path):
