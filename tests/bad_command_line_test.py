@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from acco_jax import optional
-from acco_jax.run import trainer
+from acco_jax.run import build
 from configs import gpt2_acco, gpt2_zero1
 from tests.bad_input_test import CACHE, CONFIGS, REPO, one_line, tiny
 
@@ -156,7 +156,7 @@ def test_bad_config_through_train_py(tmp_path, case):
     *args,
   )
   with pytest.raises(error, match=match) as info:  # the same message as in-process
-    trainer.build(tiny(gpt2_zero1 if config != TINY else gpt2_acco, **overrides))
+    build.build(tiny(gpt2_zero1 if config != TINY else gpt2_acco, **overrides))
   assert line == f"error: {one_line(info.value)}"
   assert not (tmp_path / "W").exists()
 

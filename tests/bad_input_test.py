@@ -1,7 +1,7 @@
 """Bad input: each mistake a user can make is a one-line error that names the problem and the fix,
 raised before anything is written, and a workdir's checkpoints are never overwritten by it.
 
-Configs and data are checked in-process through ``trainer.build`` / ``train_and_evaluate``; command
+Configs and data are checked in-process through ``build.build`` / ``train_and_evaluate``; command
 line flags and the environment through ``train.py`` in a subprocess (they fail before JAX starts, or
 in XLA). ``docs/reliability.md`` lists every case with its message.
 """
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from acco_jax.run import parallel, trainer
+from acco_jax.run import build, parallel, trainer
 from configs import gpt2_acco, gpt2_skippipe, gpt2_zero1
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -41,7 +41,7 @@ def one_line(error: BaseException) -> str:
   return message
 
 
-# -- configs: trainer.build refuses them before it touches the workdir -----------------------------
+# -- configs: build.build refuses them before it touches the workdir -----------------------------
 
 CONFIGS = [
   (
@@ -354,7 +354,7 @@ def test_bad_config_is_refused_before_anything_runs(overrides, error, match, tmp
   config = tiny(gpt2_zero1 if overrides.get("method") == "zero1" else gpt2_acco, **overrides)
   config.data.cache_dir = str(tmp_path / "cache")
   with pytest.raises(error, match=match) as info:
-    trainer.build(config)
+    build.build(config)
   one_line(info.value)
   assert not list((tmp_path / "cache").rglob("*")), "data was prepared before the refusal"
 
@@ -366,7 +366,7 @@ def test_topology_file_that_does_not_parse(tmp_path):
   with pytest.raises(
     ValueError, match=r"topology file .*cluster.json does not parse as JSON"
   ) as info:
-    trainer.build(config)
+    build.build(config)
   one_line(info.value)
 
 
@@ -390,7 +390,7 @@ def test_pipeline_topology_file_of_another_size(tmp_path):
     match=r"six.json has 6 nodes, this pipeline has 8 devices \(one "
     r"node each\): write a topology of 8 nodes or run on 6 devices",
   ) as info:
-    trainer.build(config)
+    build.build(config)
   one_line(info.value)
 
 
@@ -429,7 +429,7 @@ def test_bad_data_source(tmp_path, case, no_network):
   config = tiny(**{"data.source": source, "data.data_dir": str(tmp_path / "prepared")})
   config.data.cache_dir = str(tmp_path / "cache")
   with pytest.raises(error, match=match) as info:
-    trainer.build(config)
+    build.build(config)
   one_line(info.value)
 
 
@@ -441,7 +441,7 @@ def test_tfds_dataset_without_network_fails_fast(tmp_path, no_network):
   with pytest.raises(
     RuntimeError, match=r"'tiny_shakespeare' is not prepared .* cannot download"
   ) as info:
-    trainer.build(config)
+    build.build(config)
   assert time.monotonic() - start < 30
   assert "data.data_dir" in one_line(info.value)
 
@@ -465,7 +465,7 @@ TOKENIZERS = {
 def test_bad_tokenizer(tmp_path, tokenizer, error, match):
   config = tiny(**{"data.tokenizer": tokenizer, "data.cache_dir": str(tmp_path)})
   with pytest.raises(error, match=match) as info:
-    trainer.build(config)
+    build.build(config)
   one_line(info.value)
 
 
@@ -552,6 +552,6 @@ def test_bad_pipeline_config_is_refused(overrides, match, tmp_path):
   config = tiny(gpt2_pipeline, **overrides)
   config.data.cache_dir = str(tmp_path / "cache")  # stays empty: refused before any data
   with pytest.raises(ValueError, match=match) as info:
-    trainer.build(config)
+    build.build(config)
   one_line(info.value)
   assert not list((tmp_path / "cache").rglob("*")), "data was prepared before the refusal"

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from acco_jax import model
-from acco_jax.run import checkpoint, parallel, trainer
+from acco_jax.run import build, checkpoint, parallel, trainer
 from configs import gpt2_acco, gpt2_zero1
 from tests.bad_input_test import one_line, tiny
 
@@ -32,11 +32,11 @@ def saved(tmp_path_factory):
   from the initial state (no step is compiled), and a line of metrics."""
   workdir = tmp_path_factory.mktemp("saved")
   config = tiny()
-  run = trainer.build(config)
+  run = build.build(config)
   rows = run.mesh.size * config.batch.microbatch_size
-  prime = next(trainer.batch_stream(run, config, run.tokens.train, rows, seed=1))
+  prime = next(build.batch_stream(run, config, run.tokens.train, rows, seed=1))
   state = run.step.init(model.init_params(run.model_cfg, 0), parallel.global_batch(prime, run.mesh))
-  stream = trainer.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
+  stream = build.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
   with checkpoint.Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
     for stage in (2, 4):
       for _ in range(2):
@@ -104,7 +104,7 @@ def test_corrupt_latest_checkpoint_falls_back_and_trains_on(workdir, caplog):
   print(f"MESSAGE WARNING: {warnings[0]}")
   assert summary["stages"] == 4  # resumed at stage 2, ran stages 3 and 4
   assert '"event": "restored", "stage": 2' in (workdir / "metrics.jsonl").read_text()
-  run = trainer.build(tiny())
+  run = build.build(tiny())
   with checkpoint.Checkpointer(workdir / "checkpoints") as ckpt:  # the final state replaced step 4
     extra = ckpt.restore(4, run.step.abstract_state(run.params_shapes))[1]
   assert extra["stage"] == 4

@@ -37,7 +37,7 @@ import pytest
 
 from acco_jax.dp.updates import stage_plan
 from acco_jax.pipeline.build import flush_plan
-from acco_jax.run import trainer
+from acco_jax.run import build
 from acco_jax.run.checkpoint import Checkpointer
 from configs import (
   gpt2_acco,
@@ -329,7 +329,7 @@ def per_stage(workdir: pathlib.Path) -> tuple[dict, list, list]:
 
 def final_state(config, workdir: pathlib.Path, step: int | None = None):
   """(step, train state, extra) of the checkpoint at ``step`` (default: the latest)."""
-  run = trainer.build(config)
+  run = build.build(config)
   with Checkpointer(workdir / "checkpoints") as ckpt:
     step = ckpt.latest_step() if step is None else step
     state, extra = ckpt.restore(step, run.step.abstract_state(run.params_shapes))
@@ -428,5 +428,5 @@ def test_sigkill_at_random_points_resumes_bit_exactly(tmp_path, method):
       if '"outer_fragment"' in r
     ]
     assert synced == list(range(2 * h, total + 1, h)), synced
-    one_sync = trainer.build(config).step.wire_bytes(0)  # every sync's bytes, the last included
+    one_sync = build.build(config).step.wire_bytes(0)  # every sync's bytes, the last included
     assert summary["wire_bytes_per_worker"] == pytest.approx(total // h * one_sync)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from acco_jax import model
 from acco_jax.dp import hetero
-from acco_jax.run import checkpoint, parallel, trainer
+from acco_jax.run import build, checkpoint, parallel, trainer
 from configs import gpt2_acco
 
 # -- the planner ----------------------------------------------------------------------------------
@@ -134,9 +134,9 @@ def reference_acco(config, run, num_stages):
   grad = jax.jit(jax.grad(lambda p, mb: model.loss_fn(p, run.model_cfg, mb)[0]))
   add = lambda *trees: jax.tree.map(lambda *x: sum(x[1:], x[0]), *trees)
   prime = next(
-    trainer.batch_stream(run, config, run.tokens.train, n * b, seed=config.train.seed + 1)
+    build.batch_stream(run, config, run.tokens.train, n * b, seed=config.train.seed + 1)
   )
-  stream = trainer.batch_stream(
+  stream = build.batch_stream(
     run, config, run.tokens.train, n * k_max * b, seed=config.train.seed
   )
   theta = model.init_params(run.model_cfg, config.train.seed)
@@ -164,7 +164,7 @@ def reference_acco(config, run, num_stages):
 def test_unequal_budgets_through_the_trainer_match_the_reference(tmp_path):
   config = sgd_config()
   summary = trainer.train_and_evaluate(config, str(tmp_path))
-  run = trainer.build(config)
+  run = build.build(config)
   with checkpoint.Checkpointer(str(tmp_path / "checkpoints")) as ckpt:
     state, _ = ckpt.restore(None, run.step.abstract_state(run.params_shapes))
   got = jax.device_get(run.step.params(state))

@@ -9,7 +9,7 @@ import pytest
 from acco_jax import errors
 from acco_jax.loco import build as loco_build
 from acco_jax.loco.accounting import SyncAccounting
-from acco_jax.run import report, trainer
+from acco_jax.run import build, report, trainer
 from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_demo, gpt2_diloco, gpt2_noloco, gpt2_sparseloco, gpt2_streaming_diloco
 from tests.train_test import SMALL, rows
@@ -30,7 +30,7 @@ def test_diloco_tiny_end_to_end(tmp_path):
   assert all(r["outer_delta_norm"] > 0 for r in outer)
   train_rows = [r for r in logged if "loss" in r]
   assert all(len(r["worker_loss"]) == 4 for r in train_rows)
-  run = trainer.build(config)
+  run = build.build(config)
   per_sync = run.step.wire_bytes(0)
   assert summary["wire_bytes_per_worker"] == pytest.approx(3 * per_sync)
   # bytes of one sync: a ring all-reduce of every (padded) float32 value, 2 (M - 1) / M of them
@@ -75,7 +75,7 @@ def test_summary_keys_have_one_order_however_the_values_arrived():
 
 
 def _final_state(workdir, config):
-  run = trainer.build(config)
+  run = build.build(config)
   with Checkpointer(str(workdir / "checkpoints")) as ckpt:
     state, extra = ckpt.restore(None, run.step.abstract_state(run.params_shapes))
   return jax.device_get(state), extra
@@ -118,7 +118,7 @@ def test_sparseloco_logs_bytes_and_density_and_checkpoints_its_error_feedback(tm
   whole = trainer.train_and_evaluate(config, str(tmp_path))
   saved, _ = _final_state(tmp_path, config)
   assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(saved.comp))
-  run = trainer.build(config)
+  run = build.build(config)
   outer = [r for r in rows(tmp_path) if "outer_fragment" in r]
   assert [r["step"] for r in outer] == [2, 4, 6]
   assert {r["sync_bytes_per_worker"] for r in outer} == {run.step.wire_bytes(0)}
@@ -280,5 +280,5 @@ def test_ef_scale_reaches_sparseloco():
 @pytest.mark.parametrize("module,overrides,match", [pytest.param(*c[1:], id=c[0]) for c in BAD])
 def test_bad_loco_values_are_one_line_errors(module, overrides, match):
   with pytest.raises(errors.UserValueError, match=match) as info:
-    trainer.build(tiny(module, **overrides))
+    build.build(tiny(module, **overrides))
   assert "\n" not in str(info.value)

@@ -13,7 +13,7 @@ import pytest
 
 from acco_jax import errors
 from acco_jax.pipeline import ticks
-from acco_jax.run import trainer
+from acco_jax.run import build, trainer
 from acco_jax.run.checkpoint import Checkpointer
 from acco_jax.skippipe import plans, schedule
 from configs import gpt2_skippipe
@@ -37,7 +37,7 @@ def _losses(workdir):
 
 def test_scheduled_plan_trains_and_refuses_another_plan(tmp_path):
   config = _config()
-  run = trainer.build(config)
+  run = build.build(config)
   sched, planned = run.step.schedule, run.step.planned
   assert sched.mesh_wide and sched.lanes == 2 and planned is not None
   # the plan is the one plans.make gives for this config, and some microbatch changes lanes
@@ -72,7 +72,7 @@ def test_resume_keeps_the_saved_plan():
   scheduler would now make another for the same settings (here: the plan of another search seed,
   recorded with this run's settings)."""
   config = _config()
-  run = trainer.build(config)
+  run = build.build(config)
   planned, p = run.step.planned, config.pipeline
   other = schedule.schedule(
     planned.topology,
@@ -126,6 +126,6 @@ def test_bench_reports_the_plan_train_trains(tmp_path):
   reported = json.loads((tmp_path / "skippipe_plan.json").read_text())
   config = gpt2_skippipe.get_config("tiny")
   config.method = "pipeline"
-  planned = trainer.build(config).step.planned
+  planned = build.build(config).step.planned
   assert reported["plan"] == json.loads(json.dumps(plans.record(planned)))["plan"]
   assert reported["partition"] == [list(p) for p in planned.partition]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from acco_jax import errors
-from acco_jax.run import trainer
+from acco_jax.run import build, trainer
 from configs import sft_acco
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -45,8 +45,8 @@ def test_fine_tunes_from_a_directory_and_from_a_run(tmp_path, capsys):
   from acco_jax.run import pretrained
 
   config = tiny(tmp_path, **{"train.num_updates": 12})
-  run = trainer.build(config)
-  stream = trainer.batch_stream(run, config, run.tokens.train, 8, seed=config.train.seed)
+  run = build.build(config)
+  stream = build.batch_stream(run, config, run.tokens.train, 8, seed=config.train.seed)
   widths = {next(stream)["inputs"].shape[1] for _ in range(24)}  # the run's 24 stages
   assert widths <= {16, 32, 48} and len(widths) >= 2, widths
   traced, first = [], {}
@@ -71,7 +71,7 @@ def test_fine_tunes_from_a_directory_and_from_a_run(tmp_path, capsys):
   # model.init=run:<that workdir>: its committed weights, bit for bit (the trainer then runs as
   # from a directory, at update 0 with a fresh optimizer)
   config = tiny(tmp_path, **{"model.init": f"run:{tmp_path / 'hf-start'}"})
-  run = trainer.build(config)
+  run = build.build(config)
   start = pretrained.load_params(config, run.model_cfg, run.mesh)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(start), jax.device_get(first))
 
@@ -105,7 +105,7 @@ def test_bad_instruction_file_is_one_line_and_writes_nothing(case, tmp_path):
 def test_packing_is_refused_where_rows_run_as_one_sequence(tmp_path):
   config = tiny(tmp_path, **{"method": "pipeline", "data.packing": True})
   with pytest.raises(errors.UserValueError, match="data.packing=True: the pipeline's stages"):
-    trainer.build(config)
+    build.build(config)
 
 
 def test_export_writes_floats_as_the_source_did_and_its_stop_ids(tmp_path):

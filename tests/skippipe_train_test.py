@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from acco_jax import model
-from acco_jax.run import parallel, trainer
+from acco_jax.run import build, parallel, trainer
 from acco_jax.skippipe import orders as orders_lib
 from acco_jax.skippipe import paths
 from configs import gpt2_skippipe
@@ -50,7 +50,7 @@ def _config(method="zero1", stages=4, skip=0.0, swap=False, **opt):
 
 def _batches(run, config, n):
   rows = run.mesh.size * run.step.num_microbatches * config.batch.microbatch_size
-  stream = trainer.batch_stream(run, config, run.tokens.train, rows, seed=0)
+  stream = build.batch_stream(run, config, run.tokens.train, rows, seed=0)
   if run.orders is not None:
     stream = orders_lib.OrderedStream(stream, run.orders)
   return [next(stream) for _ in range(n)]
@@ -58,7 +58,7 @@ def _batches(run, config, n):
 
 def _train(stages):
   config = _config("zero1", stages=stages, name="sgd", lr=0.5, b1=0.9, schedule="constant")
-  run = trainer.build(config)
+  run = build.build(config)
   params = model.init_params(run.model_cfg, 0)
   state = run.step.init(params)
   losses = []
@@ -92,7 +92,7 @@ def test_skipped_and_swapped_orders_move_exactly_the_expected_weights():
     clip_norm=0.0,
     schedule="constant",
   )
-  run = trainer.build(config)
+  run = build.build(config)
   assert run.orders.k == 2
   params = model.init_params(run.model_cfg, 0)
   batch = _batches(run, config, 1)[0]
@@ -134,7 +134,7 @@ def test_skipped_and_swapped_orders_move_exactly_the_expected_weights():
 def test_random_paths_follow_the_batch_index():
   config = _config("zero1", stages=4, skip=0.5, swap=True)
   config.pipeline.paths = "random"
-  run = trainer.build(config)
+  run = build.build(config)
   a, b = run.orders.order_rows(3), run.orders.order_rows(3)
   np.testing.assert_array_equal(a, b)
   assert not np.array_equal(run.orders.order_rows(3), run.orders.order_rows(4))
@@ -165,7 +165,7 @@ def test_a_resumed_run_draws_the_same_paths(tmp_path):
     jax.tree.leaves(finals["straight"]), jax.tree.leaves(finals["resumed"]), strict=True
   ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  run = trainer.build(
+  run = build.build(
     config
   )  # the paths change from iteration to iteration (or this shows nothing)
   assert not np.array_equal(run.orders.order_rows(2), run.orders.order_rows(3))

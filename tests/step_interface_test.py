@@ -78,6 +78,8 @@ CALLERS = {
   "acco_jax/run/saved.py": ("found['step']",),
   "acco_jax/run/report.py": ("run.step",),
   "acco_jax/run/monitor.py": ("step",),
+  "acco_jax/run/rows.py": ("self.step",),
+  "acco_jax/run/metrics.py": ("step",),
   "acco_jax/run/build.py": ("step", "checked.step"),
 }
 

@@ -155,7 +155,7 @@ def test_quantized_acco_resumes_the_identical_trajectory(tmp_path, capsys):
   assert losses(tmp_path / "split") == losses(tmp_path / "whole")
   assert second["eval_loss"] == whole["eval_loss"]
   sent = [r for r in rows(tmp_path / "whole") if "loss" in r][-1]["comm_bytes_per_device"]
-  bf16 = trainer.build(tiny(gpt2_acco, **small)).step  # the same model, bf16 communication
+  bf16 = build.build(tiny(gpt2_acco, **small)).step  # the same model, bf16 communication
   plain = comm_bytes_per_stage(bf16.plan, bf16.layout.padded_size, bf16.num_devices)
   n, shard = bf16.num_devices, bf16.layout.shard_size
   assert sent == 2 * (n - 1) * quantize.wire_bytes(shard, "int8", 256)  # all-to-all + all-gather
@@ -191,7 +191,7 @@ def test_resume_with_another_quantization_keeps_or_refuses_the_residual(tmp_path
   with pytest.raises(errors.UserValueError, match=r"written without a residual.*quantize=none"):
     build.check_comm(plain, int8, SimpleNamespace(keeps_residual=True))
   acco_int8 = tiny(gpt2_acco, **{"comm.quantize": "int8"})
-  build.check_comm(plain, acco_int8, trainer.build(acco_int8).step)
+  build.check_comm(plain, acco_int8, build.build(acco_int8).step)
 
 
 def test_odd_microbatches_for_acco_is_a_clear_error(tmp_path):
@@ -215,7 +215,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     trainer.train_and_evaluate(config, str(tmp_path))
   ckpt = Checkpointer(str(tmp_path / "checkpoints"))
   assert ckpt.latest_step() == 4, ckpt.all_steps()
-  run = trainer.build(config)
+  run = build.build(config)
   target = run.step.abstract_state(run.params_shapes)
   state, _ = ckpt.restore(None, target)
   assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(state))
@@ -237,7 +237,7 @@ def test_nonfinite_skip_drops_the_bad_microbatches_and_keeps_training(tmp_path):
   assert summary["stages"] == 2 * config.train.num_updates  # finished, did not stop
   logged = [r for r in rows(tmp_path) if "loss" in r and r["stage"] > 4]
   assert any(r["skipped_microbatches"] > 0 for r in logged), logged
-  run = trainer.build(config)
+  run = build.build(config)
   with Checkpointer(str(tmp_path / "checkpoints")) as ckpt:
     state, _ = ckpt.restore(None, run.step.abstract_state(run.params_shapes))
   after = jax.device_get(run.step.params(state))

@@ -15,6 +15,8 @@ import time
 
 import jax
 
+from acco_jax.run import profile
+
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (vendor datasheets, no sparsity).
 PEAK_FLOPS = {
   "H100": 989e12,
@@ -242,3 +244,54 @@ class Progress:
   def close(self) -> None:
     if self.enabled and self.tty:
       sys.stderr.write("\n")
+
+
+def readable(step, tree):
+  """``tree``, or under LoCo across processes (per-worker values) a copy on every device."""
+  if all(x.is_fully_addressable or x.is_fully_replicated for x in jax.tree.leaves(tree)):
+    return tree
+  return step.replicated(tree)
+
+
+class Pace:
+  """The clock and progress of a run's stage loop: when stages finish (:class:`StageClock`), the
+  progress line, the profiler's window, the one call in flight, and where this process started
+  and must stop.
+
+  Attributes:
+    lead: whether this process prints (process 0).
+    start: the stage this process started at; ``stop_at``: ``max_stages`` (stop early), or None.
+    clock, progress, profiler: see :class:`StageClock`, :class:`Progress` and
+      :class:`acco_jax.run.profile.StageProfiler`.
+    in_flight: the last call's loss (device), waited for once the call after it is queued.
+    t_start: when the loop started (a row's ``wall_s`` counts from it).
+  """
+
+  def __init__(self, total: int, start: int, *, profile_window, workdir: str, max_stages=None):
+    self.lead = jax.process_index() == 0
+    self.start, self.stop_at = start, max_stages
+    self.clock = StageClock()
+    self.progress = Progress(total, start, enabled=self.lead)
+    self.profiler = profile.StageProfiler(profile_window, workdir)
+    self.in_flight = None
+    self.t_start = time.time()
+
+  def queued(self, stage: int, tokens_seen: int, loss) -> bool:
+    """A call was queued after stage ``stage``: waits for the call before it (one call in flight,
+    never more), records its completion, and keeps ``loss`` as the call now in flight. True when
+    a call was waited for."""
+    waited = self.in_flight is not None
+    if waited:
+      jax.block_until_ready(self.in_flight)
+      self.clock.done(stage, tokens_seen)  # the call before this one has finished
+    self.in_flight = loss
+    return waited
+
+  def finished(self, stage: int, tokens_seen: int) -> None:
+    """Waits for the call in flight, the last one (its completion closes the run's rate)."""
+    if self.in_flight is not None:
+      self.clock.wait(stage, tokens_seen, self.in_flight)
+
+  def close(self) -> None:
+    self.profiler.stop()
+    self.progress.close()

@@ -32,8 +32,12 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+
+from acco_jax.run import health
+from acco_jax.run.metrics import readable
 
 HANG_EXIT_CODE = 75  # EX_TEMPFAIL: the run can be retried (it resumes from its last checkpoint)
 _PREFIX = "acco_jax/heartbeat/"
@@ -340,3 +344,79 @@ class Watchdog:
   def _exit(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     os._exit(HANG_EXIT_CODE)
+
+
+@jax.jit
+def _flag_nonfinite(flag, loss, finite):
+  """``flag`` (``None`` before the first call) or'ed with where ``loss`` or ``finite`` is not."""
+  bad = ~(jnp.isfinite(loss) & finite)
+  return bad if flag is None else flag | bad
+
+
+class Watch:
+  """The health watch of a run's stage loop: preemption signals; across processes the watchdog of
+  hangs, the verdict it leaves (``health.json``) and the streaks of slow workers that
+  ``health.on_slow=exclude`` acts on; and the device-side flag of a non-finite loss.
+
+  Attributes:
+    preempt: SIGTERM/SIGINT, read at each stage boundary (:class:`Preemption`).
+    watchdog: the watchdog of hung collectives (:class:`Watchdog`), or None (one process, or
+      ``health.hang_timeout_s=0``).
+    recorder: its verdict's writer (:class:`acco_jax.run.health.Recorder`), or None (one process).
+    slow: the slow workers' streaks (:class:`SlowStreak`), or None (not ``on_slow=exclude``).
+    nonfinite: where a loss was not finite, or'ed over calls on the devices (elementwise, per
+      worker under LoCo: a reduction would be a collective after every call), read only at log
+      and checkpoint time; None before the first call.
+  """
+
+  def __init__(self, config, workdir: str, launch=None):
+    self.preempt = Preemption()
+    self.watchdog, self.recorder, self.slow, self.nonfinite = None, None, None, None
+    self.on_nonfinite = config.train.on_nonfinite
+    if jax.process_count() == 1:
+      return
+    dog = Watchdog(
+      config.health.hang_timeout_s or float("inf"),
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+    )
+    self.recorder = dog.recorder = health.Recorder(workdir, dog, launch)
+    if health.on_slow(config) == "exclude":
+      self.slow = SlowStreak(config.health.slow_factor, config.health.slow_patience)
+    if config.health.hang_timeout_s > 0:
+      self.watchdog = dog.start()
+
+  def progress(self, stage: int) -> None:
+    """The loop reached ``stage`` (the watchdog's heartbeat)."""
+    if self.watchdog is not None:
+      self.watchdog.progress(stage)
+
+  def flag(self, loss, finite) -> None:
+    """Or's where this call's ``loss`` (or a sync's ``finite``) is not finite into the flag. The
+    first call runs both programs (no flag yet, a flag): none compiles after it."""
+    if self.nonfinite is None:
+      self.nonfinite = _flag_nonfinite(None, loss, finite)
+    self.nonfinite = _flag_nonfinite(self.nonfinite, loss, finite)
+
+  def check_finite(self, flag, at_stage: int, step) -> None:
+    """Stops the run (``train.on_nonfinite=stop``) on a non-finite loss in ``flag``."""
+    if self.on_nonfinite != "stop" or flag is None:
+      return
+    flag = readable(step, flag)  # per-worker flags across processes: one copy everywhere
+    if bool(np.any(np.asarray(flag))):
+      raise FloatingPointError(
+        f"non-finite loss before stage {at_stage}; the last good checkpoint is kept. Lower "
+        "opt.lr, or set train.on_nonfinite=skip to drop non-finite microbatches"
+      )
+
+  def failed(self, error: BaseException) -> None:
+    """Names the peer that is gone when ``error`` is a failed collective (health.json, once the
+    dead peer's heartbeat is stale)."""
+    if self.watchdog is not None and is_collective_failure(error):
+      self.recorder.conclude(error=error)
+      error.add_note(f"process {jax.process_index()}: {self.recorder.message()}")
+
+  def close(self) -> None:
+    self.preempt.restore()
+    if self.watchdog is not None:
+      self.watchdog.stop()

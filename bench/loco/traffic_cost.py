@@ -128,14 +128,14 @@ def programs_worker(args) -> dict:
   from acco_jax.analysis import hlo
   from acco_jax.dp.plan import comm_bytes_per_stage
   from acco_jax.loco.step import LocoStep
-  from acco_jax.run import trainer
+  from acco_jax.run import build
   from bench.loco import loco_compare as lc
 
   s = lc.setting(args.setting)
   out = {}
   for label in args.methods:
     config = lc.make_config(label, 0, args.setting)
-    run = trainer.build(config)
+    run = build.build(config)
     train = run.step
     shapes = run.params_shapes
     state = train.abstract_state(shapes)

@@ -115,12 +115,12 @@ def _train(run, config, orders):
   import jax
 
   from acco_jax import model
-  from acco_jax.run import parallel, trainer
+  from acco_jax.run import build, parallel
   from acco_jax.skippipe import orders as orders_lib
 
   train, mesh = run.step, run.mesh
   rows = mesh.size * train.num_microbatches * config.batch.microbatch_size
-  stream = trainer.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
+  stream = build.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
   stream = orders_lib.OrderedStream(stream, orders)
   state = train.init(model.init_params(run.model_cfg, config.train.seed))
   losses = []
@@ -133,7 +133,7 @@ def _train(run, config, orders):
 def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None:
   """Every run of the table in one process: one compiled step per path length, shared by the
   seeds, the swap settings and (for skip 0) normal training."""
-  from acco_jax.run import trainer
+  from acco_jax.run import build, report
   from acco_jax.skippipe import orders as orders_lib
   from acco_jax.skippipe import paths
 
@@ -144,8 +144,8 @@ def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None
   def evaluate(run, config, params, order=None):
     key = None if order is None else tuple(int(i) for i in order)
     if key not in evals:
-      evals[key] = trainer.eval_function(run.model_cfg, order)
-    return trainer.evaluate(run, config, params, evals[key])["eval_loss"]
+      evals[key] = report.eval_function(run.model_cfg, order)
+    return report.evaluate(run, config, params, evals[key])["eval_loss"]
 
   results, runs = _done_runs(out, conv), {}
   done = {(r["seed"], r["skip"], r["swap"]) for r in results}
@@ -157,7 +157,7 @@ def worker(out: str, seeds: list[int], conv: dict, omission_skip: float) -> None
     ]
     for skip in skippipe_sim.SKIPS:
       if skip not in runs:
-        runs[skip] = trainer.build(_config(seeds[0], skip, False, conv))
+        runs[skip] = build.build(_config(seeds[0], skip, False, conv))
       run = runs[skip]
       num_mb = run.mesh.size * run.step.num_microbatches
       for swap in ([None] if skip == 0.0 else []) + [False, True]:

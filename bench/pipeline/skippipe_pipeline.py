@@ -120,11 +120,11 @@ def train_one(run, cfg) -> tuple[dict, list[float]]:
   import jax
 
   from acco_jax import model
-  from acco_jax.run import parallel, trainer
+  from acco_jax.run import build, parallel
 
   train = run.step
   rows = train.microbatches_per_stage * cfg.batch.microbatch_size
-  stream = trainer.batch_stream(run, cfg, run.tokens.train, rows, seed=cfg.train.seed)
+  stream = build.batch_stream(run, cfg, run.tokens.train, rows, seed=cfg.train.seed)
   state = train.init(model.init_params(run.model_cfg, cfg.train.seed))
   losses = []
   for _ in range(cfg.train.num_updates):
@@ -140,7 +140,7 @@ def worker(out: str, seeds: list[int], setting: dict) -> None:
   import jax
 
   from acco_jax import model
-  from acco_jax.run import trainer
+  from acco_jax.run import build, report
 
   S, N = setting["stages"], setting["N"]
   evals: dict = {}
@@ -148,8 +148,8 @@ def worker(out: str, seeds: list[int], setting: dict) -> None:
   def evaluate(run, cfg, params, order=None):
     key = None if order is None else tuple(order)
     if key not in evals:
-      evals[key] = trainer.eval_function(run.model_cfg, None if order is None else np.array(order))
-    return float(trainer.evaluate(run, cfg, params, evals[key])["eval_loss"])
+      evals[key] = report.eval_function(run.model_cfg, None if order is None else np.array(order))
+    return float(report.evaluate(run, cfg, params, evals[key])["eval_loss"])
 
   rows = _done_runs(out, setting)
   done = {(r["variant"], r["seed"]) for r in rows}
@@ -161,10 +161,10 @@ def worker(out: str, seeds: list[int], setting: dict) -> None:
       cfg = config(variant, seed, setting)
       t0 = time.perf_counter()
       if variant == "full":  # no seed in its tables: one program for every seed
-        full_run = full_run or trainer.build(cfg)
+        full_run = full_run or build.build(cfg)
         run = full_run
       else:
-        run = trainer.build(cfg)
+        run = build.build(cfg)
       init = jax.device_get(model.init_params(run.model_cfg, seed))
       params, losses = train_one(run, cfg)
       full = evaluate(run, cfg, params)

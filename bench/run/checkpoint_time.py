@@ -65,14 +65,14 @@ def measure(method: str, preset: str, saves: int, restores: int) -> list[dict]:
   import jax
   import numpy as np
 
-  from acco_jax.run import checkpoint, ckpt_pack, trainer
+  from acco_jax.run import build, checkpoint, ckpt_pack
 
   module, overrides = SETTINGS[method]
   config = importlib.import_module(f"configs.{module}").get_config(preset)
   for key, value in overrides.items():
     group, field = key.split(".")
     config[group][field] = value
-  run = trainer.build(config)
+  run = build.build(config)
   abstract = run.step.abstract_state(run.params_shapes)
   rng = np.random.default_rng(0)
   state = jax.tree.map(
