@@ -171,6 +171,7 @@ class StepBase:
   """
 
   keeps_residual = False
+  data_share = (0, 1)  # (i, n): a job that is worker i of n reads share i of each global batch
 
   def __init__(self, mesh):
     self.mesh = mesh

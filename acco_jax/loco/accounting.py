@@ -2,10 +2,10 @@
 
 Host-side arithmetic, no programs. :class:`SyncAccounting` is a base class of
 :class:`acco_jax.loco.step.LocoStep`; its methods read the step's ``method``, ``codec``, ``layout``,
-``shard_shapes``, ``parts``, ``num_workers``, ``num_devices`` and ``inner``. Bytes are per worker,
+``shard_shapes``, ``parts``, ``num_workers``, ``num_devices``, ``inner`` and ``transport``. Bytes are per worker,
 summed over its devices, as the collective of the method's aggregator moves them
-(:mod:`acco_jax.loco.replica`): a *payload* is what one worker hands to it, the *wire* bytes what a
-ring sends for it.
+(:mod:`acco_jax.loco.replica`; through a store, :mod:`acco_jax.loco.transport`): a *payload* is
+what one worker hands to it, the *wire* bytes what a ring sends for it (a store: one upload).
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ class SyncAccounting:
 
   def wire_bytes(self, fragment: int) -> float:
     """Bytes one worker sends to sync ``fragment``, summed over its devices: a ring all-reduce
-    sends ``2 (M−1)/M`` payloads, a ring all-gather ``M − 1``, a pair exchange one."""
+    sends ``2 (M−1)/M`` payloads, a ring all-gather ``M − 1``, a pair exchange one; a worker
+    meeting the others through a store uploads its payload once (and downloads the members')."""
+    if self.transport is not None:
+      return self.payload_bytes(fragment)
     m = self.num_workers
     if m == 1:
       return 0.0
@@ -68,8 +71,12 @@ class SyncAccounting:
         f"fragments={m.fragments} ({m.layout}), overlap={m.overlap_steps}, alpha={m.alpha}, "
         f"quantize={m.compressor.name}"
       )
+    t = self.transport
+    who = (
+      f"workers={self.num_workers}" if t is None else f"worker {t.worker} of {t.workers} (store)"
+    )
     return (
-      f"{m.name}: workers={self.num_workers} x {self.num_devices} devices, inner="
+      f"{m.name}: {who} x {self.num_devices} devices, inner="
       f"{self.inner.plan.name}, H={m.sync_every}, {slots}; bytes/worker: peak sync "
       f"{self.peak_sync_bytes():,.0f}, per inner step {per_step:,.0f}"
     )

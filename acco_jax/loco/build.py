@@ -8,6 +8,7 @@ one-line :class:`acco_jax.errors.UserError` s.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -16,6 +17,8 @@ from acco_jax.dp import build as dp_build
 from acco_jax.dp import layouts, methods
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.loco import step as loco_lib
+from acco_jax.loco import store as store_lib
+from acco_jax.loco import transport as transport_lib
 from acco_jax.run import build as build_lib
 from acco_jax.run import health, optim, parallel
 
@@ -52,13 +55,17 @@ def source_step(config, model_cfg: model.ModelConfig, num_devices: int) -> loco_
   """The step of a LoCo run of ``config`` on this process's first ``num_devices`` devices (the
   run's own count: its workers' states do not move onto another mesh), never run: it reads that
   run's checkpoints and exports their global parameters (``python -m acco_jax.export``)."""
-  return _step(config, model_cfg, parallel.make_mesh(num_devices), lambda p, b: 0.0)
+  mesh = parallel.make_mesh(num_devices)
+  return _step(config, model_cfg, mesh, lambda p, b: 0.0, offline=True)
 
 
-def _step(config, model_cfg: model.ModelConfig, mesh, loss) -> loco_lib.LocoStep:
-  """The workers' step of ``config`` over ``mesh``'s devices, with the per-microbatch ``loss``."""
+def _step(config, model_cfg: model.ModelConfig, mesh, loss, offline=False) -> loco_lib.LocoStep:
+  """The workers' step of ``config`` over ``mesh``'s devices, with the per-microbatch ``loss``
+  (``offline``: a store worker's step that only reads its checkpoints)."""
   method = _check_loco(config)
-  mesh = loco_lib.worker_mesh(config.loco.workers or mesh.size, list(mesh.devices.flat))
+  url = transport_lib.store_url(config.loco.transport)
+  workers = 1 if url else config.loco.workers or mesh.size
+  mesh = loco_lib.worker_mesh(workers, list(mesh.devices.flat))
   k = int(config.batch.microbatches)
   shapes = model.param_shapes(model_cfg)
   dp_build.comm_args(config, mesh.size, shapes)  # refuses comm.quantize: LoCo syncs its own way
@@ -83,9 +90,72 @@ def _step(config, model_cfg: model.ModelConfig, mesh, loss) -> loco_lib.LocoStep
       skip_nonfinite=config.train.on_nonfinite == "skip",
       owned=owned,
       elementwise=layouts.optimizer_is_elementwise(config),
+      transport=_transport(config, url, offline),
     )
   except ValueError as e:  # a fragment layout the model cannot take
     raise errors.UserValueError(str(e)) from None
+
+
+_OPEN: dict = {}  # the store transports this process opened, by (url, worker): one lease each
+
+
+def _transport(config, url: str | None, offline: bool):
+  """This worker's :class:`acco_jax.loco.transport.StoreTransport` (its store checked and its
+  lease taken, once per process), an offline stand-in for a step that only reads checkpoints, or
+  ``None`` on the mesh."""
+  if url is None:
+    return None
+  c = config.loco
+  if offline:
+    return transport_lib.Offline(c.worker, c.workers)
+  key = (url, c.worker)
+  if key not in _OPEN:
+    store = store_lib.RoundStore(
+      url,
+      c.worker,
+      process=jax.process_index(),
+      grace_s=c.grace_s,
+      min_workers=c.min_workers,
+      lease_s=c.lease_s,
+      keep_rounds=c.keep_rounds,
+    )
+    store.check_run(run_record(config))
+    store.acquire()
+    _OPEN[key] = transport_lib.StoreTransport(store, c.worker, c.workers, c.snapshot_every)
+  return _OPEN[key]
+
+
+RECORDED = (
+  "method",
+  "model.arch",
+  "model.size",
+  "model.init",
+  "data.seq_len",
+  "batch.microbatches",
+  "batch.microbatch_size",
+  "train.num_updates",
+  *(
+    f"loco.{k}"
+    for k in (
+      "workers inner sync_every outer_lr outer_momentum fragments layout overlap_steps alpha "
+      "quantize quantize_block topk chunk bits ef_decay ef_scale aggregate pairings "
+      "pairing_seed snapshot_every"
+    ).split()
+  ),
+)
+
+
+def run_record(config) -> dict:
+  """What every worker of a store run must share, recorded in the store by the first: the run
+  (its data and seed) and the settings of :data:`RECORDED`."""
+  run = f"data {config.data.source}, train.seed {config.train.seed}"
+  return {"run": run, **{k: _value(config, k) for k in RECORDED}}
+
+
+def _value(config, key: str):
+  for part in key.split("."):
+    config = config[part]
+  return config
 
 
 def _inner_layout(config, d: int, shapes):
@@ -145,11 +215,38 @@ def loco_method(config) -> loco.LocoMethod:
     raise errors.UserValueError(str(e).replace("the FP4 block", "loco.quantize_block")) from None
 
 
+def _check_store(config) -> None:
+  """One-line errors for a store worker's settings."""
+  c = config.loco
+  if c.workers < 1 or not 0 <= c.worker < c.workers:
+    raise errors.UserValueError(
+      f"loco.worker={c.worker} with loco.workers={c.workers}: a store run's workers are "
+      "numbered 0..loco.workers-1 (loco.workers: the run's worker slots, each a share of the data)"
+    )
+  if c.outer_overlap != "none":
+    raise errors.UserValueError(
+      f"loco.outer_overlap={c.outer_overlap!r} runs on the mesh only: with "
+      f"loco.transport={c.transport} set loco.outer_overlap='none' (overlap_steps > 0 overlaps)"
+    )
+  if c.grace_s < 0 or c.lease_s <= 0 or c.min_workers < 1 or not 1 <= c.min_workers <= c.workers:
+    raise errors.UserValueError(
+      f"loco.grace_s={c.grace_s}, lease_s={c.lease_s}, min_workers={c.min_workers}: need "
+      f"grace_s >= 0, lease_s > 0 and 1 <= min_workers <= loco.workers={c.workers}"
+    )
+  if c.snapshot_every < 1 or c.keep_rounds < c.snapshot_every:
+    raise errors.UserValueError(
+      f"loco.snapshot_every={c.snapshot_every}, keep_rounds={c.keep_rounds}: need "
+      "1 <= snapshot_every <= keep_rounds (a joiner replays the rounds after a snapshot)"
+    )
+
+
 def _check_loco(config) -> loco.LocoMethod:
   """The config's low-communication method; one-line errors for values that cannot work."""
   c = config.loco
   if c.workers < 0:
     raise errors.UserValueError(f"loco.workers={c.workers} must be >= 0 (0 = one per device)")
+  if transport_lib.store_url(c.transport) is not None:
+    _check_store(config)
   if config.method != "streaming_diloco" and (c.fragments != 1 or c.overlap_steps or c.alpha):
     raise errors.UserValueError(
       f"{config.method} syncs every parameter at once (loco.fragments=1, overlap_steps=0, "

@@ -95,20 +95,23 @@ def prepare_tokens(config) -> data.TokenData:
   )
 
 
-def batch_stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None):
+def batch_stream(
+  run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None, share=(0, 1)
+):
   """Batches of ``rows`` rows of ``tokens`` (this process's share), as the config packs them.
 
   With ``run.batch_whole`` (a pipeline) every process reads the whole batch, so that processes
   whose devices share rows hold the same ones (:func:`acco_jax.run.parallel.global_batch` places
-  each device's part).
+  each device's part). ``share=(i, n)``: the rows are share ``i`` of a batch ``n`` times larger
+  (a job that is one of ``n`` workers: ``Step.data_share``).
   """
-  shared = run.batch_whole
+  (index, count), procs = share, 1 if run.batch_whole else jax.process_count()
   common = dict(
     seq_len=config.data.seq_len,
-    global_batch_rows=rows,
+    global_batch_rows=rows * count,
     seed=seed,
-    process_index=0 if shared else jax.process_index(),
-    process_count=1 if shared else jax.process_count(),
+    process_index=index * procs + (0 if run.batch_whole else jax.process_index()),
+    process_count=count * procs,
     shuffle=shuffle,
     num_epochs=epochs,
   )
@@ -121,8 +124,10 @@ def batch_stream(run: Run, config, tokens, rows: int, *, seed: int, shuffle=True
 def prime_batch(run: Run, config):
   """What a delayed method primes its gradient buffer with: one microbatch per device, the first
   batch of the stream seeded ``train.seed + 1`` (not the training stream), placed."""
-  rows = run.mesh.size * config.batch.microbatch_size
-  prime = next(batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed + 1))
+  rows, share = run.mesh.size * config.batch.microbatch_size, run.step.data_share
+  prime = next(
+    batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed + 1, share=share)
+  )
   if run.orders is not None:  # device i primes with the path of its first microbatch
     prime["order"] = run.orders.prime_rows(
       run.step.num_microbatches, jax.process_index(), jax.process_count()

@@ -92,8 +92,9 @@ def train_stream(run: Run, config):
   """The training batches of this process, and the rows one stage takes (a pipeline: ``M`` per
   data lane, not per device); under SkipPipe each microbatch's layer order rides in its batch."""
   rows_per_stage = run.step.microbatches_per_stage * config.batch.microbatch_size
+  rows, share = rows_per_stage, run.step.data_share
   stream = build_lib.batch_stream(
-    run, config, run.tokens.train, rows_per_stage, seed=config.train.seed
+    run, config, run.tokens.train, rows, seed=config.train.seed, share=share
   )
   if run.orders is not None:
     stream = run.orders.stream(stream, jax.process_index(), jax.process_count())
