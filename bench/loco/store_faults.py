@@ -646,6 +646,7 @@ def analyse(arm: str, scenario: str, res: dict, args, reference: dict | None) ->
   victim = fault["victim"] if arm == "store" else None
   finish = [rows[-1]["t"] for n, rows in lines.items() if rows and n != victim]
   t_finish = min(finish) if finish else None
+  t0 = min((rows[0]["t"] for rows in lines.values() if rows), default=0.0)
   workers = {}
   for n, rows in lines.items():
     w = {
@@ -656,6 +657,7 @@ def analyse(arm: str, scenario: str, res: dict, args, reference: dict | None) ->
       "stages": rows[-1]["stage"] if rows else 0,
       "tokens": rows[-1]["tokens_seen"] if rows else 0,
       "eval_loss": [s["eval_loss"] for s in summaries(seen[n])][-1:] or [None],
+      "trace": [[round(r["t"] - t0, 2), r["stage"], round(r["loss"], 4)] for r in rows],
     }
     w["eval_loss"] = w["eval_loss"][0]
     workers[n] = w
@@ -665,7 +667,7 @@ def analyse(arm: str, scenario: str, res: dict, args, reference: dict | None) ->
     "scenario": scenario,
     "victim": fault["victim"],
     "fault": {k: v for k, v in fault.items() if k != "rounds"},
-    "window": {"begin": t_begin, "fault": t_fault, "end": end, "finish": t_finish},
+    "window": {"begin": t_begin, "fault": t_fault, "end": end, "finish": t_finish, "t0": t0},
     "workers": workers,
   }
   mean = lambda key: mean_of([workers[n][key] for n in survivors])
@@ -765,6 +767,50 @@ def table(results: list[dict]) -> str:
   )
 
 
+def figure(results: list[dict], path: Path) -> Path:
+  """Stage against time of every worker (store) and of the SPMD job, one panel per fault, the
+  fault's window shaded."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  scenarios = [s for s in SCENARIOS if any(r["scenario"] == s and "workers" in r for r in results)]
+  fig, axes = plt.subplots(2, 3, figsize=(13, 7), sharey=True, squeeze=False)
+  for ax, scenario in zip(axes.flat, scenarios, strict=False):
+    for r in results:
+      if r["scenario"] != scenario or "workers" not in r:
+        continue
+      w, t0 = r["window"], r["window"]["t0"]
+      for name, worker in sorted(r["workers"].items()):
+        trace = worker.get("trace") or []
+        if not trace:
+          continue
+        t, stage = [x[0] for x in trace], [x[1] for x in trace]
+        spmd = r["arm"] == "spmd"
+        label = (
+          "SPMD job (C4 restart)"
+          if spmd
+          else f"store {name}" + (" (victim)" if name == r["victim"] else "")
+        )
+        ax.plot(t, stage, "k--" if spmd else "-", lw=1.2, label=label)
+      if w["fault"] and r["arm"] == "store":
+        hi = w["end"] or w["finish"] or w["fault"]
+        ax.axvspan(w["fault"] - t0, hi - t0, color="0.85", zorder=0)
+    ax.set_title(scenario)
+    ax.set_xlabel("seconds since the first logged stage")
+    ax.grid(alpha=0.3)
+  for ax in axes[:, 0]:
+    ax.set_ylabel("stage (inner step)")
+  for ax in axes.flat[len(scenarios) :]:
+    ax.axis("off")
+  axes.flat[0].legend(fontsize=7, loc="lower right")
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  return path
+
+
 def spmd_note(r: dict) -> str:
   f, w = r["fault"], r["window"]
   if r["scenario"] == "kill":
@@ -817,6 +863,7 @@ def parse(argv):
   ap.add_argument("--smoke", action="store_true", help="2 workers, store arm, none, 24 steps")
   ap.add_argument("--out", default=None)
   ap.add_argument("--render", nargs="+", help="print the table of earlier --out JSON files only")
+  ap.add_argument("--figure", help="with --render: also draw their traces to this PNG")
   args = ap.parse_args(argv)
   if args.smoke:
     args.workers, args.updates, args.sync_every, args.ckpt_every = 2, 24, 4, 8
@@ -838,7 +885,11 @@ def main(argv=None) -> int:
       data = json.loads(Path(path).read_text())
       print(f"{path}: {data['command']}; {data['machine']}\n")
       print(table(data["results"]) + "\n")
+    if args.figure:
+      merged = [r for p in args.render for r in json.loads(Path(p).read_text())["results"]]
+      common.log(f"wrote {figure(merged, Path(args.figure))}")
     return 0
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks end the workers
   plan = fault_plan(args)
   common.log(f"victim worker {plan['victim']}, fault at worker 0's stage {plan['stage']}")
   env = common.cpu_env(1)
