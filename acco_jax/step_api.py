@@ -34,6 +34,13 @@ from jax.sharding import PartitionSpec as P
 
 PyTree = Any
 
+# The device metrics every :meth:`Step.run` returns (a log row's fields; LoCo: per worker).
+METRICS = ("loss", "grad_norm", "microbatches", "committed", "skipped")
+# The one metric a call may add for the shell: where the call's outer sync was finite (per worker;
+# the low-communication steps). Absent: nothing but the loss can be non-finite. The trainer's
+# non-finite check (``train.on_nonfinite``) reads it with the loss.
+OUTER_FINITE = "outer_finite"
+
 
 @runtime_checkable
 class Step(Protocol):
@@ -70,9 +77,9 @@ class Step(Protocol):
 
   def run(self, state, batches: list, stage: int, total: int, counts=None) -> tuple[Any, dict]:
     """Runs ``len(batches) == call_stages(stage, total)`` stages; returns the state (the input
-    is donated) and the call's device metrics (``loss``, ``grad_norm``, ``microbatches``,
-    ``committed``, ``skipped``, ``stage``; a sync's outer metrics). ``counts``: per-device
-    microbatch budgets (heterogeneous workers), or ``None``."""
+    is donated) and the call's device metrics: every key of :data:`METRICS`, maybe
+    :data:`OUTER_FINITE`, and what the step's own :meth:`log_fields` and :meth:`outer_metrics`
+    read. ``counts``: per-device microbatch budgets (heterogeneous workers), or ``None``."""
 
   def sent_bytes(self, stage: int, total: int) -> float:
     """Bytes one worker sends to the others in the call that starts after ``stage`` (the

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+from acco_jax import step_api
 from acco_jax.run import build, parallel
 from configs import gpt2_acco, gpt2_diloco, gpt2_pipeline, gpt2_skippipe
 
@@ -52,6 +53,7 @@ def _losses(config, stages: int) -> list[float]:
   out = []
   for stage in range(stages):  # one stage a call (a LoCo schedule with no window of H stages)
     state, m = train.run(state, [placed], stage, stages, run.budgets)
+    assert set(step_api.METRICS) <= set(m), sorted(m)  # the declared contract of Step.run
     out.append(float(np.mean(jax.device_get(m["loss"]))))
   return out
 

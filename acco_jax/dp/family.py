@@ -19,6 +19,24 @@ def _source_step(config, model_cfg, num_devices):
   return build.source_step(config, model_cfg, num_devices)
 
 
+def _packing(config) -> registry.Packing | None:
+  if config.get("pipeline") is None or config.pipeline.stages == 0:
+    return None
+  why = "SkipPipe's paths (pipeline.stages > 0) run each row as one sequence, without segment masks"
+  return registry.Packing(False, why)
+
+
+def _absorbs_slow_workers(config) -> bool:
+  """ACCO's adaptive budgets give the slow workers fewer microbatches (``hetero.adaptive``)."""
+  return config.method == "acco" and bool(config.hetero.adaptive)
+
+
 FAMILY = registry.Family(
-  "dp", METHODS, build=_build, updates_done=updates_done, source_step=_source_step
+  "dp",
+  METHODS,
+  build=_build,
+  updates_done=updates_done,
+  source_step=_source_step,
+  packing=_packing,
+  absorbs_slow_workers=_absorbs_slow_workers,
 )

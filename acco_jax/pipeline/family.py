@@ -24,6 +24,16 @@ def _source_step(config, model_cfg, num_devices):
   return build.source_step(config, model_cfg, num_devices)
 
 
+# the stages run each row as one sequence: no segment masks cross a stage boundary
+ONE_SEQUENCE_A_ROW = registry.Packing(
+  False, "the pipeline's stages run each row as one sequence, without segment masks"
+)
+
 FAMILY = registry.Family(
-  "pipeline", ("pipeline",), build=_build, updates_done=_updates_done, source_step=_source_step
+  "pipeline",
+  ("pipeline",),
+  build=_build,
+  updates_done=_updates_done,
+  source_step=_source_step,
+  packing=lambda config: ONE_SEQUENCE_A_ROW,
 )

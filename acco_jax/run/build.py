@@ -252,17 +252,10 @@ def _check_instruction(config) -> None:
     raise errors.UserValueError(
       f"data.bucket={d.bucket!r} must be >= 1 (positions per bucket step)"
     )
-  family = registry.lookup(config.method).name
-  pipelined = family == "pipeline" or config.get("pipeline", {}).get("stages", 0)
-  if pipelined and d.packing:
+  rule = registry.lookup(config.method).packing(config)
+  if rule is not None and bool(d.packing) != rule.required:
     raise errors.UserValueError(
-      "data.packing=True: the pipeline's stages (and SkipPipe's paths) run each row as one "
-      "sequence, without segment masks: set data.packing=False"
-    )
-  if family == "loco" and not d.packing:
-    raise errors.UserValueError(
-      f"method={config.method} with data.packing=False: a LoCo call takes several stages' "
-      "batches at once, which buckets would give different widths: set data.packing=True"
+      f"data.packing={bool(d.packing)}: {rule.why}: set data.packing={rule.required}"
     )
 
 

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from acco_jax import errors
+from acco_jax.run import registry
 
 HEALTH_FILE = "health.json"
 _IDENTITY = "acco_jax/identity/"  # this process's host, pid and launch index
@@ -90,11 +91,12 @@ def check_config(config) -> None:
 
 
 def on_slow(config) -> str:
-  """``'keep'`` or ``'exclude'``: ``auto`` keeps slow workers where ACCO's adaptive budgets
-  absorb them (method acco with ``hetero.adaptive``) and excludes them otherwise."""
+  """``'keep'`` or ``'exclude'``: ``auto`` keeps slow workers where the run absorbs them (its
+  family says: ACCO's adaptive budgets, method acco with ``hetero.adaptive``) and excludes them
+  otherwise."""
   if config.health.on_slow != "auto":
     return config.health.on_slow
-  return "keep" if config.method == "acco" and config.hetero.adaptive else "exclude"
+  return "keep" if registry.lookup(config.method).absorbs_slow_workers(config) else "exclude"
 
 
 # -- reading the verdict: who takes part in the restart ------------------------------------------

@@ -145,16 +145,10 @@ def _check_optimizer(path: str, src, config, shapes) -> None:
 
 def _check_source(path: str, src, extra: dict, config, step) -> registry.Family:
   family = registry.lookup(src.method)
-  if family.name == "loco":
-    raise _refuse(
-      path,
-      f"the source is a method={src.method} run: its state is per worker (each worker's "
-      "parameters and inner optimizer) plus the outer optimizer's (the global parameters and "
-      "outer momentum), which no other run kind has a place for: start from a ddp, zero1, acco, "
-      "dpu, wp or pipeline run",
-    )
+  if family.state_stays:
+    raise _refuse(path, f"the source is a method={src.method} run: {family.state_stays}")
   if "plan" in extra:  # a pipeline's scheduled SkipPipe plan: its nodes are the source's devices
-    if registry.lookup(config.method).name != "pipeline":
+    if registry.lookup(config.method) is not family:
       raise _refuse(
         path,
         "the source trained on a scheduled SkipPipe plan (pipeline.schedule=skippipe, "

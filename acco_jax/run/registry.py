@@ -4,6 +4,11 @@ The run shell never imports a family (``dp``, ``loco``, ``pipeline``, ``ensemble
 ``family.py`` describes itself as a :class:`Family`, and :mod:`acco_jax.families` registers them
 all when the package is imported. A new family is one folder plus one line there.
 
+What the shell would otherwise decide by a family's or a method's name, the family declares
+(:class:`Family`'s ``packing``, ``state_stays``, ``reads_any_device_count``,
+``absorbs_slow_workers``): no module of ``acco_jax/run`` names one as a value
+(``tests/registry_test.py``).
+
 A family either builds a :class:`acco_jax.run.build.Run` that the trainer drives (``build``), or
 runs a config itself (``run``: HDEE trains its experts as trainer runs of their own). The trainer
 reaches a family only through what its build returns: ``Run.step``, a
@@ -26,6 +31,23 @@ def one_update_per_stage(config, stage: int) -> int:
   return stage
 
 
+class Packing(NamedTuple):
+  """A family's rule on ``data.packing``: it must be ``required`` (True or False) because ``why``."""
+
+  required: bool
+  why: str
+
+
+def no_packing_rule(config) -> Packing | None:
+  """Either ``data.packing`` works."""
+  return None
+
+
+def keeps_no_slow_workers(config) -> bool:
+  """Slow workers hold the others up (``health.on_slow=auto`` excludes them)."""
+  return False
+
+
 class Family(NamedTuple):
   """One family as the run shell sees it; the callables import the family's heavy modules on call,
   so that registering every family costs no import."""
@@ -42,6 +64,16 @@ class Family(NamedTuple):
   # (``abstract_state``) and exports it (``export_state``; acco_jax.portable). None: this
   # family's checkpoints cannot start another run (ckpt.init_from)
   source_step: Callable[[Any, Any, int], Any] | None = None
+  # What the shell would otherwise decide by the family's name:
+  # (config) -> the data.packing this family's run of ``config`` needs and why, or None
+  packing: Callable[[Any], Packing | None] = no_packing_rule
+  # why its checkpoints' state cannot start another run kind (ckpt.init_from), or '': it can
+  state_stays: str = ""
+  # its checkpoints read back on any device count (model.init=run:, the export); False: on as
+  # many devices as they were written on, at most
+  reads_any_device_count: bool = True
+  # (config) -> whether the run absorbs slow workers (health.on_slow=auto keeps them)
+  absorbs_slow_workers: Callable[[Any], bool] = keeps_no_slow_workers
 
 
 _BY_METHOD: dict[str, Family] = {}  # in registration order

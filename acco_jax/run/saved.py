@@ -103,7 +103,7 @@ def read_params(workdir: str, step: int | None = None):
     if family.source_step is None:
       raise errors.UserValueError(f"{workdir}: checkpoints of method={src.method} do not export")
     n = int(extra.get("num_devices", 0)) or len(jax.devices())
-    if family.name == "loco" and n > len(jax.devices()):
+    if not family.reads_any_device_count and n > len(jax.devices()):
       raise errors.UserValueError(
         f"{workdir}: a {src.method} checkpoint is laid out over its {n} devices, this process "
         f"has {len(jax.devices())}: read it on the CPU (JAX_PLATFORMS=cpu) or a machine with as "

@@ -25,7 +25,7 @@ import os
 
 import jax
 
-from acco_jax import data, errors
+from acco_jax import data, errors, step_api
 from acco_jax.run import build as build_lib
 from acco_jax.run import (
   compile_cache,
@@ -244,7 +244,7 @@ class Loop:
     used = self.step.microbatches_per_stage if self.budgets is None else int(self.budgets.sum())
     # width: data.seq_len, or an instruction batch's bucket
     self.rows.tokens_seen += used * self.config.batch.microbatch_size * width * stages
-    self.watch.flag(m["loss"], m.get("outer_finite", True))
+    self.watch.flag(m["loss"], m.get(step_api.OUTER_FINITE, True))
     self.stage += stages
     traced = self.pace.profiler.finished(self.stage, m["loss"])
     if traced and self.pace.lead:
