@@ -56,6 +56,8 @@ class Step(Protocol):
     num_params: the model's parameter count.
     keeps_residual: whether the state holds the residual of quantized sends (recorded with each
       checkpoint: a resumed run must keep or lack it alike).
+    data_share: ``(i, n)``: this job is worker ``i`` of ``n`` jobs and reads share ``i`` of each
+      global batch (LoCo workers as separate jobs); ``(0, 1)``: the whole batch.
   """
 
   mesh: Any
@@ -64,6 +66,7 @@ class Step(Protocol):
   microbatches_per_stage: int
   num_params: int
   keeps_residual: bool
+  data_share: tuple[int, int]
 
   def abstract_state(self, params_shapes: PyTree) -> PyTree:
     """``jax.ShapeDtypeStruct`` tree of the state, with shardings (a checkpoint restore target)."""
