@@ -11,6 +11,7 @@ batch on both).
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -58,6 +59,7 @@ def launch(method, store, workdir, worker, workers, **settings):
     **settings,
   }
   cmd = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT}/configs/gpt2_{method}.py:tiny"]
+  pathlib.Path(workdir).parent.mkdir(parents=True, exist_ok=True)
   log = open(f"{workdir}.log", "a")
   return subprocess.Popen(
     [*cmd, *flags(values), f"--workdir={workdir}"], env=env, stdout=log, stderr=subprocess.STDOUT
@@ -104,3 +106,106 @@ def test_store_workers_equal_the_spmd_run(method, tmp_path):
 
 def flat(tree):
   return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
+
+
+def rows_of(workdir) -> list[dict]:
+  path = pathlib.Path(workdir, "metrics.jsonl")
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def published(store, worker) -> bool:
+  return any(pathlib.Path(store, "rounds").glob(f"*/w{worker}.d0.npy"))
+
+
+def until(condition, what, timeout=180):
+  end = time.time() + timeout
+  while not condition():
+    assert time.time() < end, f"not within {timeout} s: {what}"
+    time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_worker_added_stalled_killed_or_slowed_does_not_stop_the_others(tmp_path):
+  """Three workers: worker 2 joins mid-run (caught up from the rounds decided before it), worker
+  1 stalls (SIGSTOP) longer than the grace and then runs 3x slow (a SIGSTOP/SIGCONT duty cycle),
+  worker 2 is killed. Worker 0 is in every round and finishes; the rounds go on without whoever
+  is absent; worker 1 catches up and finishes."""
+  store, settings = (
+    tmp_path / "store",
+    {
+      "train.num_updates": 400,
+      "train.log_every": 1,
+      "loco.grace_s": 2,
+      "loco.lease_s": 30,
+      "loco.snapshot_every": 2,
+      "loco.keep_rounds": 10_000,  # every round stays to be checked
+    },
+  )
+  w = {i: launch("diloco", store, tmp_path / f"w{i}", i, 3, **settings) for i in (0, 1)}
+  wait_for_round(store, 1)
+  for i in (0, 1):  # hold the run while the joiner starts, so that it joins mid-run
+    w[i].send_signal(signal.SIGSTOP)
+  joined_after = max(decided(store))
+  w[2] = launch("diloco", store, tmp_path / "w2", 2, 3, **settings)
+  until(lambda: published(store, 2), "worker 2 publishes")
+  for i in (0, 1):
+    w[i].send_signal(signal.SIGCONT)
+  until(lambda: any(2 in m for m in decided(store).values()), "a round with worker 2")
+  stalled_from = max(decided(store))
+  w[1].send_signal(signal.SIGSTOP)  # stalled past the grace: the rounds go on without it
+  without_1 = lambda: [r for r, m in decided(store).items() if r > stalled_from and 1 not in m]
+  until(lambda: len(without_1()) >= 2, "two rounds without the stalled worker 1")
+  w[1].send_signal(signal.SIGCONT)
+  w[2].kill()
+  w[2].wait()  # reaped: a zombie's pid would still look alive
+  killed_at = max(decided(store))
+  slow_until = time.time() + 6
+  while time.time() < slow_until and w[1].poll() is None:  # worker 1 at a third of its speed
+    w[1].send_signal(signal.SIGSTOP)
+    time.sleep(0.2)
+    w[1].send_signal(signal.SIGCONT)
+    time.sleep(0.1)
+  finish([w[0], w[1]])
+  rounds = decided(store)
+  # worker 0 syncs 200 times (400 steps, H = 2) and is in each of its rounds; worker 1, having
+  # adopted rounds decided while it was stopped, may sync past them alone once worker 0 is done
+  assert all(0 in rounds[r] for r in range(200)), "worker 0 is never left out"
+  joined = [r for r in rounds if 2 in rounds[r]]
+  assert joined and min(joined) > joined_after, (joined_after, joined)
+  assert all(2 not in rounds[r] for r in rounds if r > killed_at + 1), rounds
+  caught_up = [r["outer_caught_up"] for r in rows_of(tmp_path / "w1") if "outer_caught_up" in r]
+  assert max(caught_up) >= 1  # worker 1 adopted the rounds decided while it was stopped
+  assert any(r.get("outer_round", 0) > joined_after for r in rows_of(tmp_path / "w2"))
+
+
+@pytest.mark.slow
+def test_a_killed_worker_resumes_bit_exactly(tmp_path):
+  """Two workers that every round waits for (``min_workers=2``: the same arrivals whatever
+  happens): worker 1 killed and restarted from its checkpoint, later both: the final global
+  parameters are bit-identical to the uninterrupted run's (the same program reruns)."""
+  settings = {
+    "train.num_updates": 24,
+    "loco.min_workers": 2,
+    "loco.grace_s": 0,
+    "ckpt.every": 4,
+  }
+
+  def run(name, kills):
+    store = tmp_path / name / "store"
+    work = lambda i: tmp_path / name / f"w{i}"
+    w = {i: launch("sparseloco", store, work(i), i, 2, **settings) for i in (0, 1)}
+    for at, who in kills:
+      wait_for_round(store, at)
+      for i in who:
+        w[i].kill()
+        w[i].wait()
+      for i in who:
+        w[i] = launch("sparseloco", store, work(i), i, 2, **settings)
+    finish(w.values())
+    return [saved.read_params(str(work(i)))[0] for i in (0, 1)]
+
+  want = run("once", [])
+  got = run("killed", [(3, [1]), (7, [0, 1])])
+  for i in (0, 1):
+    np.testing.assert_array_equal(flat(got[i]), flat(want[i]))
+  np.testing.assert_array_equal(flat(want[0]), flat(want[1]))

@@ -94,10 +94,12 @@ class SyncAccounting:
     """The outer-step fields of a call's (host) metrics, for a log line: per-worker values as their
     mean over workers, the bytes the sync sent per worker and the share of values it sent."""
     keys = ("outer_fragment", "outer_delta_norm", "outer_step_norm", "outer_pairing")
+    keys += ("outer_round", "outer_members", "outer_caught_up")  # a store's round
     row = {k: np.mean(np.asarray(metrics[k])).item() for k in keys if k in metrics}
     if "outer_fragment" in row:
       row["outer_fragment"] = p = int(row["outer_fragment"])
       row.update(sync_bytes_per_worker=self.wire_bytes(p), sent_density=self.density())
-    if "outer_pairing" in row:
-      row["outer_pairing"] = int(row["outer_pairing"])
+    for k in ("outer_pairing", "outer_round", "outer_members", "outer_caught_up"):
+      if k in row:
+        row[k] = int(row[k])
     return row

@@ -120,7 +120,10 @@ def _transport(config, url: str | None, offline: bool):
       keep_rounds=c.keep_rounds,
     )
     store.check_run(run_record(config))
-    store.acquire()
+    # a worker that starts with rounds decided catches up first: the others do not wait for it
+    # in the round under way, only from the one after
+    latest = store.latest_decided()
+    store.acquire(from_round=latest + 2 if latest >= 0 else 0)
     _OPEN[key] = transport_lib.StoreTransport(store, c.worker, c.workers, c.snapshot_every)
   return _OPEN[key]
 

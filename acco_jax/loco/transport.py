@@ -109,19 +109,21 @@ class StoreTransport:
   def sync(self, step, state):
     """A sync point (``τ = 0``): this worker's payload to its round, wait for the round's decision,
     apply it; a worker whose round was decided without it adopts the decided rounds instead.
+    A round decided with it (a worker rerunning from its checkpoint) is applied as the first time.
     Returns ``(state, metrics)``."""
     r = self._round(step, state)
     p = r % step.method.fragments
     wire, kept, acc, finite = encode_program(step, p)(state, jnp.int32(r))
     sparse = step.method.sparse is not None
-    if not self._late(step, r):
+    members = self.store.decided(r)
+    if members is None:
       self.store.publish(r, host_blocks(wire))
       members = self.store.members(r, step.num_devices)
-      if self.worker in members or step.method.aggregate == "pairs":
-        own = wire if step.method.aggregate == "pairs" else None
-        state, metrics = self.apply_round(step, state, r, members, own, kept if sparse else ())
-        self.snapshot(step, state, r, members)
-        return state, {**metrics, "outer_finite": finite}
+    if self.worker in members or step.method.aggregate == "pairs":
+      own = wire if step.method.aggregate == "pairs" else None
+      state, metrics = self.apply_round(step, state, r, members, own, kept if sparse else ())
+      self.snapshot(step, state, r, members)
+      return state, {**metrics, "outer_finite": finite}
     # late: nothing of this worker is in the round; the error feedback keeps all it accumulated
     state, metrics = self.catch_up(step, state, acc if sparse else ())
     return state, {**metrics, "outer_finite": finite}
@@ -132,10 +134,12 @@ class StoreTransport:
     ``(state, metrics)``."""
     r = self._round(step, state)
     p = r % step.method.fragments
-    if self._late(step, r):
+    members = self.store.decided(r)
+    if members is not None and self.worker not in members:
       return self.catch_up(step, state)
     wire, _, _, finite = encode_program(step, p)(state, jnp.int32(r))
-    self.store.publish(r, host_blocks(wire))
+    if members is None:
+      self.store.publish(r, host_blocks(wire))
     return state._replace(inflight_fragment=jnp.int32(p)), {"outer_finite": finite}
 
   def land(self, step, state):
@@ -150,26 +154,26 @@ class StoreTransport:
     return state, metrics
 
   def _round(self, step, state) -> int:
-    """The round this worker publishes to: its next; NoLoCo's the first undecided (it has no
-    global state to catch up)."""
+    """The round this worker publishes to: its next; NoLoCo's, where that was decided without it,
+    the first undecided (it has no global state to catch up)."""
     r = int(state.round)
     if step.method.aggregate == "pairs":
-      r = max(r, self.store.latest_decided() + 1)
+      members = self.store.decided(r)
+      if members is not None and self.worker not in members:
+        r = max(r, self.store.latest_decided() + 1)
     return r
 
-  def _late(self, step, r: int) -> bool:
-    return step.method.aggregate != "pairs" and self.store.decided(r) is not None
-
   def catch_up(self, step, state, comp=()):
-    """Applies every decided round this worker has not (none of them holds its payload: it was
-    late, stalled or away), reading a snapshot where the rounds were collected; ``comp``: its
-    error feedback from now on, if it changed. Returns ``(state, the last round's metrics)`` with
+    """Applies the decided rounds that hold nothing of this worker's (it was late, stalled or away),
+    up to the first undecided one or one it took part in (rerun from a checkpoint: its sync applies
+    that one), reading a snapshot where the rounds were collected; ``comp``: its error feedback
+    from now on, if it changed. Returns ``(state, the last round's metrics)`` with
     ``outer_caught_up``, the rounds applied."""
     count, metrics = 0, {}
     while step.method.aggregate != "pairs":
       r = int(state.round)
       members = self.store.decided(r)
-      if members is None:
+      if members is None or self.worker in members:
         break
       try:
         state, metrics = self.apply_round(step, state, r, members, None, comp)
@@ -179,7 +183,7 @@ class StoreTransport:
       count += 1
     if comp != ():
       state = state._replace(comp=comp)
-    return state, {**metrics, "outer_caught_up": count}
+    return state, {**metrics, "outer_caught_up": jnp.int32(count)}
 
   def resync(self, step, state, r: int):
     """``θ_g`` and the outer optimizer's state from the latest snapshot (this worker's local
