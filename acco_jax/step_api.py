@@ -84,6 +84,14 @@ class Step(Protocol):
     :data:`OUTER_FINITE`, and what the step's own :meth:`log_fields` and :meth:`outer_metrics`
     read. ``counts``: per-device microbatch budgets (heterogeneous workers), or ``None``."""
 
+  def feed(self, stream):
+    """This process's host batches as the step takes them: ``stream`` itself, or with what a
+    family adds to each batch (SkipPipe's paths: each microbatch's layer order, ``'order'``)."""
+
+  def priming_batch(self, batch: dict) -> dict:
+    """The priming batch (one microbatch per device, host rows of the stream seeded
+    ``train.seed + 1``) as the step takes it, like :meth:`feed`'s batches."""
+
   def sent_bytes(self, stage: int, total: int) -> float:
     """Bytes one worker sends to the others in the call that starts after ``stage`` (the
     low-communication methods' outer syncs; 0 where every device is one worker)."""
@@ -221,6 +229,12 @@ class StepBase:
 
   def call_stages(self, stage: int, total: int) -> int:
     return 1
+
+  def feed(self, stream):
+    return stream
+
+  def priming_batch(self, batch: dict) -> dict:
+    return batch
 
   def sent_bytes(self, stage: int, total: int) -> float:
     return 0.0

@@ -45,8 +45,7 @@ def _losses(config, stages: int) -> list[float]:
   train = run.step
   rows = train.microbatches_per_stage * config.batch.microbatch_size
   stream = build.batch_stream(run, config, run.tokens.train, rows, seed=0)
-  if run.orders is not None:  # SkipPipe: each microbatch's layer order rides in the batch
-    stream = run.orders.stream(stream, 0, 1)
+  stream = train.feed(stream)  # SkipPipe: each microbatch's layer order rides in the batch
   batch = next(stream)
   placed = parallel.global_batch(batch, run.mesh, run.batch_axis, run.batch_whole)
   state = train.init(jax.tree.map(np.asarray, _init(run, config)), build.prime_batch(run, config))

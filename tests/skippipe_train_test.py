@@ -51,8 +51,8 @@ def _config(method="zero1", stages=4, skip=0.0, swap=False, **opt):
 def _batches(run, config, n):
   rows = run.mesh.size * run.step.num_microbatches * config.batch.microbatch_size
   stream = build.batch_stream(run, config, run.tokens.train, rows, seed=0)
-  if run.orders is not None:
-    stream = orders_lib.OrderedStream(stream, run.orders)
+  if run.step.orders is not None:
+    stream = orders_lib.OrderedStream(stream, run.step.orders)
   return [next(stream) for _ in range(n)]
 
 
@@ -71,7 +71,7 @@ def _train(stages):
 @pytest.mark.slow  # the skipped/swapped-orders test trains through the same path by default
 def test_identity_order_trains_as_the_full_model():
   run, with_paths, loss_paths = _train(stages=4)
-  assert run.orders is not None and set(run.orders.plan.paths) == {(1, 2, 3)}
+  assert run.step.orders is not None and set(run.step.orders.plan.paths) == {(1, 2, 3)}
   _, without, loss_plain = _train(stages=0)
   np.testing.assert_allclose(loss_paths, loss_plain, rtol=RTOL, atol=ATOL)
   assert loss_paths[1] < loss_paths[0] - 1e-3  # the first step moved the weights
@@ -93,14 +93,14 @@ def test_skipped_and_swapped_orders_move_exactly_the_expected_weights():
     schedule="constant",
   )
   run = build.build(config)
-  assert run.orders.k == 2
+  assert run.step.orders.k == 2
   params = model.init_params(run.model_cfg, 0)
   batch = _batches(run, config, 1)[0]
   B = config.batch.microbatch_size
   n_mb = batch["inputs"].shape[0] // B
   # two swapped orders that leave stage 1 (block 1) out: (3, 2) and (2, 3), alternating
   ps = [(3, 2) if g % 2 else (2, 3) for g in range(n_mb)]
-  batch["order"] = run.orders.rows_for(ps)
+  batch["order"] = run.step.orders.rows_for(ps)
   state = run.step.init(params)
   state, _ = run.step.step(state, parallel.global_batch(batch, run.mesh))
   after = jax.device_get(run.step.params(state))
@@ -135,9 +135,9 @@ def test_random_paths_follow_the_batch_index():
   config = _config("zero1", stages=4, skip=0.5, swap=True)
   config.pipeline.paths = "random"
   run = build.build(config)
-  a, b = run.orders.order_rows(3), run.orders.order_rows(3)
+  a, b = run.step.orders.order_rows(3), run.step.orders.order_rows(3)
   np.testing.assert_array_equal(a, b)
-  assert not np.array_equal(run.orders.order_rows(3), run.orders.order_rows(4))
+  assert not np.array_equal(run.step.orders.order_rows(3), run.step.orders.order_rows(4))
   assert a.shape == (run.mesh.size * run.step.num_microbatches, 2)  # B = 1; stage 0 + 1 stage
   assert (a[:, 0] == 0).all() and set(np.unique(a[:, 1])) <= {1, 2, 3}
 
@@ -165,10 +165,8 @@ def test_a_resumed_run_draws_the_same_paths(tmp_path):
     jax.tree.leaves(finals["straight"]), jax.tree.leaves(finals["resumed"]), strict=True
   ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  run = build.build(
-    config
-  )  # the paths change from iteration to iteration (or this shows nothing)
-  assert not np.array_equal(run.orders.order_rows(2), run.orders.order_rows(3))
+  run = build.build(config)  # the paths change from iteration to iteration (or this shows nothing)
+  assert not np.array_equal(run.step.orders.order_rows(2), run.step.orders.order_rows(3))
   events = [
     json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
   ]

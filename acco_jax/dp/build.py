@@ -58,6 +58,7 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
     elementwise=layouts.optimizer_is_elementwise(config),
   )
   _for_checkpoints(train, config, shapes)
+  train.orders = orders
   policy = None
   if config.hetero.adaptive:
     policy = hetero.BudgetPolicy(
@@ -77,7 +78,6 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
     total_stages=total,
     base_microbatches=k,
     budgets=budgets,
-    orders=orders,
     policy=policy,
   )
 

@@ -74,6 +74,9 @@ class TrainStep(StepBase):
     mesh: the mesh the step runs on.
     num_microbatches: ``k``, microbatches per device per stage (the maximum when counts vary).
     program: the :class:`acco_jax.dp.stage.StageProgram` each stage runs.
+    orders: SkipPipe's layer order per microbatch (:class:`acco_jax.skippipe.orders.LayerOrders`,
+      ``pipeline.stages > 0``: the config's build sets it), added to each batch by :meth:`feed`;
+      None: every microbatch runs the layers in order.
   """
 
   def __init__(
@@ -121,6 +124,7 @@ class TrainStep(StepBase):
     # the method transform on another device count (a checkpoint's: the owner layout's masks are in
     # that count's view); the config's build sets it, a transform with callable masks needs none
     self.source_tx = lambda n: self.tx
+    self.orders = None
     # the inner optimizer on the model's tree (ckpt.init_from of the owner layout: its state's
     # portable form); the config's build sets it, a transform with callable masks is its own
     self.tree_inner = getattr(tx, "inner", None)
@@ -333,6 +337,18 @@ class TrainStep(StepBase):
 
   def optimizer_state(self, state: TrainState) -> PyTree:
     return state.opt_state
+
+  def feed(self, stream):
+    if self.orders is None:
+      return stream
+    return self.orders.stream(stream, jax.process_index(), jax.process_count())
+
+  def priming_batch(self, batch: dict) -> dict:
+    """Device i primes with the path of its first microbatch."""
+    if self.orders is None:
+      return batch
+    k, index, count = self.num_microbatches, jax.process_index(), jax.process_count()
+    return {**batch, "order": self.orders.prime_rows(k, index, count)}
 
   def comm_bytes_per_stage(self) -> float:
     return comm_bytes_per_stage(self.plan, self.layout.padded_size, self.num_devices)

@@ -39,7 +39,6 @@ class Run:
   base_microbatches: int  # per device per stage without heterogeneous budgets
   budgets: np.ndarray | None  # fixed per-device budgets per stage (hetero.budgets), else None
   batch_axis: Any = parallel.DATA  # the mesh axes a batch's rows are sharded over
-  orders: Any = None  # SkipPipe paths: acco_jax.skippipe.orders.LayerOrders (pipeline.stages > 0)
   policy: Any = None  # hetero.adaptive's per-device budgets: acco_jax.dp.hetero.BudgetPolicy
   # every process reads the whole global batch (a pipeline: a lane's devices sit on several
   # processes, which must hold the same rows)
@@ -128,10 +127,7 @@ def prime_batch(run: Run, config):
   prime = next(
     batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed + 1, share=share)
   )
-  if run.orders is not None:  # device i primes with the path of its first microbatch
-    prime["order"] = run.orders.prime_rows(
-      run.step.num_microbatches, jax.process_index(), jax.process_count()
-    )
+  prime = run.step.priming_batch(prime)  # SkipPipe: each device primes with its first path
   return parallel.global_batch(prime, run.mesh, run.batch_axis, run.batch_whole)
 
 

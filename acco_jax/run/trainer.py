@@ -90,15 +90,14 @@ def train_and_evaluate(
 
 def train_stream(run: Run, config):
   """The training batches of this process, and the rows one stage takes (a pipeline: ``M`` per
-  data lane, not per device); under SkipPipe each microbatch's layer order rides in its batch."""
+  data lane, not per device), as the step takes them (SkipPipe: with each microbatch's layer
+  order)."""
   rows_per_stage = run.step.microbatches_per_stage * config.batch.microbatch_size
   rows, share = rows_per_stage, run.step.data_share
   stream = build_lib.batch_stream(
     run, config, run.tokens.train, rows, seed=config.train.seed, share=share
   )
-  if run.orders is not None:
-    stream = run.orders.stream(stream, jax.process_index(), jax.process_count())
-  return stream, rows_per_stage
+  return run.step.feed(stream), rows_per_stage
 
 
 def check_held_out(run: Run, config) -> None:
