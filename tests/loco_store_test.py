@@ -60,11 +60,12 @@ def spmd(method, workers, batches, total):
   return [jax.device_get(per_worker(m)) for m in range(workers)]
 
 
-def worker(method, i, workers, url, batches, total, out, **store_kwargs):
-  store = RoundStore(url, i, grace_s=60.0, min_workers=workers, poll_s=0.01, **store_kwargs)
+def worker(method, i, workers, url, batches, total, out, snapshot_every=2, **store_kwargs):
+  store_kwargs = {"grace_s": 60.0, "min_workers": workers, "poll_s": 0.01, **store_kwargs}
+  store = RoundStore(url, i, **store_kwargs)
   store.check_run({"run": "loco_store_test", "method": method.name})
   store.acquire()
-  transport = StoreTransport(store, i, workers, snapshot_every=2)
+  transport = StoreTransport(store, i, workers, snapshot_every)
   mesh = loco_step.worker_mesh(1, jax.devices()[i * D : (i + 1) * D])
   train = loco_step.make_loco_step(
     toy_loss,
@@ -80,16 +81,17 @@ def worker(method, i, workers, url, batches, total, out, **store_kwargs):
   transport.close()
 
 
-def through_store(method, workers, batches, total, url):
+def through_store(method, workers, batches, total, url, running=None, **kwargs):
+  """Each worker's final θ_g: ``running`` (default: all) of ``workers`` slots, each a thread."""
   out, errors = {}, []
 
   def run(i):
     try:
-      worker(method, i, workers, url, batches, total, out)
+      worker(method, i, workers, url, batches, total, out, **kwargs)
     except BaseException as e:  # surfaced below
       errors.append(e)
 
-  threads = [threading.Thread(target=run, args=(i,)) for i in range(workers)]
+  threads = [threading.Thread(target=run, args=(i,)) for i in running or range(workers)]
   for t in threads:
     t.start()
   for t in threads:
@@ -119,3 +121,19 @@ def test_store_workers_equal_the_mesh_when_all_are_present(name, tmp_path):
   for i in range(workers):
     close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
     jax.tree.map(close, got[i], want[i])
+
+
+def test_a_late_joiner_starts_from_the_latest_snapshot_and_the_rounds_after_it(tmp_path):
+  """Workers 0 and 1 of 3 slots run 7 rounds (a snapshot before rounds 3 and 6, rounds below 3
+  collected); worker 2 then starts: round 0 is gone, so it reads snapshot 6 (θ_g and the outer
+  momentum) and applies round 6 from the members' payloads: its θ_g is the others' final one."""
+  method, total, url = loco.diloco(sync_every=2), 14, str(tmp_path / "store")
+  batches = toy_batches(total, 3 * D * K * B)
+  kept = dict(snapshot_every=3, keep_rounds=3, min_workers=2)
+  done = through_store(method, 3, batches, total, url, running=[0, 1], **kept)
+  assert not (tmp_path / "store" / "rounds" / "00000000").exists()  # collected
+  joined = {}
+  worker(method, 2, 3, url, batches, 0, joined, **kept)  # no steps of its own: the state it joins
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  jax.tree.map(close, joined[2], done[0])
+  jax.tree.map(close, done[1], done[0])

@@ -209,3 +209,77 @@ def test_a_killed_worker_resumes_bit_exactly(tmp_path):
   for i in (0, 1):
     np.testing.assert_array_equal(flat(got[i]), flat(want[i]))
   np.testing.assert_array_equal(flat(want[0]), flat(want[1]))
+
+
+# -- bad input: one line, before any work, the workdir never created (default suite: no compile) --
+
+
+def store_config(store, **overrides):
+  settings = {"loco.transport": f"store:{store}", "loco.workers": 2, "loco.worker": 0}
+  return tiny(gpt2_diloco, **SMALL, **{"mesh.num_devices": 1, **settings, **overrides})
+
+
+def recorded_by_another_worker(store, **overrides):
+  """The store as a first worker of a run with ``overrides`` left it (its record, no lease)."""
+  from acco_jax.loco import build as loco_build
+  from acco_jax.loco.store import RoundStore
+
+  RoundStore(str(store), 1).check_run(loco_build.run_record(store_config(store, **overrides)))
+
+
+def held_by_this_process(store):
+  """Worker 0's lease held by a live process (this one, through another store object)."""
+  from acco_jax.loco.store import RoundStore
+
+  holder = RoundStore(str(store), 0)
+  holder.acquire()
+  return holder
+
+
+STORE_REFUSALS = {
+  "worker-out-of-range": ({"loco.worker": 2}, r"loco.worker=2 with loco.workers=2"),
+  "no-worker-slots": ({"loco.workers": 0}, r"numbered 0..loco.workers-1"),
+  "outer-overlap": ({"loco.outer_overlap": "eager"}, r"runs on the mesh only"),
+  "quorum-above-the-slots": ({"loco.min_workers": 3}, r"1 <= min_workers <= loco.workers=2"),
+  "snapshots-past-the-kept-rounds": (
+    {"loco.snapshot_every": 9, "loco.keep_rounds": 8},
+    r"need 1 <= snapshot_every <= keep_rounds",
+  ),
+  "unknown-transport": ({"loco.transport": "s3://bucket"}, r"choose 'mesh' .* or 'store:<url>'"),
+  "unknown-protocol": ({"loco.transport": "store:nope://bucket/run"}, r"nope"),
+  "unreachable": ({"loco.transport": "store:{file}/run"}, r"cannot be reached"),
+}
+
+
+@pytest.mark.parametrize("case", list(STORE_REFUSALS))
+def test_bad_store_settings_are_one_line_before_any_write(case, tmp_path):
+  from tests.refusals_test import refused_before_any_write
+
+  overrides, match = STORE_REFUSALS[case]
+  (tmp_path / "file").write_text("a file, not a directory")
+  if "loco.transport" in overrides:
+    overrides = {
+      **overrides,
+      "loco.transport": overrides["loco.transport"].format(file=tmp_path / "file"),
+    }
+  refused_before_any_write(store_config(tmp_path / "store", **overrides), match, tmp_path)
+
+
+def test_a_store_of_another_run_or_config_or_a_taken_id_is_refused_before_any_write(tmp_path):
+  from tests.refusals_test import refused_before_any_write
+
+  cases = [
+    ("seed", {"train.seed": 7}, r"holds another run \(data embedded, train.seed 7\)"),
+    ("sync", {"loco.sync_every": 4}, r"loco.sync_every=2 differs from the run's 4 recorded in"),
+    ("compression", {"loco.topk": 3}, r"loco.topk=64 differs from the run's 3"),
+  ]
+  for name, theirs, match in cases:
+    store = tmp_path / name
+    recorded_by_another_worker(store, **theirs)
+    before = sorted(p.name for p in store.rglob("*"))
+    refused_before_any_write(store_config(store), match, tmp_path / name)
+    assert sorted(p.name for p in store.rglob("*")) == before  # nothing written to the store
+  store = tmp_path / "taken"
+  holder = held_by_this_process(store)
+  refused_before_any_write(store_config(store), r"worker 0 is already running", tmp_path / "taken")
+  holder.release()

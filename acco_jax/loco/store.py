@@ -418,7 +418,7 @@ class RoundStore:
     """
     if self._lost is not None:
       raise self._lost
-    if self.decided(r) is not None or self._gone(r):
+    if self.decided(r) is not None or self.collected(r):
       return False
     for rank, x in sorted(blocks.items()):
       self._put(self._block(r, self.worker, int(rank)), encode_array(x))
@@ -488,7 +488,7 @@ class RoundStore:
       if got is not None:
         return got
       if self.clock() - live_at >= 1.0:
-        if self._gone(r):
+        if self.collected(r):
           raise RoundGone(f"round {r} of {self.url} was collected")
         live, live_at = self._expected(r), self.clock()
       arrived = self.arrived(r, ranks)
@@ -519,12 +519,13 @@ class RoundStore:
     try:
       data = self._cat(self._block(r, worker, rank))
     except FileNotFoundError:
-      if self._gone(r):
+      if self.collected(r):
         raise RoundGone(f"round {r} of {self.url} was collected") from None
       raise
     return decode_array(data)
 
-  def _gone(self, r: int) -> bool:
+  def collected(self, r: int) -> bool:
+    """Whether round ``r`` was collected (a reader of it resynchronizes from a snapshot)."""
     try:
       return r < self._read_json(self._path("gc.json"))["rounds_below"]
     except FileNotFoundError:

@@ -173,6 +173,9 @@ class StoreTransport:
     while step.method.aggregate != "pairs":
       r = int(state.round)
       members = self.store.decided(r)
+      if members is None and self.store.collected(r):  # away too long: the latest snapshot
+        state, count = self.resync(step, state, r), count + 1
+        continue
       if members is None or self.worker in members:
         break
       try:
