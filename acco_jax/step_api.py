@@ -58,6 +58,8 @@ class Step(Protocol):
       checkpoint: a resumed run must keep or lack it alike).
     data_share: ``(i, n)``: this job is worker ``i`` of ``n`` jobs and reads share ``i`` of each
       global batch (LoCo workers as separate jobs); ``(0, 1)``: the whole batch.
+    budgets: every device's microbatches per stage (heterogeneous workers: ``hetero``), a host int
+      array, or None: ``num_microbatches`` each.
   """
 
   mesh: Any
@@ -67,6 +69,7 @@ class Step(Protocol):
   num_params: int
   keeps_residual: bool
   data_share: tuple[int, int]
+  budgets: Any
 
   def abstract_state(self, params_shapes: PyTree) -> PyTree:
     """``jax.ShapeDtypeStruct`` tree of the state, with shardings (a checkpoint restore target)."""
@@ -82,7 +85,7 @@ class Step(Protocol):
     """Runs ``len(batches) == call_stages(stage, total)`` stages; returns the state (the input
     is donated) and the call's device metrics: every key of :data:`METRICS`, maybe
     :data:`OUTER_FINITE`, and what the step's own :meth:`log_fields` and :meth:`outer_metrics`
-    read. ``counts``: per-device microbatch budgets (heterogeneous workers), or ``None``."""
+    read. ``counts``: per-device microbatch budgets, or ``None``: the step's :attr:`budgets`."""
 
   def feed(self, stream):
     """This process's host batches as the step takes them: ``stream`` itself, or with what a
@@ -151,6 +154,13 @@ class Probed(Protocol):
   def probe(self, state, batch: PyTree, repeats: int = 2) -> tuple[float, float]:
     """Seconds per microbatch on this process's devices, and of one stage's communication."""
 
+  def adapts(self, stage: int, start: int) -> bool:
+    """Whether the budgets want a probe before stage ``stage`` (``start``: this process's first)."""
+
+  def adapt(self, mb_time_s, comm_time_s: float) -> bool | None:
+    """New :attr:`Step.budgets` from a probe: every device's seconds per microbatch and the
+    stage's communication; whether they changed, or None: the budgets do not adapt."""
+
 
 @runtime_checkable
 class Portable(Protocol):
@@ -189,6 +199,7 @@ class StepBase:
   """
 
   keeps_residual = False
+  budgets = None
   data_share = (0, 1)  # (i, n): a job that is worker i of n reads share i of each global batch
 
   def __init__(self, mesh):

@@ -51,7 +51,7 @@ def _losses(config, stages: int) -> list[float]:
   state = train.init(jax.tree.map(np.asarray, _init(run, config)), build.prime_batch(run, config))
   out = []
   for stage in range(stages):  # one stage a call (a LoCo schedule with no window of H stages)
-    state, m = train.run(state, [placed], stage, stages, run.budgets)
+    state, m = train.run(state, [placed], stage, stages)
     assert set(step_api.METRICS) <= set(m), sorted(m)  # the declared contract of Step.run
     out.append(float(np.mean(jax.device_get(m["loss"]))))
   return out

@@ -133,12 +133,8 @@ def reference_acco(config, run, num_stages):
   n, b, k_max = run.mesh.size, config.batch.microbatch_size, max(BUDGETS)
   grad = jax.jit(jax.grad(lambda p, mb: model.loss_fn(p, run.model_cfg, mb)[0]))
   add = lambda *trees: jax.tree.map(lambda *x: sum(x[1:], x[0]), *trees)
-  prime = next(
-    build.batch_stream(run, config, run.tokens.train, n * b, seed=config.train.seed + 1)
-  )
-  stream = build.batch_stream(
-    run, config, run.tokens.train, n * k_max * b, seed=config.train.seed
-  )
+  prime = next(build.batch_stream(run, config, run.tokens.train, n * b, seed=config.train.seed + 1))
+  stream = build.batch_stream(run, config, run.tokens.train, n * k_max * b, seed=config.train.seed)
   theta = model.init_params(run.model_cfg, config.train.seed)
   rows = lambda batch, lo, hi: jax.tree.map(lambda x: x[lo:hi], batch)
   buf = add(*[grad(theta, rows(prime, i * b, (i + 1) * b)) for i in range(n)])
@@ -177,6 +173,22 @@ def test_unequal_budgets_through_the_trainer_match_the_reference(tmp_path):
   assert moved > 1e-3
   logged = [r for r in trainer_rows(tmp_path) if "budgets" in r and "loss" in r]
   assert logged and all(r["budgets"] == BUDGETS and r["microbatches"] == 12 for r in logged)
+
+
+def test_adaptive_budgets_are_probed_and_logged_through_the_trainer(tmp_path):
+  """hetero.adaptive: the step probes at the process's first stage and every adapt_every stages,
+  and every row carries the budgets its stage ran (one process times all its devices alike, so
+  balance keeps the base budget: the planner's arithmetic is the unit tests' above). ~5 s."""
+  config = sgd_config()
+  config.hetero.budgets, config.hetero.adaptive, config.hetero.adapt_every = "", "balance", 2
+  config.batch.microbatches, config.train.log_every = 6, 1  # 3 microbatches per stage
+  trainer.train_and_evaluate(config, str(tmp_path))
+  rows = trainer_rows(tmp_path)
+  events = [r for r in rows if r.get("event") == "budgets"]
+  assert [(e["stage"], e["budgets"]) for e in events] == [(0, [3] * 8), (2, [3] * 8)]
+  logged = [r for r in rows if "loss" in r]
+  assert [r["stage"] for r in logged] == [1, 2, 3, 4]
+  assert all(r["budgets"] == [3] * 8 and r["microbatches"] == 24 for r in logged)
 
 
 def trainer_rows(workdir):

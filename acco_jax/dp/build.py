@@ -58,10 +58,10 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
     elementwise=layouts.optimizer_is_elementwise(config),
   )
   _for_checkpoints(train, config, shapes)
-  train.orders = orders
-  policy = None
+  train.orders, train.budgets = orders, budgets
   if config.hetero.adaptive:
-    policy = hetero.BudgetPolicy(
+    train.adapt_every = config.hetero.adapt_every
+    train.policy = hetero.BudgetPolicy(
       mesh.size,
       base=k,
       k_max=train.num_microbatches,
@@ -77,8 +77,6 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
     stages_per_update=per_update,
     total_stages=total,
     base_microbatches=k,
-    budgets=budgets,
-    policy=policy,
   )
 
 

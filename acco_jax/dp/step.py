@@ -125,6 +125,9 @@ class TrainStep(StepBase):
     # that count's view); the config's build sets it, a transform with callable masks needs none
     self.source_tx = lambda n: self.tx
     self.orders = None
+    # heterogeneous workers: fixed budgets (hetero.budgets), or a policy that moves them
+    # (hetero.adaptive: acco_jax.dp.hetero.BudgetPolicy) every adapt_every stages
+    self.budgets, self.policy, self.adapt_every = None, None, 1
     # the inner optimizer on the model's tree (ckpt.init_from of the owner layout: its state's
     # portable form); the config's build sets it, a transform with callable masks is its own
     self.tree_inner = getattr(tx, "inner", None)
@@ -333,10 +336,20 @@ class TrainStep(StepBase):
   def run(self, state: TrainState, batches: list, stage: int, total: int, counts=None):
     """:meth:`step` on the one batch of a stage (the trainer's call)."""
     (batch,) = batches
-    return self.step(state, batch, counts)
+    return self.step(state, batch, self.budgets if counts is None else counts)
 
   def optimizer_state(self, state: TrainState) -> PyTree:
     return state.opt_state
+
+  def adapts(self, stage: int, start: int) -> bool:
+    return self.policy is not None and (stage == start or stage % self.adapt_every == 0)
+
+  def adapt(self, mb_time_s, comm_time_s: float) -> bool | None:
+    if self.policy is None:
+      return None
+    changed = self.policy.observe(mb_time_s, comm_time_s)
+    self.budgets = self.policy.budgets
+    return changed
 
   def feed(self, stream):
     if self.orders is None:

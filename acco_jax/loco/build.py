@@ -46,7 +46,6 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
     stages_per_update=1,
     total_stages=total,
     base_microbatches=k,
-    budgets=None,
     batch_axis=axes,
   )
 

@@ -176,7 +176,6 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
     stages_per_update=per_update,
     total_stages=total,
     base_microbatches=M,
-    budgets=None,
     batch_axis=axis,
     batch_whole=True,
   )

@@ -37,9 +37,7 @@ class Run:
   stages_per_update: int
   total_stages: int
   base_microbatches: int  # per device per stage without heterogeneous budgets
-  budgets: np.ndarray | None  # fixed per-device budgets per stage (hetero.budgets), else None
   batch_axis: Any = parallel.DATA  # the mesh axes a batch's rows are sharded over
-  policy: Any = None  # hetero.adaptive's per-device budgets: acco_jax.dp.hetero.BudgetPolicy
   # every process reads the whole global batch (a pipeline: a lane's devices sit on several
   # processes, which must hold the same rows)
   batch_whole: bool = False

@@ -13,7 +13,7 @@ A family either builds a :class:`acco_jax.run.build.Run` that the trainer drives
 runs a config itself (``run``: HDEE trains its experts as trainer runs of their own). The trainer
 reaches a family only through what its build returns: ``Run.step``, a
 :class:`acco_jax.step_api.Step` (the interface every family's step implements), and
-``Run.policy`` when set; ``ckpt.init_from`` (:mod:`acco_jax.run.init_from`) also
+``ckpt.init_from`` (:mod:`acco_jax.run.init_from`) also
 through the source family's ``source_step`` and the steps' :class:`acco_jax.step_api.Portable`
 capability (their state as an :class:`acco_jax.portable.PortableState`).
 """

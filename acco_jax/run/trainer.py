@@ -125,8 +125,6 @@ class Loop:
       the data position after it; ``consumed``: the position after the last batch a call took
       (what a checkpoint stores).
     ckpt: the run's checkpoints.
-    budgets: every device's microbatches per stage (``hetero``; adaptive: the run's ``policy``
-      moves them), or None.
     eval_fn: the held-out loss of the full model (also after SkipPipe's paths).
     rows, pace, watch: the rows being written, the clock and progress, the health watch.
   """
@@ -140,7 +138,6 @@ class Loop:
     place = lambda b: parallel.global_batch(b, run.mesh, run.batch_axis, run.batch_whole)
     self.feed = data.Prefetcher(stream, place, depth=2)
     self.ckpt = origin.ckpt or start_lib.open_checkpointer(config, workdir)
-    self.budgets = run.budgets
     self.eval_fn = report.eval_function(run.model_cfg)
     window = profile.parse(config.train.profile_stages, run.total_stages)
     self.pace = metrics_lib.Pace(
@@ -151,8 +148,8 @@ class Loop:
     baseline = data.unigram_entropy(data.loss_tokens(run.tokens.train))
     self.rows.summary["unigram_baseline"] = baseline
     self._print_header(baseline)
-    if self.budgets is not None:
-      self.rows.writer.event("budgets", stage=self.stage, budgets=self.budgets.tolist())
+    if run.step.budgets is not None:  # heterogeneous workers' fixed budgets
+      self.rows.writer.event("budgets", stage=self.stage, budgets=run.step.budgets.tolist())
 
   @property
   def step(self):
@@ -212,7 +209,7 @@ class Loop:
     self.probe(batches[0])
     sent = step.sent_bytes(self.stage, total)
     with self.pace.profiler.stage(self.stage, stages):
-      self.state, m = step.run(self.state, list(batches), self.stage, total, self.budgets)
+      self.state, m = step.run(self.state, list(batches), self.stage, total)
     self.rows.sent += sent
     outer = step.outer_metrics(m)
     if outer is not None:
@@ -240,7 +237,8 @@ class Loop:
     if self.pace.queued(self.stage, self.rows.tokens_seen, m["loss"]):
       self.watch.progress(self.stage)
     self.rows.write()  # the previous logged call's, now that this one is queued behind it
-    used = self.step.microbatches_per_stage if self.budgets is None else int(self.budgets.sum())
+    budgets = self.step.budgets
+    used = self.step.microbatches_per_stage if budgets is None else int(budgets.sum())
     # width: data.seq_len, or an instruction batch's bucket
     self.rows.tokens_seen += used * self.config.batch.microbatch_size * width * stages
     self.watch.flag(m["loss"], m.get(step_api.OUTER_FINITE, True))
@@ -258,25 +256,23 @@ class Loop:
   def probe(self, batch) -> None:
     """Times the devices apart from training when due (``health.probe_every``, adaptive budgets):
     the budgets follow, and slow workers are named, or excluded with a checkpoint and a restart."""
-    config, stage, policy, watch = self.config, self.stage, self.built.policy, self.watch
-    adapt = policy is not None and (
-      stage == self.pace.start or stage % config.hetero.adapt_every == 0
-    )
+    config, stage, step, watch = self.config, self.stage, self.step, self.watch
+    if not isinstance(step, step_api.Probed):  # build refuses probes and budgets for the others
+      return
     every = config.health.probe_every
-    if not (adapt or (every and stage % every == 0)):
+    if not (step.adapts(stage, self.pace.start) or (every and stage % every == 0)):
       return
     writer = self.rows.writer
-    times = monitor.probe(self.step, self.state, batch, stage, config.health.slow_factor, writer)
+    times = monitor.probe(step, self.state, batch, stage, config.health.slow_factor, writer)
     if watch.recorder is not None:
       watch.recorder.probed(stage, times)
       excluded = watch.slow.observe(times[:, 0]) if watch.slow is not None else []
       if excluded:
         self._restart_without(excluded)
-    if policy is not None:
-      per_device = [times[d.process_index, 0] for d in self.built.mesh.devices.flat]
-      changed = policy.observe(per_device, float(times[:, 1].max()))
-      self.budgets = policy.budgets
-      writer.event("budgets", stage=stage, budgets=self.budgets.tolist(), changed=changed)
+    per_device = [times[d.process_index, 0] for d in self.built.mesh.devices.flat]
+    changed = step.adapt(per_device, float(times[:, 1].max()))
+    if changed is not None:
+      writer.event("budgets", stage=stage, budgets=step.budgets.tolist(), changed=changed)
 
   def _restart_without(self, excluded) -> None:
     """Checkpoints here, then stops for a restart without the slow workers: no work is lost."""
@@ -299,7 +295,7 @@ class Loop:
     """Keeps this call's log row, read once the next call is queued (:class:`Rows`)."""
     lr = optim.hyperparams(self.step.optimizer_state(self.state))
     lr = lr.get("learning_rate", float("nan"))
-    self.rows.queue(self.stage, update, m, lr, self.budgets)
+    self.rows.queue(self.stage, update, m, lr, self.step.budgets)
 
   def evaluate(self, update: int) -> None:
     """Held-out loss (and, for instruction data with ``train.exact_match=every``, answers)."""
