@@ -77,6 +77,8 @@ SERIAL_MODULES = ("c4_test", "health_test", "preemption_test")
 # at the end), so that no long test starts last while the other workers have nothing left to run.
 LONG_FIRST = (
   "crash_resume_test",
+  "loco_store_train_test",
+  "store_faults_bench_test",
   "loco_acco_test",
   "init_from_test",
   "pipeline_multiprocess_test",
