@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from acco_jax.run import saved, trainer
-from configs import gpt2_diloco, gpt2_sparseloco
+from configs import gpt2_demo, gpt2_diloco, gpt2_noloco, gpt2_sparseloco, gpt2_streaming_diloco
 from tests.train_test import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -83,6 +83,39 @@ def wait_for_round(store, r, timeout=180):
   while r not in decided(store):
     assert time.time() < end, f"round {r} was not decided in {timeout} s: {decided(store)}"
     time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_every_method_through_a_store_equals_its_spmd_run(tmp_path):
+  """DiLoCo, Streaming DiLoCo (fragments, a window in flight, FP4), DeMo and NoLoCo as two
+  ``train.py`` worker processes each, all launched at once, every round with both (a long grace):
+  each worker's θ_g is the SPMD run's (NoLoCo: worker 0's own slow weights). SparseLoCo's is the
+  resume test's."""
+  modules = {
+    "diloco": gpt2_diloco,
+    "streaming_diloco": gpt2_streaming_diloco,
+    "demo": gpt2_demo,
+    "noloco": gpt2_noloco,
+  }
+  extra = {"streaming_diloco": {"model.N": 2}}  # a block in each of its 2 fragments
+  procs = {}
+  for name in modules:
+    store = tmp_path / name / "store"
+    for i in (0, 1):
+      work = tmp_path / name / f"w{i}"
+      settings = {"loco.grace_s": 300, **extra.get(name, {})}
+      procs[name, i] = launch(name, store, work, i, 2, **settings)
+  for name, module in modules.items():
+    spmd = {"loco.workers": 2, "mesh.num_devices": 2, **extra.get(name, {})}
+    config = tiny(module, **{**SMALL, **spmd})
+    want = []
+    trainer.train_and_evaluate(config, str(tmp_path / name / "spmd"), on_params=want.append)
+    finish([procs[name, 0], procs[name, 1]])
+    rounds = decided(tmp_path / name / "store")
+    assert rounds and all(m == [0, 1] for m in rounds.values()), (name, rounds)
+    for i in (0,) if name == "noloco" else (0, 1):
+      got = saved.read_params(str(tmp_path / name / f"w{i}"))[0]
+      np.testing.assert_allclose(flat(got), flat(want[0]), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def flat(tree):
