@@ -22,16 +22,13 @@ import pytest
 
 from acco_jax.run import saved, trainer
 from configs import gpt2_demo, gpt2_diloco, gpt2_noloco, gpt2_sparseloco, gpt2_streaming_diloco
+from tests import train_test
 from tests.train_test import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CACHE = str(ROOT / ".pytest_cache" / "acco_data")
 SMALL = {
-  "model.D": 16,
-  "model.N": 1,
-  "model.H": 1,
-  "data.seq_len": 8,
-  "train.eval_batches": 1,
+  **train_test.SMALL,
   "train.sample_tokens": 0,
   "train.eval_every": 0,
   "ckpt.async_save": False,
