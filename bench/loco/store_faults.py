@@ -275,6 +275,7 @@ def store_flags(args, url: str, worker: int) -> dict:
     "loco.grace_s": args.grace_s,
     "loco.min_workers": args.min_workers,
     "loco.lease_s": args.lease_s,
+    **({"loco.keep_rounds": args.keep_rounds} if args.keep_rounds else {}),
   }
 
 
@@ -320,7 +321,7 @@ def run_store(scenario: str, args, plan: dict, root: Path, store) -> dict:
       wait_for_stage(tail, workdirs["w0"], plan["stage"], launcher, args.cap)
       fault["t"] = time.time()
       apply_store_fault(scenario, args, launcher, victim, cmds[victim], store, plan, fault)
-    fault["completed"] = launcher.wait_all(max(args.cap - (time.time() - t0), 10))
+    fault["completed"] = wait_store(launcher, victim, tail, workdirs[victim], t0, args, fault)
   finally:
     launcher.stop()
     tail.close()
@@ -328,8 +329,30 @@ def run_store(scenario: str, args, plan: dict, root: Path, store) -> dict:
   fault["wall_s"] = time.time() - t0
   fault["exit_codes"] = {n: p.returncode for n, p in launcher.procs.items()}
   fault["starts"] = dict(launcher.started)
+  fault["commands"] = {n: " ".join(c) for n, c in cmds.items()}
+  fault["errors"] = {  # the last line of a worker that failed on its own (not our SIGKILL)
+    n: launcher.logs[n].read_text().strip().splitlines()[-1][:300]
+    for n, p in launcher.procs.items()
+    if p.returncode not in (0, -signal.SIGKILL, None) and launcher.logs[n].read_text().strip()
+  }
   seen = {n: tail.lines[w / "metrics.jsonl"] for n, w in workdirs.items()}
   return {"fault": fault, "seen": seen, "logs": {n: str(p) for n, p in launcher.logs.items()}}
+
+
+def wait_store(launcher, victim, tail, workdir, t0, args, fault) -> bool:
+  """Until every worker ended (True), the cap, or ``--straggler-s`` after every worker but the
+  victim ended: a worker behind the others waits for rounds no one else will publish into."""
+  others_done = None
+  while launcher.alive() and time.time() - t0 < args.cap:
+    if not [n for n in launcher.alive() if n != victim]:
+      others_done = others_done or time.time()
+      if time.time() - others_done > args.straggler_s:
+        fault["straggler"] = {"stage": tail.stage(workdir), "waited_s": args.straggler_s}
+        break
+    time.sleep(0.2)
+  done = not launcher.alive()
+  launcher.stop()
+  return done
 
 
 def apply_store_fault(scenario, args, launcher, victim, cmd, store, plan, fault) -> None:
@@ -589,6 +612,7 @@ class RoundsWatcher:
       self.poll()
 
   def poll(self) -> None:
+    self.fs.invalidate_cache()  # s3fs caches listings
     try:
       names = self.fs.ls(f"{self.path}/rounds", detail=False)
     except (FileNotFoundError, OSError):
@@ -619,6 +643,12 @@ def rate(rows: list[dict], lo: float, hi: float) -> float | None:
     return None
   n = sum(lo <= r["t"] < hi for r in rows)
   return 60 * n / (hi - lo)
+
+
+def thin(points: list, at_most: int = 400) -> list:
+  """Every k-th point (and the last) so that at most about ``at_most`` remain."""
+  k = max(1, -(-len(points) // at_most))
+  return points[::k] + ([points[-1]] if points and (len(points) - 1) % k else [])
 
 
 def smoothed(rows: list[dict], upto: int | None = None) -> float | None:
@@ -657,7 +687,7 @@ def analyse(arm: str, scenario: str, res: dict, args, reference: dict | None) ->
       "stages": rows[-1]["stage"] if rows else 0,
       "tokens": rows[-1]["tokens_seen"] if rows else 0,
       "eval_loss": [s["eval_loss"] for s in summaries(seen[n])][-1:] or [None],
-      "trace": [[round(r["t"] - t0, 2), r["stage"], round(r["loss"], 4)] for r in rows],
+      "trace": thin([[round(r["t"] - t0, 2), r["stage"], round(r["loss"], 4)] for r in rows]),
     }
     w["eval_loss"] = w["eval_loss"][0]
     workers[n] = w
@@ -699,6 +729,29 @@ def equal_tokens(out: dict, lines: dict, reference: dict, args) -> dict:
   stage = int(out["tokens_all"] / per_stage) if per_stage else None
   ref = mean_of([smoothed(rows, stage) for rows in ref_lines.values()])
   return {"reference_stage": stage, "reference_loss": ref, "loss": out["survivors"]["final_loss"]}
+
+
+def fill_equal_tokens(results: list[dict], args) -> None:
+  """``equal_tokens`` of results rendered from files whose run had no fault-free reference, from
+  the traces of another file's ``none`` of the same arm."""
+  for arm in ("store", "spmd"):
+    ref = [r for r in results if r["arm"] == arm and r["scenario"] == "none" and "workers" in r]
+    if not ref or not all(w.get("trace") for w in ref[0]["workers"].values()):
+      continue
+    lines = {
+      n: [{"stage": s, "loss": loss} for _, s, loss in w["trace"]]
+      for n, w in ref[0]["workers"].items()
+    }
+    tokens = sum(w["tokens"] for w in ref[0]["workers"].values())
+    if arm == "spmd":
+      tokens *= args.workers
+    stages = max(w["stages"] for w in ref[0]["workers"].values())
+    reference = {"lines": lines, "tokens_per_stage_all": tokens / stages}
+    for r in results:
+      if (
+        r["arm"] == arm and r["scenario"] != "none" and "workers" in r and not r.get("equal_tokens")
+      ):
+        r["equal_tokens"] = equal_tokens(r, {}, reference, args)
 
 
 def reference_of(res: dict, args) -> dict:
@@ -768,40 +821,43 @@ def table(results: list[dict]) -> str:
 
 
 def figure(results: list[dict], path: Path) -> Path:
-  """Stage against time of every worker (store) and of the SPMD job, one panel per fault, the
-  fault's window shaded."""
+  """The share of its run each worker (store) and the SPMD job has done against time, one panel
+  per fault (the last result of each arm and fault), the store fault's window shaded, the SPMD
+  fault dotted."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  scenarios = [s for s in SCENARIOS if any(r["scenario"] == s and "workers" in r for r in results)]
+  last = {(r["arm"], r["scenario"]): r for r in results if "workers" in r}
+  scenarios = [s for s in SCENARIOS if any(k[1] == s for k in last)]
   fig, axes = plt.subplots(2, 3, figsize=(13, 7), sharey=True, squeeze=False)
+  colors = {"w0": "tab:blue", "w1": "tab:orange", "w2": "tab:red", "w3": "tab:green"}
   for ax, scenario in zip(axes.flat, scenarios, strict=False):
-    for r in results:
-      if r["scenario"] != scenario or "workers" not in r:
+    for arm in ("store", "spmd"):
+      r = last.get((arm, scenario))
+      if r is None:
         continue
       w, t0 = r["window"], r["window"]["t0"]
+      total = max(x["stages"] for x in r["workers"].values()) or 1
       for name, worker in sorted(r["workers"].items()):
         trace = worker.get("trace") or []
-        if not trace:
-          continue
-        t, stage = [x[0] for x in trace], [x[1] for x in trace]
-        spmd = r["arm"] == "spmd"
-        label = (
-          "SPMD job (C4 restart)"
-          if spmd
-          else f"store {name}" + (" (victim)" if name == r["victim"] else "")
-        )
-        ax.plot(t, stage, "k--" if spmd else "-", lw=1.2, label=label)
-      if w["fault"] and r["arm"] == "store":
+        t, done = [x[0] for x in trace], [x[1] / total for x in trace]
+        if arm == "spmd":
+          ax.plot(t, done, "k--", lw=1.2, label=f"SPMD job, {total} steps")
+        else:
+          victim = " (victim)" if name == r["victim"] else ""
+          ax.plot(t, done, color=colors.get(name), lw=1.2, label=f"store {name}{victim}, {total}")
+      if w["fault"] and arm == "store":
         hi = w["end"] or w["finish"] or w["fault"]
-        ax.axvspan(w["fault"] - t0, hi - t0, color="0.85", zorder=0)
+        ax.axvspan(w["fault"] - t0, hi - t0, color="0.88", zorder=0)
+      elif w["fault"]:
+        ax.axvline(w["fault"] - t0, color="k", ls=":", lw=1)
     ax.set_title(scenario)
-    ax.set_xlabel("seconds since the first logged stage")
+    ax.set_xlabel("seconds since the first logged step")
     ax.grid(alpha=0.3)
   for ax in axes[:, 0]:
-    ax.set_ylabel("stage (inner step)")
+    ax.set_ylabel("share of the run's steps done")
   for ax in axes.flat[len(scenarios) :]:
     ax.axis("off")
   axes.flat[0].legend(fontsize=7, loc="lower right")
@@ -809,6 +865,17 @@ def figure(results: list[dict], path: Path) -> Path:
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
   return path
+
+
+def store_note(r: dict) -> str:
+  f = r["fault"]
+  notes = [f"{n} failed: {line}" for n, line in (f.get("errors") or {}).items()]
+  if f.get("straggler"):
+    notes.append(
+      f"the victim, at stage {f['straggler']['stage']} when the others ended, still waited for a"
+      f" round {f['straggler']['waited_s']:.0f} s later: ended"
+    )
+  return "; ".join(notes)
 
 
 def spmd_note(r: dict) -> str:
@@ -846,9 +913,13 @@ def parse(argv):
   ap.add_argument(
     "--lease-s", type=float, default=30.0, help="loco.lease_s (the config's default: 120)"
   )
+  ap.add_argument("--keep-rounds", type=int, default=0, help="loco.keep_rounds (0: the config's)")
   ap.add_argument("--stall-s", type=float, default=15.0, help="SIGSTOP length (> grace_s)")
   ap.add_argument("--slow-s", type=float, default=30.0, help="how long the victim runs slowed")
   ap.add_argument("--slow-factor", type=float, default=3.0)
+  ap.add_argument(
+    "--straggler-s", type=float, default=30.0, help="a victim left alone is ended after this"
+  )
   ap.add_argument("--restart-after", type=float, default=5.0, help="kill-restart's downtime")
   ap.add_argument("--watchdog-s", type=float, default=10.0, help="SPMD health.hang_timeout_s")
   ap.add_argument("--cap", type=float, default=420.0, help="seconds a scenario may take")
@@ -885,8 +956,11 @@ def main(argv=None) -> int:
       data = json.loads(Path(path).read_text())
       print(f"{path}: {data['command']}; {data['machine']}\n")
       print(table(data["results"]) + "\n")
+    merged = [r for p in args.render for r in json.loads(Path(p).read_text())["results"]]
+    fill_equal_tokens(merged, args)
+    print("all files, the fault-free reference of each arm filled in:\n")
+    print(table(merged) + "\n")
     if args.figure:
-      merged = [r for p in args.render for r in json.loads(Path(p).read_text())["results"]]
       common.log(f"wrote {figure(merged, Path(args.figure))}")
     return 0
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks end the workers
@@ -916,8 +990,7 @@ def main(argv=None) -> int:
           if scenario == "none":
             reference = reference_of(res, args)
           r = analyse(arm, scenario, res, args, reference if scenario != "none" else None)
-          if arm == "spmd":
-            r["note"] = spmd_note(r)
+          r["note"] = spmd_note(r) if arm == "spmd" else store_note(r)
           results.append(r)
           common.log(json.dumps({k: r[k] for k in ("arm", "scenario", "survivors")}))
           if not r["fault"].get("completed", True):
