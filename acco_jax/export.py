@@ -14,7 +14,7 @@ tokenizer (with its chat template and special tokens), which ``transformers.Auto
   dense reference) into ``<out_dir>/<job>/``.
 
 The checkpoint records the model and the tokenizer it was trained with (a trained BPE's file, a
-Hugging Face directory's tokenizer; :func:`acco_jax.run.build.model_meta`) and the devices it is
+Hugging Face directory's tokenizer; :func:`acco_jax.ckpt.meta.model_meta`) and the devices it is
 laid out over; the export runs on the CPU with that many simulated devices (set ``JAX_PLATFORMS``
 to run it elsewhere). Nothing is written to ``<workdir>``, and ``<out_dir>`` appears whole or not
 at all.
@@ -73,9 +73,9 @@ def export(workdir: str, out_dir: str, *, dtype: str = "float32", step: int | No
   """Exports the run in ``workdir``, or every job of an HDEE recipe into ``out_dir/<job>``;
   returns the directories written."""
   from acco_jax import errors
-  from acco_jax.run import saved
+  from acco_jax.ckpt import meta
 
-  runs = saved.runs_of(workdir)
+  runs = meta.runs_of(workdir)
   targets = [os.path.join(out_dir, name) if name else out_dir for name, _ in runs]
   for t in targets:
     if os.path.exists(t) and (not os.path.isdir(t) or os.listdir(t)):
@@ -109,10 +109,10 @@ def main(argv=None) -> int:
   parser.add_argument("--step", type=int, default=None, help="a checkpoint step (default: newest)")
   args = parser.parse_args(argv)
   from acco_jax import errors
-  from acco_jax.run import saved
+  from acco_jax.ckpt import meta
 
   try:
-    _use_cpu(saved.devices_needed(args.workdir, args.step))
+    _use_cpu(meta.devices_needed(args.workdir, args.step))
     export(args.workdir, args.out_dir, dtype=args.dtype, step=args.step)
   except errors.UserError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -165,10 +165,10 @@ class Probed(Protocol):
 @runtime_checkable
 class Portable(Protocol):
   """A step whose state moves to and from the model's own structure (``ckpt.init_from`` across run
-  kinds: :mod:`acco_jax.portable`)."""
+  kinds: :mod:`acco_jax.ckpt.portable`)."""
 
   def export_state(self, saved: PyTree):
-    """A saved state (host numpy) -> :class:`acco_jax.portable.PortableState`."""
+    """A saved state (host numpy) -> :class:`acco_jax.ckpt.portable.PortableState`."""
 
   def import_state(self, portable, stage: int, microbatch: PyTree | None = None) -> PyTree:
     """This step's placed state from the portable form, at ``stage``."""

@@ -12,7 +12,8 @@ import shutil
 import pytest
 
 from acco_jax import model
-from acco_jax.run import build, checkpoint, parallel, trainer
+from acco_jax.ckpt import checkpoint
+from acco_jax.run import build, parallel, trainer
 from configs import gpt2_acco, gpt2_zero1
 from tests.bad_input_test import one_line, tiny
 
@@ -97,7 +98,7 @@ def truncate_largest_array_file(step_dir: pathlib.Path):
 @pytest.mark.slow  # trains after the fallback (the fallback itself: checkpoint_test)
 def test_corrupt_latest_checkpoint_falls_back_and_trains_on(workdir, caplog):
   truncate_largest_array_file(workdir / "checkpoints" / "4")
-  with caplog.at_level(logging.WARNING, logger="acco_jax.run.checkpoint"):
+  with caplog.at_level(logging.WARNING, logger="acco_jax.ckpt.checkpoint"):
     summary = trainer.train_and_evaluate(tiny(), str(workdir))
   warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
   assert any(w.startswith("checkpoint step 4 in ") and "trying an older one" in w for w in warnings)

@@ -348,7 +348,7 @@ def fault(workdir: Path, tmp_path: Path, tag: str, pids, victim: int, sig) -> tu
 
 
 def final_state(workdir: Path, step: int) -> dict[str, np.ndarray]:
-  from acco_jax.run.checkpoint import Checkpointer
+  from acco_jax.ckpt.checkpoint import Checkpointer
 
   with Checkpointer(str(workdir / "checkpoints"), async_save=False) as ckpt:
     saved, _ = ckpt._read_meta(step)

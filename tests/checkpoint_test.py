@@ -15,8 +15,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.run import settling
-from acco_jax.run.checkpoint import Checkpointer
+from acco_jax.ckpt import settling
+from acco_jax.ckpt.checkpoint import Checkpointer
 from tests.methods_test import make_batches
 from tests.step_test import build
 
@@ -146,7 +146,7 @@ def test_corrupt_latest_falls_back(tmp_path, caplog, how):
   target = abstract(simple_state(0))
   with Checkpointer(tmp_path, keep=3) as ckpt:
     assert ckpt.latest_step() == 3
-    with caplog.at_level(logging.WARNING, logger="acco_jax.run.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="acco_jax.ckpt.checkpoint"):
       restored, extra = ckpt.restore(None, target)
     assert extra == {"step": 2}
     assert_bitwise_equal(restored, simple_state(2), target)

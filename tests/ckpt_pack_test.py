@@ -10,8 +10,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acco_jax.run import checkpoint, ckpt_pack
-from acco_jax.run.checkpoint import Checkpointer
+from acco_jax.ckpt import checkpoint
+from acco_jax.ckpt import pack as ckpt_pack
+from acco_jax.ckpt.checkpoint import Checkpointer
 from tests.checkpoint_test import abstract, assert_bitwise_equal
 
 

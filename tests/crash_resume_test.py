@@ -35,10 +35,10 @@ import jax
 import numpy as np
 import pytest
 
+from acco_jax.ckpt.checkpoint import Checkpointer
 from acco_jax.dp.updates import stage_plan
 from acco_jax.pipeline.build import flush_plan
 from acco_jax.run import build
-from acco_jax.run.checkpoint import Checkpointer
 from configs import (
   gpt2_acco,
   gpt2_diloco,

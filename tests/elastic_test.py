@@ -16,8 +16,8 @@ import pytest
 
 import acco_jax
 from acco_jax import data
-from acco_jax.run import fingerprint
-from acco_jax.run.checkpoint import Checkpointer
+from acco_jax.ckpt import fingerprint
+from acco_jax.ckpt.checkpoint import Checkpointer
 from tests.methods_test import B, K, N, as_f32, first_microbatch, init_params, loss_fn, make_batches
 
 PARAMS = as_f32(init_params())

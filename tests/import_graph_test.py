@@ -196,7 +196,8 @@ def test_the_algorithms_reach_no_shell_and_no_shell_library():
 # stays in dp/ because the registry imports it lazily, on call, so that registering the family
 # costs no import). Every other module of dp/ (methods, step, stage, layouts, relayout, reshard,
 # ...) reaches no module of acco_jax.run and neither seam module, directly or through another:
-# the step interface (acco_jax.step_api) and the portable form (acco_jax.portable) sit below both.
+# the step interface (acco_jax.step_api) and the checkpoints' package (acco_jax.ckpt: the
+# portable form, the checkpointer) sit below both.
 DP_SEAM = ("acco_jax.dp.family", "acco_jax.dp.build")
 
 
@@ -223,3 +224,28 @@ def test_the_data_parallel_family_reaches_the_shell_only_through_its_seam():
   ):
     found = _dp_reaching_the_shell({**graph, module: graph[module] | {old}})
     assert old in found[module], (module, old)
+
+
+def test_the_checkpoints_package_reaches_no_shell_and_no_family():
+  """acco_jax/ckpt sits below the run shell and the families: dp/ and the pipeline import its
+  portable form and its checkpointer without reaching acco_jax.run."""
+  graph = import_graph()
+  ckpt = sorted(m for m in graph if m == "acco_jax.ckpt" or m.startswith("acco_jax.ckpt."))
+  assert {"acco_jax.ckpt.checkpoint", "acco_jax.ckpt.meta", "acco_jax.ckpt.portable"} <= set(ckpt)
+
+  def reaching(graph):
+    out = {}
+    for name in ckpt:
+      bad = sorted(
+        m
+        for m in _reached(graph, name)
+        if m.startswith("acco_jax.run") or m.split(".")[1:2] and m.split(".")[1] in FAMILIES
+      )
+      if bad:
+        out[name] = bad
+    return out
+
+  assert reaching(graph) == {}
+  # the import meta.py's schema had while it sat in run/build.py is one this test sees
+  old = {**graph, "acco_jax.ckpt.meta": graph["acco_jax.ckpt.meta"] | {"acco_jax.run.build"}}
+  assert "acco_jax.run.build" in reaching(old)["acco_jax.ckpt.meta"]

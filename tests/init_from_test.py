@@ -19,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from acco_jax import errors, portable
+from acco_jax import errors
+from acco_jax.ckpt import meta, portable
+from acco_jax.ckpt.checkpoint import Checkpointer
 from acco_jax.dp.methods import AccoState
 from acco_jax.dp.step import TrainStep
 from acco_jax.run import build, trainer
 from acco_jax.run import init_from as init_from_lib
-from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_acco, gpt2_diloco, gpt2_pipeline, gpt2_zero1, hdee
 from tests.elastic_test import bits
 
@@ -83,8 +84,8 @@ def source_run(workdir, config, stages: int, seed: int = 0):
     "stage": stages,
     "data": {**stream.get_state(), "step": stages},
     "tokens_seen": stages * rows * config.data.seq_len,
-    "vocab": build.vocab_meta(run.model_cfg),
-    "comm": build.comm_meta(config, run.step),
+    "vocab": meta.vocab_meta(run.model_cfg),
+    "comm": meta.comm_meta(config, run.step),
     "config": config.to_json_best_effort(),
   }
   with Checkpointer(pathlib.Path(workdir) / "checkpoints", async_save=False) as ckpt:

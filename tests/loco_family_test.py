@@ -16,9 +16,9 @@ import pytest
 import acco_jax
 from acco_jax import loco
 from acco_jax.analysis import hlo
+from acco_jax.ckpt.checkpoint import Checkpointer
 from acco_jax.loco import step as loco_step
 from acco_jax.loco.noloco import consensus_gradient, matchings, pairing_index
-from acco_jax.run.checkpoint import Checkpointer
 from tests.loco_references import (
   D,
   M,

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from acco_jax import errors
+from acco_jax.ckpt.checkpoint import Checkpointer
 from acco_jax.loco import build as loco_build
 from acco_jax.loco.accounting import SyncAccounting
 from acco_jax.run import build, report, trainer
-from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_demo, gpt2_diloco, gpt2_noloco, gpt2_sparseloco, gpt2_streaming_diloco
 from tests.train_test import SMALL, rows
 from tests.train_test import tiny as _tiny

@@ -335,7 +335,7 @@ def test_owner_state_moves_to_another_device_count(tmp_path):
   state bit for bit (the gradient rows: their sum), and the next stage on 4 devices (the commit:
   one optimizer update from the moved state, so no several Adam-type steps compared) follows the
   8-device run (Muon's momentum, Adam's moments and the buffered gradients carried)."""
-  from acco_jax.run.checkpoint import Checkpointer
+  from acco_jax.ckpt.checkpoint import Checkpointer
 
   params, batches = params_with_stack(), make_batches(4)
   train8 = owner_step("acco", 8, params)

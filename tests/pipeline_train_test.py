@@ -12,9 +12,9 @@ import jax
 import pytest
 
 from acco_jax import errors
+from acco_jax.ckpt.checkpoint import Checkpointer
 from acco_jax.pipeline import ticks
 from acco_jax.run import build, trainer
-from acco_jax.run.checkpoint import Checkpointer
 from acco_jax.skippipe import plans, schedule
 from configs import gpt2_skippipe
 

@@ -82,8 +82,8 @@ def test_sigint_in_process_checkpoints_at_the_stage_boundary(tmp_path):
   """Ctrl-C (SIGINT) takes the same path as SIGTERM: save at the next stage boundary and return."""
   import threading
 
+  from acco_jax.ckpt.checkpoint import Checkpointer
   from acco_jax.run import trainer
-  from acco_jax.run.checkpoint import Checkpointer
   from configs import gpt2_acco
 
   config = gpt2_acco.get_config("tiny")

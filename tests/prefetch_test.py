@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from acco_jax import data, errors, model
+from acco_jax.ckpt import meta
 from acco_jax.dp.step import TrainStep
-from acco_jax.run import build, trainer
+from acco_jax.run import trainer
 from configs import gpt2_zero1
 from tests.train_test import tiny
 
@@ -131,9 +132,9 @@ def test_resume_with_another_vocab_padding_is_a_one_line_error(logged_run):
   assert "\n" not in msg and "257 padded to 257" in msg and "padded to 320" in msg, msg
   assert "vocab_multiple=1 to resume" in msg, msg
   # a checkpoint written before the padding was recorded carries no entry: nothing to compare
-  build.check_vocab({"stage": 2}, model.get_config("tiny", V=257, vocab_multiple=64))
+  meta.check_vocab({"stage": 2}, model.get_config("tiny", V=257, vocab_multiple=64))
   saved = {"vocab": {"V": 257, "padded": 257, "multiple": 1}}
   with pytest.raises(
     errors.UserValueError, match="V=257 ids, this config's tokenizer gives V=2048"
   ):
-    build.check_vocab(saved, model.get_config("tiny", V=2048))
+    meta.check_vocab(saved, model.get_config("tiny", V=2048))

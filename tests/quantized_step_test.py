@@ -16,9 +16,9 @@ import pytest
 
 import acco_jax
 from acco_jax.analysis import dataflow, hlo
+from acco_jax.ckpt import checkpoint
 from acco_jax.dp import quantize as Q
 from acco_jax.dp.plan import comm_bytes_per_stage
-from acco_jax.run import checkpoint
 from tests import methods_test as methods_ref
 from tests.methods_test import (
   FULL,

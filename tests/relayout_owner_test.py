@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import acco_jax
-from acco_jax import portable
+from acco_jax.ckpt import portable
 from acco_jax.dp import relayout_owner
 from tests.methods_test import B, K, N, first_microbatch, make_batches
 from tests.owner_step_test import loss_with_stack, params_with_stack
@@ -126,7 +126,7 @@ def test_a_checkpoint_of_another_count_is_read_and_exported(runs, tmp_path):
   """What ckpt.init_from does with an owner-layout checkpoint of 8 devices from a run on 4: the
   target's paths are other slots, so ``restore_host`` reads the saved structure that
   ``saved_like`` gives, and the export is the 8-device step's, bit for bit."""
-  from acco_jax.run.checkpoint import Checkpointer
+  from acco_jax.ckpt.checkpoint import Checkpointer
 
   params, owner, s_owner, _, _ = runs
   with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from acco_jax import portable
+from acco_jax.ckpt import portable
+from acco_jax.ckpt.checkpoint import Checkpointer
 from acco_jax.dp.methods import AccoState, WpState
 from acco_jax.run import build
-from acco_jax.run.checkpoint import Checkpointer
 from configs import gpt2_pipeline, gpt2_zero1
 from tests.elastic_test import PARAMS, logical_flat, logical_shards, padding
 from tests.elastic_test import build as build_step

@@ -70,7 +70,8 @@ def test_an_object_without_a_member_is_not_a_step():
   assert isinstance(lacking, step_api.Step)
 
 
-# the run shell's modules that hold a step, and the names they hold it under
+# the modules of the run shell (and the checkpoints' record) that hold a step, and the names they
+# hold it under
 CALLERS = {
   "acco_jax/run/trainer.py": ("step", "self.step", "run.step"),
   "acco_jax/run/start.py": ("step", "run.step"),
@@ -80,7 +81,8 @@ CALLERS = {
   "acco_jax/run/monitor.py": ("step",),
   "acco_jax/run/rows.py": ("self.step",),
   "acco_jax/run/metrics.py": ("step",),
-  "acco_jax/run/build.py": ("step", "checked.step"),
+  "acco_jax/run/build.py": ("step", "checked.step", "run.step"),
+  "acco_jax/ckpt/meta.py": ("step",),  # what a checkpoint records of the step
 }
 
 

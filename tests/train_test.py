@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from acco_jax import errors
+from acco_jax.ckpt import meta
 from acco_jax.dp import quantize
 from acco_jax.dp.plan import comm_bytes_per_stage
 from acco_jax.dp.step import TrainStep
@@ -187,11 +188,11 @@ def test_resume_with_another_quantization_keeps_or_refuses_the_residual(tmp_path
   int4 = tiny(gpt2_zero1, **{"comm.quantize": "int4"}, **small)
   assert trainer.train_and_evaluate(int4, str(tmp_path / "q"), max_stages=3)["stopped"] == 3
   # the other direction, and ACCO (its residual rides in the gradient buffer), without training
-  plain = {"comm": build.comm_meta(tiny(gpt2_zero1), SimpleNamespace(keeps_residual=False))}
+  plain = {"comm": meta.comm_meta(tiny(gpt2_zero1), SimpleNamespace(keeps_residual=False))}
   with pytest.raises(errors.UserValueError, match=r"written without a residual.*quantize=none"):
-    build.check_comm(plain, int8, SimpleNamespace(keeps_residual=True))
+    meta.check_comm(plain, int8, SimpleNamespace(keeps_residual=True))
   acco_int8 = tiny(gpt2_acco, **{"comm.quantize": "int8"})
-  build.check_comm(plain, acco_int8, build.build(acco_int8).step)
+  meta.check_comm(plain, acco_int8, build.build(acco_int8).step)
 
 
 def test_odd_microbatches_for_acco_is_a_clear_error(tmp_path):
@@ -204,7 +205,7 @@ def test_odd_microbatches_for_acco_is_a_clear_error(tmp_path):
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   import jax
 
-  from acco_jax.run.checkpoint import Checkpointer
+  from acco_jax.ckpt.checkpoint import Checkpointer
 
   config = tiny(gpt2_acco, **SMALL)
   config.ckpt.every = 1
@@ -225,7 +226,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 def test_nonfinite_skip_drops_the_bad_microbatches_and_keeps_training(tmp_path):
   import jax
 
-  from acco_jax.run.checkpoint import Checkpointer
+  from acco_jax.ckpt.checkpoint import Checkpointer
 
   config = tiny(gpt2_acco)
   config.ckpt.every = 1

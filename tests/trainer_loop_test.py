@@ -26,7 +26,8 @@ import jax
 import pytest
 from jax._src import dispatch
 
-from acco_jax.run import checkpoint, metrics, trainer
+from acco_jax.ckpt import checkpoint
+from acco_jax.run import metrics, trainer
 from bench.gpu import profile_table  # noqa: E402
 from configs import gpt2_acco, gpt2_ddp, gpt2_diloco, gpt2_pipeline, gpt2_zero1
 from tests.train_test import SMALL, rows, tiny

@@ -12,11 +12,11 @@ together with a JSON-able ``extra`` dict (data-iterator position, RNG, config, m
       _CHECKPOINT_METADATA        orbax's step metadata
       state/                      orbax StandardSave (OCDBT + zarr): one entry per group of
                                   packed leaves, "pack<n>_<dtype>", and per leaf stored alone,
-                                  "<index>_<path>", e.g. "003_params_out_bias" (ckpt_pack)
+                                  "<index>_<path>", e.g. "003_params_out_bias" (pack.py)
       meta/metadata               JSON: {"version", "leaves": [{path, key, shape, dtype, fingerprint,
                                   pack: [group, column, columns, rows, width] if packed}], "extra"}
 
-Each leaf's ``fingerprint`` (:mod:`acco_jax.run.fingerprint`) is a position-sensitive 32-bit hash of
+Each leaf's ``fingerprint`` (:mod:`acco_jax.ckpt.fingerprint`) is a position-sensitive 32-bit hash of
 its bits, computed on device (a global reduction, so every process agrees) at save time and
 recomputed after a restore: a checkpoint whose files are missing, truncated or garbled fails either
 in orbax/TensorStore or at this check, since a flipped byte in a compressed chunk can decode without
@@ -52,11 +52,12 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint.path import step as step_lib
 
 from acco_jax import errors
-from acco_jax.run import ckpt_leaves as leaves_lib
-from acco_jax.run import ckpt_pack, fingerprint, settling
+from acco_jax.ckpt import fingerprint, settling
+from acco_jax.ckpt import leaves as leaves_lib
+from acco_jax.ckpt import pack as pack_lib
 
 PyTree = Any
-_VERSION = 2  # 2: leaves packed into groups (ckpt_pack); 1: every leaf alone, still read
+_VERSION = 2  # 2: leaves packed into groups (pack.py); 1: every leaf alone, still read
 _log = logging.getLogger(__name__)
 
 
@@ -178,10 +179,10 @@ class Checkpointer:
       {"path": p, "key": k, "shape": list(x.shape), "dtype": x.dtype.name, "fingerprint": f}
       for p, k, x, f in zip(paths, keys, leaves, fingerprint.fingerprints(leaves), strict=True)
     ]
-    groups, alone = ckpt_pack.plan(leaves)
+    groups, alone = pack_lib.plan(leaves)
     items = {keys[i]: leaves[i] for i in alone}
     for g in groups:
-      items[g.key] = ckpt_pack.pack(g, leaves)
+      items[g.key] = pack_lib.pack(g, leaves)
       for i, column, columns in g.members:  # its columns of the group's (rows, width) array
         entries[i]["pack"] = [g.key, column, columns, g.rows, g.width]
     meta = {"version": _VERSION, "leaves": entries, "extra": extra}
@@ -343,11 +344,11 @@ class Checkpointer:
     entries = [saved[p] for p in paths]
     if convert:
       return self._restore_resharded(step, target, entries, reshard), extra
-    abstract = ckpt_pack.items_to_read(entries, leaves)
+    abstract = pack_lib.items_to_read(entries, leaves)
 
     def read_arrays():
       arrays = self._orbax_restore(step, state=ocp.args.StandardRestore(abstract)).state
-      restored = ckpt_pack.assemble(arrays, entries, leaves)
+      restored = pack_lib.assemble(arrays, entries, leaves)
       got = fingerprint.fingerprints(restored)
       bad = [e["path"] for e, f in zip(entries, got, strict=True) if f != e["fingerprint"]]
       if bad:
@@ -375,9 +376,9 @@ class Checkpointer:
 
   def _read_host(self, step: int, entries: list[dict]) -> list[np.ndarray]:
     """The arrays of ``entries`` as numpy with their saved shapes, checked against fingerprints."""
-    abstract = ckpt_pack.items_to_read(entries)
+    abstract = pack_lib.items_to_read(entries)
     arrays = self._orbax_restore(step, state=ocp.args.StandardRestore(abstract)).state
-    restored = [np.asarray(a) for a in ckpt_pack.assemble(arrays, entries)]
+    restored = [np.asarray(a) for a in pack_lib.assemble(arrays, entries)]
     got = [fingerprint.hash_host(x) for x in restored]
     bad = [e["path"] for e, f in zip(entries, got, strict=True) if f != e["fingerprint"]]
     if bad:
@@ -404,6 +405,6 @@ class Checkpointer:
       raise ValueError(f"reshard returned arrays not shaped like the target (step {step})")
     _log.info("resharded checkpoint step %d in %s to the target's shapes", step, self.directory)
 
-    place = lambda a, x: ckpt_pack.place(np.asarray(a).astype(x.dtype, copy=False), x.sharding)
+    place = lambda a, x: pack_lib.place(np.asarray(a).astype(x.dtype, copy=False), x.sharding)
     with jax.transfer_guard("allow"):
       return jax.tree.unflatten(treedef, [place(a, x) for a, x in zip(got, leaves, strict=True)])

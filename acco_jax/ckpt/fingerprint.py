@@ -2,7 +2,7 @@
 
 :func:`fingerprints` hashes device arrays on their devices (a global reduction, so every process of a
 multi-host job gets the same number); :func:`hash_host` computes the same hash of a host array with
-numpy, in blocks. :mod:`acco_jax.run.checkpoint` stores one per leaf at save time and compares after a
+numpy, in blocks. :mod:`acco_jax.ckpt.checkpoint` stores one per leaf at save time and compares after a
 restore, since a flipped byte in a compressed chunk can decode without error into wrong numbers.
 Dtypes whose bits do not fill whole bytes (int4, ...) and complex dtypes have no fingerprint
 (``None``).

@@ -1,5 +1,5 @@
 """A checkpoint's leaves against the state a run restores into: their paths and the one-line error
-when they differ (:class:`acco_jax.run.checkpoint.Checkpointer`'s check before it reads arrays)."""
+when they differ (:class:`acco_jax.ckpt.checkpoint.Checkpointer`'s check before it reads arrays)."""
 
 from __future__ import annotations
 

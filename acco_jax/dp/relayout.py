@@ -1,7 +1,7 @@
 """A data-parallel train state to and from the portable form (``ckpt.init_from`` across run kinds).
 
 :meth:`acco_jax.dp.step.TrainStep.export_state` and :meth:`~acco_jax.dp.step.TrainStep.import_state`
-call these; the form and the contract are :mod:`acco_jax.portable`'s. What each part of a
+call these; the form and the contract are :mod:`acco_jax.ckpt.portable`'s. What each part of a
 :class:`~acco_jax.dp.step.TrainState` becomes:
 
 - ``params`` (``[N, s_l]`` shards, any ``N``) and every parameter-shaped subtree of the inner
@@ -38,12 +38,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from acco_jax.ckpt.portable import PortableState, check_fits, map_param_subtrees, place
 from acco_jax.dp import relayout_owner, reshard_owner
 from acco_jax.dp.flat import TreeLayout, leaves_of
 from acco_jax.dp.methods import AccoState, WpState
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.dp.reshard import saved_num_devices
-from acco_jax.portable import PortableState, check_fits, map_param_subtrees, place
 
 
 class _OwnerView:

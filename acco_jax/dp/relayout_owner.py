@@ -3,7 +3,7 @@
 With ``layout='owner'`` (:mod:`acco_jax.dp.owner`) the inner optimizer runs ``vmap``-ped over the
 devices on the layout's *shards* view: per device, a slot per owned matrix and a chunk per
 elementwise leaf, and its masks are in that view. So its state has neither the model's structure
-nor the elementwise layout's, and :func:`acco_jax.portable.map_param_subtrees` finds no
+nor the elementwise layout's, and :func:`acco_jax.ckpt.portable.map_param_subtrees` finds no
 parameter-shaped subtree in it. The portable form of such a state is the state the *same inner
 optimizer built on the model's tree* (``tree_tx``: its masks in the model's structure) would hold,
 which is what a ``ddp`` run with whole leaves holds:

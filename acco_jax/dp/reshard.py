@@ -1,6 +1,6 @@
 """Elastic restore: a train state saved on ``N_old`` devices, converted on the host for ``N_new``.
 
-:meth:`acco_jax.run.checkpoint.Checkpointer.restore` reads a checkpoint whose leaf shapes differ from the
+:meth:`acco_jax.ckpt.checkpoint.Checkpointer.restore` reads a checkpoint whose leaf shapes differ from the
 target's as host numpy arrays and hands them to a ``reshard`` callable, normally
 :meth:`acco_jax.dp.step.TrainStep.reshard`, which calls :func:`reshard_state` here. What depends on ``N``
 (:class:`acco_jax.dp.step.TrainState`, :mod:`acco_jax.dp.flat`):

@@ -404,7 +404,7 @@ class TrainStep(StepBase):
   def reshard(self, saved):
     """A state saved on another device count (host numpy leaves) -> numpy leaves for this step.
 
-    Pass it as ``reshard=`` to :meth:`acco_jax.run.checkpoint.Checkpointer.restore`. Weights and
+    Pass it as ``reshard=`` to :meth:`acco_jax.ckpt.checkpoint.Checkpointer.restore`. Weights and
     optimizer state move bit for bit, the gradient buffers keep their sums over devices
     (:mod:`acco_jax.dp.reshard`); the owner layout's owners are reassigned
     (:mod:`acco_jax.dp.reshard_owner`).
@@ -426,7 +426,7 @@ class TrainStep(StepBase):
     return TrainState(**reshard_owner.saved_structure(old, tx, self.plan.delayed, self.comm_dtype))
 
   def export_state(self, saved):
-    """A saved state (host numpy, any device count) -> :class:`acco_jax.portable.PortableState`:
+    """A saved state (host numpy, any device count) -> :class:`acco_jax.ckpt.portable.PortableState`:
     θ and the inner state in the model's structure (:mod:`acco_jax.dp.relayout`)."""
     return relayout.export_state(self, saved)
 

@@ -1,7 +1,7 @@
 """A pipeline train state to and from the portable form (``ckpt.init_from`` across run kinds).
 
 :class:`acco_jax.pipeline.step.PipelineStep` and :func:`source_step` call these; the form and
-the contract are :mod:`acco_jax.portable`'s. What each part of a
+the contract are :mod:`acco_jax.ckpt.portable`'s. What each part of a
 :class:`~acco_jax.pipeline.step.PipeState` becomes:
 
 - ``params`` and every parameter-shaped subtree of the inner optimizer's state, ``{g: [S, P_g]}``
@@ -27,8 +27,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from acco_jax.ckpt.portable import PortableState, check_fits, map_param_subtrees, place
 from acco_jax.dp.methods import AccoState
-from acco_jax.portable import PortableState, check_fits, map_param_subtrees, place
 
 
 def _updates(data_method: str, stage: int) -> int:

@@ -6,7 +6,7 @@ another run kind: ``ddp``, ``zero1``, ``acco``, ``dpu``, ``wp`` or ``pipeline``,
 and mesh, onto any of them (:mod:`acco_jax.dp.relayout`, :mod:`acco_jax.pipeline.relayout`). The source's config is in its checkpoint (``extra['config']``):
 its family builds the source's step (:attr:`acco_jax.run.registry.Family.source_step`) on this
 run's device count, the checkpoint is read as host arrays with the shapes it was written with
-(:meth:`acco_jax.run.checkpoint.Checkpointer.restore_host`, read-only: nothing in the source
+(:meth:`acco_jax.ckpt.checkpoint.Checkpointer.restore_host`, read-only: nothing in the source
 workdir is written), exported to the portable form and imported into this run's state.
 
 What carries over:
@@ -37,9 +37,9 @@ import jax
 import ml_collections
 
 from acco_jax import data, errors, model, step_api
+from acco_jax.ckpt.checkpoint import open_read_only
 from acco_jax.run import build as build_lib
 from acco_jax.run import registry
-from acco_jax.run.checkpoint import open_read_only
 
 
 class Imported(NamedTuple):
@@ -161,7 +161,7 @@ def _check_source(path: str, src, extra: dict, config, step) -> registry.Family:
     raise _refuse(
       path,
       f"checkpoints of method={src.method} cannot start another run yet (its family "
-      "exports none: acco_jax.portable)",
+      "exports none: acco_jax.ckpt.portable)",
     )
   return family
 

@@ -65,13 +65,13 @@ def source(config) -> Source | None:
 
 
 def _recorded(workdir: str) -> dict:
-  from acco_jax.run import saved
+  from acco_jax.ckpt import meta
 
   if not os.path.isdir(workdir):
     raise errors.UserFileNotFoundError(
       f"model.init=run:{workdir}: no such directory: give the workdir of a run of train.py"
     )
-  extra = saved.recorded(workdir)
+  extra = meta.recorded(workdir)
   return extra if "model" in extra and "tokenizer" in extra else {}
 
 

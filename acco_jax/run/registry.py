@@ -15,7 +15,7 @@ reaches a family only through what its build returns: ``Run.step``, a
 :class:`acco_jax.step_api.Step` (the interface every family's step implements), and
 ``ckpt.init_from`` (:mod:`acco_jax.run.init_from`) also
 through the source family's ``source_step`` and the steps' :class:`acco_jax.step_api.Portable`
-capability (their state as an :class:`acco_jax.portable.PortableState`).
+capability (their state as an :class:`acco_jax.ckpt.portable.PortableState`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Family(NamedTuple):
   updates_done: Callable[[Any, int], int] = one_update_per_stage  # (config, stages) -> updates
   # (config, model_cfg, num_devices) -> a step of this family's run of ``config`` on this
   # process's first num_devices devices, never run: it reads a checkpoint of that run
-  # (``abstract_state``) and exports it (``export_state``; acco_jax.portable). None: this
+  # (``abstract_state``) and exports it (``export_state``; acco_jax.ckpt.portable). None: this
   # family's checkpoints cannot start another run (ckpt.init_from)
   source_step: Callable[[Any, Any, int], Any] | None = None
   # What the shell would otherwise decide by the family's name:

@@ -1,9 +1,8 @@
-"""A run's checkpoints read back, read-only: what the run recorded (its config, model, tokenizer
-and device count) and its committed parameters, for ``python -m acco_jax.export`` and
-``model.init=run:<workdir>`` (:mod:`acco_jax.run.pretrained`).
-
-The metadata is plain JSON, read before JAX is imported: the export picks its platform and device
-count from it (JAX reads ``JAX_PLATFORMS`` when imported), so the parameters' imports are lazy.
+"""A run's committed parameters read back through its family (``python -m acco_jax.export`` and
+``model.init=run:<workdir>``, :mod:`acco_jax.run.pretrained`): the shell's part of reading a saved
+run, since it looks the family up in the registry. What the run recorded (its config, model,
+tokenizer and device count) is :mod:`acco_jax.ckpt.meta`'s; the imports are lazy, so that the
+metadata is read before JAX starts.
 """
 
 from __future__ import annotations
@@ -12,68 +11,6 @@ import json
 import os
 
 from acco_jax import errors
-
-
-def meta_steps(checkpoints: str) -> list[tuple[int, dict]]:
-  """``(step, extra)`` of every checkpoint whose metadata reads, newest first (plain JSON: read
-  before JAX starts, to know the devices the state needs)."""
-  out = []
-  steps = sorted((int(d) for d in os.listdir(checkpoints) if d.isdigit()), reverse=True)
-  for step in steps:
-    path = os.path.join(checkpoints, str(step), "meta", "metadata")
-    try:
-      with open(path) as f:
-        out.append((step, json.load(f)["extra"]))
-    except (OSError, ValueError, KeyError):
-      continue
-  return out
-
-
-def recorded(workdir: str) -> dict:
-  """The ``extra`` of the newest checkpoint of the run in ``workdir`` whose metadata reads (its
-  config, model, tokenizer and device count), read as plain JSON; ``{}`` if none."""
-  checkpoints = os.path.join(workdir, "checkpoints")
-  metas = meta_steps(checkpoints) if os.path.isdir(checkpoints) else []
-  return metas[0][1] if metas else {}
-
-
-def runs_of(workdir: str) -> list[tuple[str, str]]:
-  """``(name, run workdir)`` of what ``workdir`` holds: itself, or each job of an HDEE recipe."""
-  if not os.path.isdir(workdir):
-    raise errors.UserFileNotFoundError(f"{workdir}: no such directory: give a run's workdir")
-  if os.path.isfile(os.path.join(workdir, "recipe.json")):
-    jobs = sorted(  # job names may hold a slash (steps/hard-1)
-      os.path.relpath(root, workdir)
-      for root, dirs, _ in os.walk(workdir)
-      if "checkpoints" in dirs and root != workdir
-    )
-    if not jobs:
-      raise errors.UserValueError(f"{workdir}: an HDEE recipe whose jobs hold no checkpoint yet")
-    return [(job, os.path.join(workdir, job)) for job in jobs]
-  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-    raise errors.UserValueError(
-      f"{workdir}: holds no checkpoints/ directory: give the workdir of a run of train.py"
-    )
-  return [("", workdir)]
-
-
-def devices_needed(workdir: str, step: int | None = None) -> int:
-  """The devices the newest (or ``step``'s) checkpoint of each run in ``workdir`` is laid out over."""
-  need = 1
-  for _, run_dir in runs_of(workdir):
-    metas = meta_steps(os.path.join(run_dir, "checkpoints"))
-    extra = next((e for s, e in metas if step is None or s == step), {})
-    need = max(need, recorded_devices(extra) or 1)
-  return need
-
-
-def recorded_devices(extra: dict) -> int | None:
-  """The devices a checkpoint's state is laid out over, as its metadata records them (before the
-  count was recorded: its config's mesh, when that named a count), or ``None``."""
-  if extra.get("num_devices"):
-    return int(extra["num_devices"])
-  mesh = json.loads(extra.get("config", "{}")).get("mesh", {})
-  return int(mesh.get("num_devices") or mesh.get("cpu_devices") or 0) or None
 
 
 def read_params(workdir: str, step: int | None = None):
@@ -88,8 +25,8 @@ def read_params(workdir: str, step: int | None = None):
   import ml_collections
 
   from acco_jax import model
+  from acco_jax.ckpt.checkpoint import open_read_only
   from acco_jax.run import presets, registry
-  from acco_jax.run.checkpoint import open_read_only
 
   found = {}
 

@@ -23,10 +23,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from acco_jax import data, model
-from acco_jax.run import checkpoint, pretrained
+from acco_jax.ckpt import checkpoint, meta
 from acco_jax.run import init_from as init_from_lib
-from acco_jax.run import saved as saved_runs
-from acco_jax.run.build import Run, check_comm, check_vocab, prime_batch
+from acco_jax.run import pretrained
+from acco_jax.run.build import Run, prime_batch
 
 
 @functools.lru_cache(maxsize=8)
@@ -93,8 +93,8 @@ def _restore(run: Run, config, workdir: str, ckpt, stream, rows_per_stage: int, 
     return step.reshard(saved)  # LoCo and pipeline steps refuse another mesh
 
   def check(extra):  # before any array is read: the clearest message for a config change
-    check_vocab(extra, run.model_cfg)
-    check_comm(extra, config, step)  # LoCo steps keep no residual: always the same
+    meta.check_vocab(extra, run.model_cfg)
+    meta.check_comm(extra, config, step)  # LoCo steps keep no residual: always the same
     step.check_checkpoint(extra)  # e.g. a pipeline's scheduled plan
 
   target = step.abstract_state(run.params_shapes)
@@ -108,7 +108,7 @@ def _restore(run: Run, config, workdir: str, ckpt, stream, rows_per_stage: int, 
     position = data.data_state(position, rows_per_stage)
   stream.set_state(position)
   if moved:
-    old = saved_runs.recorded_devices(extra)  # None: written before the count was recorded
+    old = meta.recorded_devices(extra)  # None: written before the count was recorded
     events.append(("resharded", dict(stage=start, from_devices=old, to_devices=n)))
     if lead:
       print(

@@ -26,6 +26,7 @@ import os
 import jax
 
 from acco_jax import data, errors, step_api
+from acco_jax.ckpt import meta
 from acco_jax.run import build as build_lib
 from acco_jax.run import (
   compile_cache,
@@ -39,7 +40,7 @@ from acco_jax.run import (
 from acco_jax.run import memory as memory_lib
 from acco_jax.run import metrics as metrics_lib
 from acco_jax.run import start as start_lib
-from acco_jax.run.build import Run, comm_meta, model_meta, updates_done, vocab_meta
+from acco_jax.run.build import Run, updates_done
 from acco_jax.run.rows import Rows
 
 
@@ -314,17 +315,15 @@ class Loop:
     run, config, stage = self.built, self.config, self.stage
     self.rows.write()
     self.watch.check_finite(self.watch.nonfinite, stage, self.step)
-    extra = {
-      "stage": stage,
-      "data": self.consumed,
-      "tokens_seen": self.rows.tokens_seen,
-      "vocab": vocab_meta(run.model_cfg),
-      "wire_bytes": self.rows.sent,
-      "comm": comm_meta(config, self.step),
-      **model_meta(run),
-      "config": config.to_json_best_effort(),
-      **self.step.checkpoint_extra(),
-    }
+    extra = meta.written(
+      run,
+      config,
+      self.step,
+      stage=stage,
+      data=self.consumed,
+      tokens_seen=self.rows.tokens_seen,
+      wire_bytes=self.rows.sent,
+    )
     self.ckpt.save(stage, self.state, extra=extra)
 
   def stop(self, reason: str) -> dict:

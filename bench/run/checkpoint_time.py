@@ -2,7 +2,7 @@
 
 Orbax's cost is per array (a TensorStore array each) and per device block (a write each), a few
 milliseconds of host time apiece, so a train state of many small leaves saves slowly whatever its
-bytes. :mod:`acco_jax.run.ckpt_pack` lays the leaves side by side per dtype and row axes before
+bytes. :mod:`acco_jax.ckpt.pack` lays the leaves side by side per dtype and row axes before
 orbax sees them. Each row here: one method's train state (random values, the method's shardings,
 8 simulated CPU devices), saved ``--saves`` times asynchronously the trainer's way (each save waits
 for the one before), then restored ``--restores`` times, once with the packing
@@ -65,7 +65,9 @@ def measure(method: str, preset: str, saves: int, restores: int) -> list[dict]:
   import jax
   import numpy as np
 
-  from acco_jax.run import build, checkpoint, ckpt_pack
+  from acco_jax.ckpt import checkpoint
+  from acco_jax.ckpt import pack as ckpt_pack
+  from acco_jax.run import build
 
   module, overrides = SETTINGS[method]
   config = importlib.import_module(f"configs.{module}").get_config(preset)
