@@ -26,12 +26,13 @@ of the run):
 
 Measured per worker, from its ``metrics.jsonl`` (each row's ``wall_s`` anchored to the clock by the
 earliest time this bench saw a row of that launch): updates per minute before the fault, during it
-(kill: the ``--lease-s`` after it, while the dead worker's lease still holds and every round
-waits ``grace_s`` for it; kill-restart and join: until the new launch's first row; stall,
-slow: while it lasts) and after, up to the first survivor's end; the final training loss (mean of
-the last 20 rows, every worker's own data share) and evaluation loss; the loss of the fault-free
-run at the same number of tokens summed over workers. From the store: the rounds closed and how
-many members each had (``rounds/<r>/set.json``).
+and after it, up to the first survivor's end. During is, for kill, the ``--lease-s`` after it (as
+long as a dead worker on another host keeps its lease, every round waiting ``grace_s`` for it; on
+one host its pid is seen gone at once); for kill-restart and join, until the new launch's first
+row; for stall and slow, while it lasts. Also the final training loss (mean of the last 20 rows,
+every worker's own data share) and evaluation loss, the loss of the fault-free run at the same
+number of tokens summed over workers, and from the store the rounds closed and how many members
+each had (``rounds/<r>/set.json``, read while the run goes: old rounds are collected).
 
 ``--s3`` serves the store over HTTP: an S3-compatible server (moto's, ``--moto`` names the
 executable: install it apart, ``python -m venv /tmp/moto && /tmp/moto/bin/pip install
@@ -713,7 +714,7 @@ def analyse(arm: str, scenario: str, res: dict, args, reference: dict | None) ->
     out["tokens_all"] = workers["job"]["tokens"] * args.workers if workers else 0
     out["fault"].pop("rounds", None)
   if reference is not None:
-    out["equal_tokens"] = equal_tokens(out, lines, reference, args)
+    out["equal_tokens"] = equal_tokens(out, reference)
   return out
 
 
@@ -722,7 +723,7 @@ def mean_of(values):
   return statistics.fmean(values) if values else None
 
 
-def equal_tokens(out: dict, lines: dict, reference: dict, args) -> dict:
+def equal_tokens(out: dict, reference: dict) -> dict:
   """This run's final loss against the fault-free run's at the same tokens summed over workers."""
   ref_lines = reference["lines"]
   per_stage = reference["tokens_per_stage_all"]
@@ -751,7 +752,7 @@ def fill_equal_tokens(results: list[dict], args) -> None:
       if (
         r["arm"] == arm and r["scenario"] != "none" and "workers" in r and not r.get("equal_tokens")
       ):
-        r["equal_tokens"] = equal_tokens(r, {}, reference, args)
+        r["equal_tokens"] = equal_tokens(r, reference)
 
 
 def reference_of(res: dict, args) -> dict:
