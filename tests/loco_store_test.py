@@ -137,3 +137,31 @@ def test_a_late_joiner_starts_from_the_latest_snapshot_and_the_rounds_after_it(t
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   jax.tree.map(close, joined[2], done[0])
   jax.tree.map(close, done[1], done[0])
+
+
+def test_a_worker_whose_round_was_collected_while_it_was_away_resyncs(tmp_path):
+  """Worker 2 of 3 starts with the others, then is away (its lease held, so each round waits a
+  short grace for it) while workers 0 and 1 run 7 rounds and the early ones are collected; its
+  first sync finds its round gone: it reads snapshot 6 and round 6 and ends on the others' θ_g."""
+  method, total, url = loco.diloco(sync_every=2), 14, str(tmp_path / "store")
+  batches = toy_batches(total, 3 * D * K * B)
+  store = RoundStore(url, 2, grace_s=0.2, poll_s=0.01)
+  store.check_run({"run": "loco_store_test", "method": method.name})
+  store.acquire()
+  mesh = loco_step.worker_mesh(1, jax.devices()[2 * D : 3 * D])
+  train = loco_step.make_loco_step(
+    toy_loss,
+    inner_tx(method),
+    method,
+    mesh,
+    num_microbatches=K,
+    params=toy_params(),
+    transport=StoreTransport(store, 2, 3, snapshot_every=3),
+  )
+  state = train.init(toy_params())  # nothing decided yet: its own start
+  kept = dict(snapshot_every=3, keep_rounds=3, min_workers=2, grace_s=0.2)
+  done = through_store(method, 3, batches, total, url, running=[0, 1], **kept)
+  assert store.collected(0)
+  state = drive(train, state, batches, 2, share=(2, 3))  # one sync: round 0, collected
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  jax.tree.map(close, jax.device_get(train.params(state)), done[0])

@@ -539,3 +539,25 @@ def test_s3_through_an_s3_compatible_server(tmp_path):
     assert stores[1].latest_decided() == 2
   finally:
     server.stop()
+
+
+def test_a_worker_that_finished_the_run_lowers_the_quorum_a_dead_one_does_not(tmp_path):
+  """min_workers=2: worker 1 finished the run, so worker 0's round closes alone; a worker that
+  is away without finishing still holds the quorum up."""
+  fake = FakeTime()
+  done = RoundStore(str(tmp_path), 1)
+  done.acquire()
+  done.finish(4)
+  assert done.finished_workers() == {1} and done.live_workers() == []
+  s = RoundStore(str(tmp_path), 0, grace_s=0.5, min_workers=2, clock=fake.clock, sleep=fake.sleep)
+  s.acquire()
+  s.publish(5, blocks(0))
+  assert s.members(5, 2, timeout_s=100) == [0]
+  away = RoundStore(str(tmp_path / "other"), 0, grace_s=0.5, min_workers=2, clock=fake.clock)
+  away.sleep = fake.sleep
+  away.acquire()
+  away.publish(0, blocks(0))
+  with pytest.raises(errors.UserTimeoutError, match=r"arrived \[0\]"):
+    away.members(0, 2, timeout_s=100)
+  done.acquire()  # worker 1 back to train more: waited for again
+  assert done.finished_workers() == set()

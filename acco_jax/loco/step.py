@@ -329,7 +329,10 @@ class LocoStep(SyncAccounting, StepBase):
     if len(batches) != call.stages:
       raise ValueError(f"this call runs {call.stages} inner steps, got {len(batches)} batches")
     if self.transport is not None:
-      return self._run_store(state, batches, call)
+      state, metrics = self._run_store(state, batches, call)
+      if stage + call.stages >= total:
+        self.transport.finish(state)
+      return state, metrics
     metrics = {}
     if call.apply is not None:
       state, metrics = self.program("apply", call.apply, state)(state)

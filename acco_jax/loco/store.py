@@ -321,6 +321,9 @@ class RoundStore:
     so that the rounds before it do not wait for it.
     """
     self._token, self._from_round, self._lost = uuid.uuid4().hex, int(from_round), None
+    done = self._path("workers", f"w{self.worker}.finished.json")
+    if self.process == 0 and self._has(done):  # back to train more: waited for again
+      self.fs.rm_file(done)
     path = self._lease_path()
     for _ in range(10):
       if self._create(path, self._lease_body()):
@@ -373,6 +376,20 @@ class RoundStore:
     self._check_token()
     self._put(self._lease_path(), self._lease_body())
     self._beat_at = self.clock()
+
+  def finish(self, r: int) -> None:
+    """This worker finished the run after round ``r``: recorded (the others' rounds stop counting
+    it toward ``min_workers``), then its lease given up."""
+    if self.process == 0:
+      self._put(
+        self._path("workers", f"w{self.worker}.finished.json"), json.dumps({"round": r}).encode()
+      )
+    self.release()
+
+  def finished_workers(self) -> set[int]:
+    """Ids of the workers that finished the run."""
+    names = self._ls(self._path("workers"))
+    return {int(n[1:].split(".")[0]) for n in names if n.endswith(".finished.json")}
 
   def release(self) -> None:
     """Give the lease up (this worker leaves; the next rounds do not wait for it)."""
@@ -467,8 +484,9 @@ class RoundStore:
       return record["members"]
     return self.decided(r)
 
-  def _ready(self, arrived: list[int], live: set[int], first: float | None) -> bool:
-    if len(arrived) < self.min_workers:
+  def _ready(self, arrived, live: set[int], first: float | None, done=frozenset()) -> bool:
+    # a worker that finished the run is not waited for: it lowers the quorum (a dead one does not)
+    if len(arrived) < max(1, self.min_workers - len(set(done) - set(arrived))):
       return False
     return live <= set(arrived) or self.clock() - first >= self.grace_s
 
@@ -482,7 +500,8 @@ class RoundStore:
     round was collected, ``errors.UserTimeoutError`` after ``timeout_s`` (None: never).
     """
     start = self.clock()
-    first, live, live_at, said_at, poll = None, set(), -float("inf"), start, self.poll_s
+    first, live, done, live_at = None, set(), set(), -float("inf")
+    said_at, poll = start, self.poll_s
     while True:
       got = self.decided(r)
       if got is not None:
@@ -490,11 +509,11 @@ class RoundStore:
       if self.clock() - live_at >= 1.0:
         if self.collected(r):
           raise RoundGone(f"round {r} of {self.url} was collected")
-        live, live_at = self._expected(r), self.clock()
+        live, done, live_at = self._expected(r), self.finished_workers(), self.clock()
       arrived = self.arrived(r, ranks)
       if arrived and first is None:
         first = self.clock()
-      if self._ready(arrived, live, first):
+      if self._ready(arrived, live, first, done):
         return self._decide(r, arrived, live)
       self.heartbeat()
       waited = self.clock() - start

@@ -98,6 +98,11 @@ class StoreTransport:
       except Exception:  # a store that hiccups: the next beat tries again
         pass
 
+  def finish(self, state):
+    """The run's last call is done: the others stop waiting for this worker from now on."""
+    self._beat.set()
+    self.store.finish(int(state.round) - 1)
+
   def close(self):
     """Stops the heartbeat and gives the worker's id back (a finished worker is not waited for)."""
     if not self._beat.is_set():
@@ -116,15 +121,16 @@ class StoreTransport:
     wire, kept, acc, finite = encode_program(step, p)(state, jnp.int32(r))
     sparse = step.method.sparse is not None
     members = self.store.decided(r)
-    if members is None:
+    if members is None and not self.store.collected(r):
       self.store.publish(r, host_blocks(wire))
       members = self.store.members(r, step.num_devices)
-    if self.worker in members or step.method.aggregate == "pairs":
+    if members is not None and (self.worker in members or step.method.aggregate == "pairs"):
       own = wire if step.method.aggregate == "pairs" else None
       state, metrics = self.apply_round(step, state, r, members, own, kept if sparse else ())
       self.snapshot(step, state, r, members)
       return state, {**metrics, "outer_finite": finite}
-    # late: nothing of this worker is in the round; the error feedback keeps all it accumulated
+    # late (or the round collected: away too long): nothing of this worker is in the round; the
+    # error feedback keeps all it accumulated
     state, metrics = self.catch_up(step, state, acc if sparse else ())
     return state, {**metrics, "outer_finite": finite}
 
@@ -135,7 +141,7 @@ class StoreTransport:
     r = self._round(step, state)
     p = r % step.method.fragments
     members = self.store.decided(r)
-    if members is not None and self.worker not in members:
+    if (members is not None and self.worker not in members) or self.store.collected(r):
       return self.catch_up(step, state)
     wire, _, _, finite = encode_program(step, p)(state, jnp.int32(r))
     if members is None:
@@ -159,7 +165,7 @@ class StoreTransport:
     r = int(state.round)
     if step.method.aggregate == "pairs":
       members = self.store.decided(r)
-      if members is not None and self.worker not in members:
+      if (members is not None and self.worker not in members) or self.store.collected(r):
         r = max(r, self.store.latest_decided() + 1)
     return r
 
