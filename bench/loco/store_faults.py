@@ -994,7 +994,9 @@ def main(argv=None) -> int:
           r["note"] = spmd_note(r) if arm == "spmd" else store_note(r)
           results.append(r)
           common.log(json.dumps({k: r[k] for k in ("arm", "scenario", "survivors")}))
-          if not r["fault"].get("completed", True):
+          if r["fault"].get("straggler"):
+            common.log(f"{arm} {scenario}: {store_note(r)}")
+          elif not r["fault"].get("completed", True):
             common.log(f"{arm} {scenario}: capped after {args.cap:.0f} s")
     finally:
       store.close()
