@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import random
 import shutil
 import signal
@@ -487,14 +488,20 @@ def spmd_kill(args, scenario, launcher, victim, launch, fault, workdir) -> None:
 
 
 class DirStore:
-  def __init__(self, root: Path, env: dict):
-    self.root, self.env = root, env
+  """A directory; with ``own_hosts`` every worker runs under its own host name (a UTS namespace:
+  ``unshare --uts``, root), so that the workers see each other's leases as another host's and
+  cannot tell a dead process from a live one by its pid."""
+
+  def __init__(self, root: Path, env: dict, own_hosts: bool = False):
+    self.root, self.env, self.own_hosts = root, env, own_hosts
 
   def url(self, run: str) -> str:
     return str(self.root / run)
 
   def prefix(self, worker: int) -> list[str]:
-    return []
+    if not self.own_hosts:
+      return []
+    return ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', f"worker{worker}"]
 
   def watch(self, url: str) -> RoundsWatcher:
     from fsspec.implementations.local import LocalFileSystem
@@ -931,6 +938,9 @@ def parse(argv):
   )
   ap.add_argument("--s3", action="store_true", help="the store on a moto S3 server over HTTP")
   ap.add_argument("--moto", default=shutil.which("moto_server") or "moto_server")
+  ap.add_argument(
+    "--own-hosts", action="store_true", help="each store worker under its own host name (root)"
+  )
   ap.add_argument("--shape-mbit", type=float, default=0, help="with --s3: tbf on every link")
   ap.add_argument("--smoke", action="store_true", help="2 workers, store arm, none, 24 steps")
   ap.add_argument("--out", default=None)
@@ -945,6 +955,8 @@ def parse(argv):
     args.out = str(common.RESULTS / f"{name}.json")
   if args.workers < 2 or not 1 <= args.min_workers <= args.workers:
     ap.error(f"--workers={args.workers} must be >= 2 and --min-workers in [1, workers]")
+  if args.own_hosts and (args.s3 or os.geteuid() != 0):
+    ap.error("--own-hosts needs root (unshare --uts) and the directory store (not --s3)")
   if args.shape_mbit and not args.s3:
     ap.error("--shape-mbit shapes the links to the S3 server: add --s3")
   return args
@@ -973,7 +985,7 @@ def main(argv=None) -> int:
   t_start = time.time()
   with tempfile.TemporaryDirectory(prefix="store_faults_") as tmp:
     tmp = Path(tmp)
-    store = S3Store(args, env, tmp) if args.s3 else DirStore(tmp / "store", env)
+    store = S3Store(args, env, tmp) if args.s3 else DirStore(tmp / "store", env, args.own_hosts)
     try:
       for arm in args.arms:
         reference = None
