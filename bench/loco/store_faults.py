@@ -559,6 +559,7 @@ class S3Store:
         break
       except OSError as e:  # the server is still starting
         if time.time() > deadline or self.proc.poll() is not None:
+          self.close()  # the server and the namespaces this started
           raise RuntimeError(f"moto server at {self.endpoint} did not start: {e}") from e
         time.sleep(0.5)
 
