@@ -956,6 +956,11 @@ def parse(argv):
     args.out = str(common.RESULTS / f"{name}.json")
   if args.workers < 2 or not 1 <= args.min_workers <= args.workers:
     ap.error(f"--workers={args.workers} must be >= 2 and --min-workers in [1, workers]")
+  if args.s3 and not shutil.which(args.moto):
+    ap.error(
+      f"--moto={args.moto} is not an executable: python -m venv /tmp/moto && "
+      "/tmp/moto/bin/pip install 'moto[server]', then --moto /tmp/moto/bin/moto_server"
+    )
   if args.own_hosts and (args.s3 or os.geteuid() != 0):
     ap.error("--own-hosts needs root (unshare --uts) and the directory store (not --s3)")
   if args.shape_mbit and not args.s3:
