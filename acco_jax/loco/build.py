@@ -108,7 +108,7 @@ def _transport(config, url: str | None, offline: bool):
   if offline:
     return transport_lib.Offline(c.worker, c.workers)
   key = (url, c.worker)
-  if key not in _OPEN:
+  if key not in _OPEN or not _OPEN[key].held:  # a run of this process finished: a new lease
     store = store_lib.RoundStore(
       url,
       c.worker,

@@ -98,6 +98,11 @@ class StoreTransport:
       except Exception:  # a store that hiccups: the next beat tries again
         pass
 
+  @property
+  def held(self) -> bool:
+    """Whether this worker still holds its id (not finished or closed)."""
+    return not self._beat.is_set()
+
   def finish(self, state):
     """The run's last call is done: the others stop waiting for this worker from now on."""
     self._beat.set()
