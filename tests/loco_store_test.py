@@ -60,14 +60,16 @@ def spmd(method, workers, batches, total):
   return [jax.device_get(per_worker(m)) for m in range(workers)]
 
 
-def worker(method, i, workers, url, batches, total, out, snapshot_every=2, **store_kwargs):
+def store_step(method, i, workers, url, snapshot_every=2, **store_kwargs):
+  """Worker ``i``'s step on devices ``[i D, (i + 1) D)``, meeting the others in the store at
+  ``url`` (its run checked, its lease taken)."""
   store_kwargs = {"grace_s": 60.0, "min_workers": workers, "poll_s": 0.01, **store_kwargs}
   store = RoundStore(url, i, **store_kwargs)
   store.check_run({"run": "loco_store_test", "method": method.name})
   store.acquire()
   transport = StoreTransport(store, i, workers, snapshot_every)
   mesh = loco_step.worker_mesh(1, jax.devices()[i * D : (i + 1) * D])
-  train = loco_step.make_loco_step(
+  return loco_step.make_loco_step(
     toy_loss,
     inner_tx(method),
     method,
@@ -76,9 +78,13 @@ def worker(method, i, workers, url, batches, total, out, snapshot_every=2, **sto
     params=toy_params(),
     transport=transport,
   )
+
+
+def worker(method, i, workers, url, batches, total, out, **kwargs):
+  train = store_step(method, i, workers, url, **kwargs)
   state = drive(train, train.init(toy_params()), batches, total, share=(i, workers))
   out[i] = jax.device_get(train.params(state))
-  transport.close()
+  train.transport.close()
 
 
 def through_store(method, workers, batches, total, url, running=None, **kwargs):
@@ -145,19 +151,8 @@ def test_a_worker_whose_round_was_collected_while_it_was_away_resyncs(tmp_path):
   first sync finds its round gone: it reads snapshot 6 and round 6 and ends on the others' θ_g."""
   method, total, url = loco.diloco(sync_every=2), 14, str(tmp_path / "store")
   batches = toy_batches(total, 3 * D * K * B)
-  store = RoundStore(url, 2, grace_s=0.2, poll_s=0.01)
-  store.check_run({"run": "loco_store_test", "method": method.name})
-  store.acquire()
-  mesh = loco_step.worker_mesh(1, jax.devices()[2 * D : 3 * D])
-  train = loco_step.make_loco_step(
-    toy_loss,
-    inner_tx(method),
-    method,
-    mesh,
-    num_microbatches=K,
-    params=toy_params(),
-    transport=StoreTransport(store, 2, 3, snapshot_every=3),
-  )
+  train = store_step(method, 2, 3, url, snapshot_every=3, grace_s=0.2, min_workers=1)
+  store = train.transport.store
   state = train.init(toy_params())  # nothing decided yet: its own start
   kept = dict(snapshot_every=3, keep_rounds=3, min_workers=2, grace_s=0.2)
   done = through_store(method, 3, batches, total, url, running=[0, 1], **kept)
