@@ -160,3 +160,17 @@ def test_a_worker_whose_round_was_collected_while_it_was_away_resyncs(tmp_path):
   state = drive(train, state, batches, 2, share=(2, 3))  # one sync: round 0, collected
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   jax.tree.map(close, jax.device_get(train.params(state)), done[0])
+
+
+def test_a_noloco_joiner_starts_from_a_peers_snapshot(tmp_path):
+  """NoLoCo keeps no global θ_g: a worker joining after 3 rounds of workers 0 and 1 starts from
+  the snapshot their first member wrote (its slow weights after round 2), not from the init."""
+  method, url = loco.noloco(sync_every=2, pairings=4), str(tmp_path / "store")
+  batches = toy_batches(6, 4 * D * K * B)
+  done = through_store(
+    method, 4, batches, 6, url, running=[0, 1], snapshot_every=3, keep_rounds=3, min_workers=2
+  )
+  joined = {}
+  worker(method, 2, 4, url, batches, 0, joined, snapshot_every=3, keep_rounds=3)
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  jax.tree.map(close, joined[2], done[0])  # worker 0 wrote snapshot 3, its θ_g after round 2

@@ -210,20 +210,30 @@ class StoreTransport:
         f"later snapshot exists: raise loco.keep_rounds (now {self.store.keep_rounds}) or lower "
         f"loco.snapshot_every (now {self.snapshot_every})"
       )
+    return self.adopt(step, state, s)
+
+  def adopt(self, step, state, s: int):
+    """The snapshot before round ``s``: its outer state, this worker's parameters replaced by its
+    ``θ_g``, round ``s``."""
     outer = read_tree(self.store, s, state.outer, step.num_devices)
     return adopt_program(step)(state, outer, jnp.int32(s))
 
   def join(self, step, state):
     """A worker's first state: the rounds decided before it started, applied (a founder that
-    started late) or, where they were collected, the latest snapshot and those after it."""
+    started late) or, where they were collected, the latest snapshot and those after it. NoLoCo,
+    whose workers each keep their own slow weights, starts from the latest snapshot's (its first
+    member's ``φ`` and outer momentum) and pairs from the first undecided round."""
+    if step.method.aggregate == "pairs":
+      s = self.store.latest_snapshot()
+      return state if s is None else self.adopt(step, state, s)
     return self.catch_up(step, state)[0]
 
   # -- aggregate ---------------------------------------------------------------------------------
 
   def apply_round(self, step, state, r: int, members: list, own_wire, comp):
-    """Round ``r``'s aggregate of ``members``' payloads, the outer update and merge; ``own_wire``
-    this worker's payload when it is a member (else read back like the others'), ``comp`` its
-    error feedback after the round."""
+    """Round ``r``'s aggregate of ``members``' payloads (read back from the store, this worker's
+    too), the outer update and merge; ``own_wire``: NoLoCo's own payload, for a step alone;
+    ``comp``: the error feedback after the round (``()``: unchanged)."""
     p = r % step.method.fragments
     if step.method.aggregate == "pairs":
       peer = self.peer(step, r, members)
