@@ -34,6 +34,9 @@ SMALL = {
   "ckpt.async_save": False,
   "model.dtype": "float32",  # bfloat16 compute would turn another program's rounding into drift
   "comm_dtype": "float32",
+  # SGD inside the workers: Adam would turn the mesh's and the store's last-bit differences (sums
+  # in another order) into learning-rate-sized steps at near-zero gradients
+  "opt.name": "sgd",
 }
 
 
