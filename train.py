@@ -122,8 +122,8 @@ def main(argv):
 
   try:
     family = registry.lookup(config.method)
-    if family.run is not None:  # runs itself (hdee: one trainer run per expert)
-      family.run(config, flags.FLAGS.workdir)
+    if family.train_and_evaluate is not None:  # trains itself (hdee: a trainer run per expert)
+      family.train_and_evaluate(config, flags.FLAGS.workdir)
     else:
       trainer.train_and_evaluate(config, flags.FLAGS.workdir, launch=launch)
   except errors.UserError as e:

@@ -11,7 +11,7 @@ low-communication :class:`acco_jax.loco.step.LocoStep` and the pipeline's
 checkpoint restore (:mod:`acco_jax.run.start`), ``ckpt.init_from``, ``model.init=run:`` and the
 export (:mod:`acco_jax.run.saved`) call it through this interface and nothing else.
 
-The hot path is one call: :meth:`Step.run` takes the batches of :meth:`Step.call_stages` stages
+The hot path is one call: :meth:`Step.call` takes the batches of :meth:`Step.call_stages` stages
 (one, or a LoCo window's or phase's inner steps) and returns the state and the device metrics of
 the call; the host reads nothing in between. Units as in the trainer: a *stage* is one program
 call of ``k`` microbatches per device (ACCO: an estimate or a commit); the checkpoint's step
@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 PyTree = Any
 
-# The device metrics every :meth:`Step.run` returns (a log row's fields; LoCo: per worker).
+# The device metrics every :meth:`Step.call` returns (a log row's fields; LoCo: per worker).
 METRICS = ("loss", "grad_norm", "microbatches", "committed", "skipped")
 # The one metric a call may add for the shell: where the call's outer sync was finite (per worker;
 # the low-communication steps). Absent: nothing but the loss can be non-finite. The trainer's
@@ -81,7 +81,7 @@ class Step(Protocol):
   def call_stages(self, stage: int, total: int) -> int:
     """Stages the call that starts after ``stage`` of ``total`` runs (the batches it takes)."""
 
-  def run(self, state, batches: list, stage: int, total: int, counts=None) -> tuple[Any, dict]:
+  def call(self, state, batches: list, stage: int, total: int, counts=None) -> tuple[Any, dict]:
     """Runs ``len(batches) == call_stages(stage, total)`` stages; returns the state (the input
     is donated) and the call's device metrics: every key of :data:`METRICS`, maybe
     :data:`OUTER_FINITE`, and what the step's own :meth:`log_fields` and :meth:`outer_metrics`

@@ -51,7 +51,7 @@ def _losses(config, stages: int) -> list[float]:
   state = train.init(jax.tree.map(np.asarray, _init(run, config)), build.prime_batch(run, config))
   out = []
   for stage in range(stages):  # one stage a call (a LoCo schedule with no window of H stages)
-    state, m = train.run(state, [placed], stage, stages)
+    state, m = train.call(state, [placed], stage, stages)
     assert set(step_api.METRICS) <= set(m), sorted(m)  # the declared contract of Step.run
     out.append(float(np.mean(jax.device_get(m["loss"]))))
   return out
@@ -162,7 +162,7 @@ def test_hdee_experts_of_the_architecture(tmp_path, arch):
   c.model.arch, c.model.D, c.model.H, c.model.N = arch, 32, 4, 2
   c.hdee.modes, c.hdee.budget_flops = "steps", 1.5e9
   c.hdee.domains = "hard:1:code_asyncio,hard:0:code_unittest,easy:1:kjv_law,easy:0:kjv_gospels"
-  results = recipe.run(c, str(tmp_path))
+  results = recipe.train_and_evaluate(c, str(tmp_path))
   plan = recipe.make_plan(c)
   for job in results["plan"]:
     cfg = plan.model_cfgs[job["size"]]

@@ -154,7 +154,7 @@ def test_bad_recipe_configs(overrides, match, tmp_path):
   config = tiny(**overrides)
   config.data.cache_dir = str(tmp_path / "cache")
   with pytest.raises(ValueError, match=match) as info:
-    recipe.run(config, str(tmp_path / "W"))
+    recipe.train_and_evaluate(config, str(tmp_path / "W"))
   assert "\n" not in str(info.value)
   assert not (tmp_path / "W").exists()  # nothing written
   assert not list((tmp_path / "cache").rglob("*")), "data was prepared before the refusal"

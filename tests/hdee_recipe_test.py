@@ -39,7 +39,7 @@ def tiny(**overrides):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("hdee") / "straight")
-  return workdir, recipe.run(tiny(), workdir)
+  return workdir, recipe.train_and_evaluate(tiny(), workdir)
 
 
 def test_one_command_runs_seed_experts_and_evaluation(straight):
@@ -125,7 +125,7 @@ def test_recipe_resumes_after_a_kill(straight, tmp_path):
       _flat(results["ppl"][label]), _flat(expected["ppl"][label]), rtol=1e-5, err_msg=label
     )
   with pytest.raises(ValueError, match=r"holds an HDEE recipe with another config \(hdee.budget_"):
-    recipe.run(tiny(**{"hdee.budget_flops": 3e9}), str(workdir))
+    recipe.train_and_evaluate(tiny(**{"hdee.budget_flops": 3e9}), str(workdir))
 
 
 def _flat(tree) -> list[float]:
@@ -157,14 +157,14 @@ def test_jobs_split_over_runs_sharing_a_workdir(straight, tmp_path, capsys):
   (the same programs on the same states, in this process)."""
   _, expected = straight
   workdir = str(tmp_path / "split")
-  assert recipe.run(tiny(**{"hdee.jobs": "seed-*"}), workdir) == {}
+  assert recipe.train_and_evaluate(tiny(**{"hdee.jobs": "seed-*"}), workdir) == {}
   assert "2 job(s) of the recipe are not: steps/hard-1, steps/easy-1" in capsys.readouterr().out
   assert not os.path.exists(os.path.join(workdir, "steps"))
-  assert recipe.run(tiny(**{"hdee.jobs": "steps/hard-*"}), workdir) == {}
+  assert recipe.train_and_evaluate(tiny(**{"hdee.jobs": "steps/hard-*"}), workdir) == {}
   out = capsys.readouterr().out
   assert "hdee: seed-M" not in out and "1 job(s) of the recipe are not: steps/easy-1" in out
   assert os.path.isfile(os.path.join(workdir, "steps", "hard-1", "params.npz"))
-  results = recipe.run(tiny(), workdir)
+  results = recipe.train_and_evaluate(tiny(), workdir)
   assert "hdee: steps/easy-1" in capsys.readouterr().out
   assert results["ppl"] == expected["ppl"]  # same programs, same states: bit for bit
 
@@ -182,7 +182,7 @@ def test_bad_job_selection_writes_nothing(selection, match, tmp_path):
   anything is written."""
   config = tiny(**{"hdee.jobs": selection, "data.cache_dir": str(tmp_path / "cache")})
   with pytest.raises(ValueError, match=match) as info:
-    recipe.run(config, str(tmp_path / "W"))
+    recipe.train_and_evaluate(config, str(tmp_path / "W"))
   assert "\n" not in str(info.value)
   assert not (tmp_path / "W").exists()
   assert not list((tmp_path / "cache").rglob("*")), "data was prepared before the refusal"

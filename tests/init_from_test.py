@@ -286,7 +286,7 @@ def test_an_hdee_recipe_refuses_init_from(tmp_path):
   config = hdee.get_config("tiny")
   config.ckpt.init_from = str(tmp_path)
   with pytest.raises(errors.UserValueError, match="does not apply to method=hdee"):
-    recipe.run(config, str(tmp_path / "new"))
+    recipe.train_and_evaluate(config, str(tmp_path / "new"))
   assert not (tmp_path / "new").exists()
 
 

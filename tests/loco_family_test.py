@@ -351,7 +351,7 @@ def test_resume_from_a_checkpoint_is_bit_exact(name, tmp_path, batches, request)
   total = 4 if name == "demo" else 6
   state = train.init(toy_params())
   for s in range(total // 2):
-    state, _ = train.run(state, batches[s : s + 1], s, total)
+    state, _ = train.call(state, batches[s : s + 1], s, total)
   with Checkpointer(str(tmp_path), async_save=False) as ckpt:
     ckpt.save(total // 2, state, extra={})
   del state
@@ -360,7 +360,7 @@ def test_resume_from_a_checkpoint_is_bit_exact(name, tmp_path, batches, request)
   if name != "noloco":  # error feedback / momentum are in the checkpoint
     assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(state.comp))
   for s in range(total // 2, total):
-    state, _ = train.run(state, batches[s : s + 1], s, total)
+    state, _ = train.call(state, batches[s : s + 1], s, total)
   for a, b in zip(
     jax.tree.leaves(jax.device_get(whole)), jax.tree.leaves(jax.device_get(state)), strict=True
   ):

@@ -236,7 +236,7 @@ def test_identical_data_eager_start_point_identity():
     if call.phase is not None:
       theta, s_prev = workers(train, state)[0], full(state.overlap.start)
       c, u = full(state.outer.params), view(state.outer.opt[0][0].trace)
-    state, _ = train.run(state, batches[s : s + call.stages], s, total)
+    state, _ = train.call(state, batches[s : s + call.stages], s, total)
     s += call.stages
     if call.phase is None or call.sync is not None:  # (the run's last phase is then flushed)
       continue

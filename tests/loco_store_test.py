@@ -47,7 +47,7 @@ def drive(train, state, batches, total, share=None):
     take = batches[s : s + n]
     if share is not None:
       take = [jax.tree.map(lambda x: rows_of(x, *share), b) for b in take]
-    state, _ = train.run(state, take, s, total)
+    state, _ = train.call(state, take, s, total)
     s += n
   return state
 

@@ -167,7 +167,7 @@ def run(method, M, D, batches, inner_name="zero1", params=None, loss=toy_loss, k
   state, s, total, logged = train.init(params, prime), 0, len(batches), []
   while s < total:
     n = train.schedule(s, total).stages
-    state, metrics = train.run(state, batches[s : s + n], s, total)
+    state, metrics = train.call(state, batches[s : s + n], s, total)
     logged.append(jax.device_get(metrics))
     s += n
   return train, state, logged
@@ -293,7 +293,7 @@ def test_maxtext_golden_losses():
   state, got = train.init(params), []
   for s in range(4):
     before = train.params(state)
-    state, metrics = train.run(state, [batch], s, 4)
+    state, metrics = train.call(state, [batch], s, 4)
     got.append(float(np.mean(metrics["loss"])))
     if s in (0, 1, 3):  # no sync: θ_g untouched
       assert_trees_close(train.params(state), before, rtol=0, atol=0)

@@ -125,7 +125,7 @@ def run_loco(batches, inner):
   while s < total:
     n = train.schedule(s, total).stages
     rows = [parallel.global_batch(local_rows(b, pi, pc), mesh, axes) for b in batches[s : s + n]]
-    state, metrics = train.run(state, rows, s, total)
+    state, metrics = train.call(state, rows, s, total)
     losses.append(np.asarray(train.replicated(metrics["loss"])))  # per worker, across processes
     s += n
   return np.stack(losses), jax.tree.map(np.asarray, train.params(state))

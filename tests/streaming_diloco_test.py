@@ -146,13 +146,13 @@ def test_checkpoint_in_flight_state_shape():
     toy_loss, tx, method, mesh, num_microbatches=K, params=toy_params()
   )
   state = train.init(toy_params())
-  state, _ = train.run(state, batches[:1], 0, 4)  # a plain inner step
+  state, _ = train.call(state, batches[:1], 0, 4)  # a plain inner step
   assert train.schedule(1, 4) == loco_step.Call(apply=None, send=0, stages=1, sync=None)
-  state, _ = train.run(state, batches[1:2], 1, 4)  # a window: fragment 0 sent, in flight after
+  state, _ = train.call(state, batches[1:2], 1, 4)  # a window: fragment 0 sent, in flight after
   assert int(state.inflight_fragment) == 0
   assert any(float(jnp.max(jnp.abs(x))) > 0 for x in jax.tree.leaves(state.inflight))
   assert train.schedule(2, 4).apply == 0
-  state, _ = train.run(state, batches[2:3], 2, 4)  # applies fragment 0 first
+  state, _ = train.call(state, batches[2:3], 2, 4)  # applies fragment 0 first
   assert int(state.inflight_fragment) == -1
 
 

@@ -46,7 +46,7 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
   if config.hetero.slowdown:
     delays = hetero.parse_slowdown(config.hetero.slowdown, mesh.size)
     loss = hetero.slowed(loss, delays, tx.plan.axis_name)
-  train = make_train_step(
+  step = make_train_step(
     loss,
     tx,
     mesh,
@@ -57,14 +57,14 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
     owned=owned,
     elementwise=layouts.optimizer_is_elementwise(config),
   )
-  _for_checkpoints(train, config, shapes)
-  train.orders, train.budgets = orders, budgets
+  _for_checkpoints(step, config, shapes)
+  step.orders, step.budgets = orders, budgets
   if config.hetero.adaptive:
-    train.adapt_every = config.hetero.adapt_every
-    train.policy = hetero.BudgetPolicy(
+    step.adapt_every = config.hetero.adapt_every
+    step.policy = hetero.BudgetPolicy(
       mesh.size,
       base=k,
-      k_max=train.num_microbatches,
+      k_max=step.num_microbatches,
       policy=config.hetero.adaptive,
       hysteresis=config.hetero.hysteresis,
     )
@@ -73,7 +73,7 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
     tokens=tokens,
     model_cfg=model_cfg,
     params_shapes=shapes,
-    step=train,
+    step=step,
     stages_per_update=per_update,
     total_stages=total,
     base_microbatches=k,
@@ -115,13 +115,13 @@ def source_step(config, model_cfg: model.ModelConfig, num_devices: int):
   return _for_checkpoints(step, config, shapes)
 
 
-def _for_checkpoints(train, config, shapes):
-  """``train`` with the config's optimizers for checkpoints of other runs: the method transform
+def _for_checkpoints(step, config, shapes):
+  """``step`` with the config's optimizers for checkpoints of other runs: the method transform
   on another device count (the owner layout's masks are in that count's view) and the inner
   optimizer on the model's tree (``ckpt.init_from`` of the owner layout)."""
-  train.source_tx = lambda n: method(config, n, shapes)[0]
-  train.tree_inner = build_lib.inner_optimizer(config, shapes)
-  return train
+  step.source_tx = lambda n: method(config, n, shapes)[0]
+  step.tree_inner = build_lib.inner_optimizer(config, shapes)
+  return step
 
 
 def comm_args(config, n: int, shapes) -> dict:

@@ -135,7 +135,7 @@ class MicrobatchLoop:
     aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32) + zero, aux_shape)
     return (acc0, no_count, zero, aux0), n0
 
-  def run(self, params_var, mbs, lo, hi, carry):
+  def accumulate(self, params_var, mbs, lo, hi, carry):
     """Adds microbatches ``[lo, hi)`` to ``carry``: Python-int bounds give XLA a loop of known trip
     count (none at all when ``lo == hi``), traced bounds one that XLA:GPU steers from the host."""
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from acco_jax.dp.quantized_comm import all_gather_invariant
 
 
-def probe(train, state, batch, repeats: int = 2) -> tuple[float, float]:
+def probe(step, state, batch, repeats: int = 2) -> tuple[float, float]:
   """Seconds per microbatch on this process's devices, and seconds of one stage's communication.
 
   Two programs, timed apart on each process. The microbatch program runs ``repeats`` forward and
@@ -30,35 +30,35 @@ def probe(train, state, batch, repeats: int = 2) -> tuple[float, float]:
   untimed (compilation, warm-up); later calls time one run. Not overlapped with anything: the inputs of
   :class:`acco_jax.dp.hetero.BudgetPolicy`.
   """
-  axis, k = train.plan.axis_name, train.num_microbatches
+  axis, k = step.plan.axis_name, step.num_microbatches
   repeats = min(repeats, k)
-  batch = train.put_batch(batch, per_device=k)
-  first = "probe" not in train.programs
+  batch = step.put_batch(batch, per_device=k)
+  first = "probe" not in step.programs
   if first:
-    loop = train.program.loop(k)
+    loop = step.program.loop(k)
 
     def compute(w_P, batch_local):
       params_var, mbs = loop.prepare(w_P, batch_local)
       carry, _ = loop.start(params_var, mbs)
-      acc, _, loss_sum, _ = loop.run(params_var, mbs, 0, repeats, carry)
+      acc, _, loss_sum, _ = loop.accumulate(params_var, mbs, 0, repeats, carry)
       return (loss_sum + sum(jnp.sum(x) for x in jax.tree.leaves(acc)))[None]  # keeps the backward
 
     def comm(buf_1xP):
       flat = buf_1xP[0]
-      if train.plan.sharded:
+      if step.plan.sharded:
         return all_gather_invariant(lax.psum_scatter(flat, axis, tiled=True), axis)
       return lax.psum(flat, axis)
 
     d = P(axis)
-    sm = functools.partial(jax.shard_map, mesh=train.mesh)
-    train.programs["probe"] = (
+    sm = functools.partial(jax.shard_map, mesh=step.mesh)
+    step.programs["probe"] = (
       jax.jit(sm(compute, in_specs=(P(), d), out_specs=d)),
       jax.jit(sm(comm, in_specs=d, out_specs=P())),
       jax.jit(sm(lambda x: lax.psum(x[0], axis), in_specs=d, out_specs=P())),
-      jax.device_put(train.zeros_buf(), train.sharding(d)),
+      jax.device_put(step.zeros_buf(), step.sharding(d)),
     )
-  compute_fn, comm_fn, line_up, buf = train.programs["probe"]
-  ones = train.put_counts(None, k=1)
+  compute_fn, comm_fn, line_up, buf = step.programs["probe"]
+  ones = step.put_counts(None, k=1)
 
   def timed(fn, *args):
     if first:

@@ -218,7 +218,7 @@ class StageProgram:
       params_var, mbs = loop.prepare(w_P, batch_local)
       count = loop.count(count_1)
       carry, n0 = loop.start(params_var, mbs, rest_1xP=start_1xP)
-      carry = loop.run(params_var, mbs, 0, count, carry)
+      carry = loop.accumulate(params_var, mbs, 0, count, carry)
       if token_1:
         carry, token_1 = lax.optimization_barrier((carry, token_1))
       return (*self._finish(loop, carry, count, n0), *token_1)
@@ -248,7 +248,7 @@ class StageProgram:
       params_var, mbs = loop.prepare(w_P, batch_local)
       count = loop.count(count_1)
       carry, n0 = loop.start(params_var, mbs, buf_1xP, buf_count_1, keep, rest_1xP)
-      carry = loop.run(params_var, mbs, 0, microbatch.loop_a_end(count, h), carry)
+      carry = loop.accumulate(params_var, mbs, 0, microbatch.loop_a_end(count, h), carry)
       if sharded:  # the barrier makes every output varying: keep invariant values out of it
         (carry, n0), g_1xS, token_1 = lax.optimization_barrier(((carry, n0), g_1xS, token_1))
       elif token_1:
@@ -289,7 +289,7 @@ class StageProgram:
         w_next = self.qcomm.apply_update(w_P, rows_S[0])
       else:
         w_next = all_gather_invariant(rows_S[0], self.plan.axis_name)
-      carry = loop.run(params_var, mbs, h, microbatch.loop_b_end(count, h), carry)
+      carry = loop.accumulate(params_var, mbs, h, microbatch.loop_b_end(count, h), carry)
       return (*self._finish(loop, carry, count, n0), w_next)
 
     d = P(self.plan.axis_name)

@@ -333,7 +333,7 @@ class TrainStep(StepBase):
 
   # -- what the trainer calls beyond init, step and params (acco_jax.step_api.Step) --------------
 
-  def run(self, state: TrainState, batches: list, stage: int, total: int, counts=None):
+  def call(self, state: TrainState, batches: list, stage: int, total: int, counts=None):
     """:meth:`step` on the one batch of a stage (the trainer's call)."""
     (batch,) = batches
     return self.step(state, batch, self.budgets if counts is None else counts)

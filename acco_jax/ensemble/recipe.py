@@ -1,6 +1,6 @@
 """The HDEE recipe from one config: seeds, then iterations of independent experts, then evaluation.
 
-``run(config, workdir)`` is what ``train.py`` calls for ``method=hdee``. Every training job (a seed
+``train_and_evaluate(config, workdir)`` is what ``train.py`` calls for ``method=hdee``. Every training job (a seed
 model, one expert on one domain, the dense reference) is an ordinary run of the project's
 trainer in its own sub-workdir, ``<workdir>/<job>``: its checkpoints, metrics and resume are the
 trainer's. A finished job leaves ``params.npz`` (its final parameters), which the next iteration
@@ -45,7 +45,7 @@ _PER_RUN = ("jobs",)  # hdee fields each process may set differently (its share 
 
 @dataclasses.dataclass
 class Plan:
-  """Everything ``run`` needs, validated before anything is written."""
+  """Everything ``train_and_evaluate`` needs, validated before anything is written."""
 
   config: ml_collections.ConfigDict
   experts: list[budgets.Expert]
@@ -251,7 +251,7 @@ def _rows(tokens: np.ndarray, seq_len: int, n: int) -> np.ndarray:
   return np.asarray(data.pack(tokens, seq_len)[:n], np.int32)
 
 
-def run(config, workdir: str, *, interrupt: tuple[str, int] | None = None) -> dict:
+def train_and_evaluate(config, workdir: str, *, interrupt: tuple[str, int] | None = None) -> dict:
   """Runs (or resumes) the whole recipe in ``workdir``; returns the results.
 
   Args:

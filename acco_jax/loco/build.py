@@ -33,16 +33,16 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
     )
   mesh = parallel.make_mesh(config.mesh.num_devices)
   model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
-  train = _step(config, model_cfg, mesh, lambda p, b: model.loss_fn(p, model_cfg, b))
+  step = _step(config, model_cfg, mesh, lambda p, b: model.loss_fn(p, model_cfg, b))
   shapes = model.param_shapes(model_cfg)
   total, k = config.train.num_updates, int(config.batch.microbatches)
-  axes = tuple(train.mesh.axis_names)
+  axes = tuple(step.mesh.axis_names)
   return build_lib.Run(
-    mesh=train.mesh,
+    mesh=step.mesh,
     tokens=tokens,
     model_cfg=model_cfg,
     params_shapes=shapes,
-    step=train,
+    step=step,
     stages_per_update=1,
     total_stages=total,
     base_microbatches=k,

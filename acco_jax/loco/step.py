@@ -72,7 +72,7 @@ class LocoState(NamedTuple):
 
 
 class Call(NamedTuple):
-  """What one :meth:`LocoStep.run` does, from the inner steps done (host-side, deterministic):
+  """What one :meth:`LocoStep.call` does, from the inner steps done (host-side, deterministic):
   :meth:`LocoStep.schedule`.
 
   Attributes:
@@ -316,7 +316,7 @@ class LocoStep(SyncAccounting, StepBase):
       batch,
     )
 
-  def run(self, state: LocoState, batches, stage: int, total: int, counts=None):
+  def call(self, state: LocoState, batches, stage: int, total: int, counts=None):
     """Runs :meth:`schedule` ``(stage, total)`` (``stage``: inner steps done): ``batches`` is a
     list of its ``stages`` batches (``counts``: workers run every microbatch; ``None`` only).
 
@@ -354,7 +354,7 @@ class LocoStep(SyncAccounting, StepBase):
     return state, metrics
 
   def _run_store(self, state: LocoState, batches, call: Call):
-    """:meth:`run` of a worker meeting the others through a store: the schedule's points, each
+    """:meth:`call` of a worker meeting the others through a store: the schedule's points, each
     sync a round (:class:`acco_jax.loco.transport.StoreTransport`; its fragment is the round's)."""
     t, metrics = self.transport, {}
     if call.apply is not None:
@@ -468,7 +468,7 @@ def make_loco_step(
     s = 0
     while s < total:
       n = train.schedule(s, total).stages
-      state, metrics = train.run(state, [next(batches) for _ in range(n)], s, total)
+      state, metrics = train.call(state, [next(batches) for _ in range(n)], s, total)
       s += n
     theta_g = train.params(state)
 

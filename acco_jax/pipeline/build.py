@@ -154,7 +154,7 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
     schedule = ticks.build(paths, stages, policy)
   mesh = pipe.make_mesh(stages, lanes, devices)
   counts, shapes, tx = _split_and_tx(config, model_cfg, stages, lanes)
-  train = PipelineStep(
+  step = PipelineStep(
     model_cfg,
     tx,
     mesh,
@@ -172,7 +172,7 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
     tokens=tokens,
     model_cfg=model_cfg,
     params_shapes=shapes,
-    step=train,
+    step=step,
     stages_per_update=per_update,
     total_stages=total,
     base_microbatches=M,

@@ -334,7 +334,7 @@ class PipelineStep(StepBase):
       )
     return self.programs["step"](state, batch)
 
-  def run(self, state: PipeState, batches: list, stage: int, total: int, counts=None):
+  def call(self, state: PipeState, batches: list, stage: int, total: int, counts=None):
     """:meth:`step` on the one batch of a stage (the trainer's call)."""
     (batch,) = batches
     return self.step(state, batch, counts)

@@ -10,7 +10,7 @@ What the shell would otherwise decide by a family's or a method's name, the fami
 (``tests/registry_test.py``).
 
 A family either builds a :class:`acco_jax.run.build.Run` that the trainer drives (``build``), or
-runs a config itself (``run``: HDEE trains its experts as trainer runs of their own). The trainer
+trains a config itself (``train_and_evaluate``: HDEE trains its experts as trainer runs of their own). The trainer
 reaches a family only through what its build returns: ``Run.step``, a
 :class:`acco_jax.step_api.Step` (the interface every family's step implements), and
 ``ckpt.init_from`` (:mod:`acco_jax.run.init_from`) also
@@ -57,7 +57,8 @@ class Family(NamedTuple):
   # (config, its tokens: acco_jax.data.TokenData, or empty streams while checking the config) ->
   # acco_jax.run.build.Run, whose step is an acco_jax.step_api.Step
   build: Callable[[Any, Any], Any] | None = None
-  run: Callable[[Any, str], Any] | None = None  # (config, workdir): runs it instead of the trainer
+  # (config, workdir) -> summary: trains it instead of the trainer (the trainer's signature)
+  train_and_evaluate: Callable[[Any, str], Any] | None = None
   updates_done: Callable[[Any, int], int] = one_update_per_stage  # (config, stages) -> updates
   # (config, model_cfg, num_devices) -> a step of this family's run of ``config`` on this
   # process's first num_devices devices, never run: it reads a checkpoint of that run

@@ -2,7 +2,7 @@
 
 ``train_and_evaluate(config, workdir)`` is what ``train.py`` calls: it builds the run
 (:func:`acco_jax.run.build.build`), restores or initialises its state (:mod:`acco_jax.run.start`)
-and drives a :class:`Loop`. Reading order of the loop: :meth:`Loop.run` is the loop itself; each
+and drives a :class:`Loop`. Reading order of the loop: :meth:`Loop.drive` is the loop itself; each
 pass is one call of the family's step (:meth:`Loop.call`), after which it may log a row
 (:meth:`Loop.queue_row`; :class:`acco_jax.run.rows.Rows` writes it once the next call is queued),
 evaluate (:meth:`Loop.evaluate`), save (:meth:`Loop.save`) and stop (:meth:`Loop.stop`); a probe
@@ -86,7 +86,7 @@ def train_and_evaluate(
     sent = float(origin.extra.get("wire_bytes", 0.0))
     return report.finished(run, config, workdir, origin.stage, sent, lead)
   loop = Loop(run, config, workdir, stream, origin, max_stages=max_stages, launch=launch)
-  return loop.run(on_params)
+  return loop.drive(on_params)
 
 
 def train_stream(run: Run, config):
@@ -180,7 +180,7 @@ class Loop:
 
   # -- the loop -------------------------------------------------------------------------------------
 
-  def run(self, on_params=None) -> dict:
+  def drive(self, on_params=None) -> dict:
     """Calls the step until the last stage or a stop; returns the run's summary."""
     total, stop_at = self.built.total_stages, self.pace.stop_at
     try:
@@ -210,7 +210,7 @@ class Loop:
     self.probe(batches[0])
     sent = step.sent_bytes(self.stage, total)
     with self.pace.profiler.stage(self.stage, stages):
-      self.state, m = step.run(self.state, list(batches), self.stage, total)
+      self.state, m = step.call(self.state, list(batches), self.stage, total)
     self.rows.sent += sent
     outer = step.outer_metrics(m)
     if outer is not None:

@@ -180,7 +180,7 @@ def main():
       target = c[group] if group else c
       target[field] = type(target[field])(value)
     t0 = time.time()
-    per_seed.append(recipe.run(c, os.path.join(args.workdir, f"seed{s}")))
+    per_seed.append(recipe.train_and_evaluate(c, os.path.join(args.workdir, f"seed{s}")))
     common.log(f"seed {s}: {time.time() - t0:.0f} s")
   summary = summarize(per_seed)
   tables = "\n\n".join(table(summary, r) for r in [*summary["rules"], "best_rule"])
