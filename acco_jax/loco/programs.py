@@ -165,13 +165,24 @@ def send(step, state, p: int, ref=None):
   fragment's shards end to end: one all-reduce, and one value for the window's barrier to hold)
   and whether all was finite.
   """
+  payload, flat, finite = mean_encode(step, state, p, ref)
+  return payload, step.comm.mean(flat), finite
+
+
+def mean_encode(step, state, p: int, ref=None):
+  """What a worker of an all-reduce method sends for fragment ``p`` (the collective's and the
+  store's): its pseudo-gradient from ``ref`` (default ``θ_g``) through the compressor's round
+  trip. Returns ``(payload view, the view as one [M, D, n_p] buffer, whether it was finite)``."""
   idx = step.parts[p]
   ref = base.select(state.outer.params, idx) if ref is None else ref
   delta = base.pseudo_gradient(ref, base.select(worker_params(state), idx))
   payload = {k: step.method.compressor.roundtrip(v)[0] for k, v in delta.items()}
-  finite = finite_per_worker(payload)
-  flat = concat([payload[f"{i:04d}"] for i in idx])
-  return payload, step.comm.mean(flat), finite
+  return payload, concat([payload[k] for k in fragment_keys(idx)]), finite_per_worker(payload)
+
+
+def fragment_keys(idx) -> list[str]:
+  """The keys of a fragment's view (:func:`acco_jax.loco.base.select`) in leaf order."""
+  return [f"{i:04d}" for i in idx]
 
 
 def concat(leaves: list) -> jax.Array:
@@ -305,47 +316,86 @@ def exchange(step, state, p: int, ref=None):
 
 
 def _pairs(step, state, p):
-  idx = step.parts[p]
-  delta = payload(step, state, idx)
-  phi = base.select(state.outer.params, idx)
   pairing = step.method.pairing
   which = pairing_index(pairing.seed, sync_index(step, state), pairing.count)
-  n = concat(list(delta.values())).shape[-1]
-  other = step.comm.partner(concat([*delta.values(), *phi.values()]), step.matchings, which)
-  their_delta, their_phi = split(step, p, other[..., :n]), split(step, p, other[..., n:])
-  half = lambda a, b: jax.tree.map(lambda x, y: (x + y) / 2, a, b)
-  grad = consensus_gradient(half(delta, their_delta), phi, half(phi, their_phi))
-  return state, grad, {"outer_finite": finite_per_worker(delta), "outer_pairing": which}
+  wire, finite = pairs_encode(step, state, p)
+  theirs = step.comm.partner(wire, step.matchings, which)
+  grad = pairs_decode(step, state, p, theirs)
+  return state, grad, {"outer_finite": finite, "outer_pairing": which}
 
 
 def _sparse(step, state, p, ref=None):
   idx = step.parts[p]
   x = payload(step, state, idx, ref)
-  buffers = base.select(state.comp, idx)
-  keys, spec, codec = list(x), step.method.sparse, step.codec
-
-  def encode(rows, bufs, t):
-    scale = spec.scale(t) if spec.scale is not None else 1.0
-    wire, new = sparse_lib.feedback_compress(
-      codec, [rows[k] for k in keys], [bufs[k] for k in keys], spec.decay, scale
-    )
-    return wire, dict(zip(keys, new, strict=True))
-
-  def decode(everyone):
-    return dict(zip(keys, codec.mean(everyone), strict=True))
-
+  keys = fragment_keys(idx)
+  encode = functools.partial(sparse_encode, step, keys)
+  decode = functools.partial(sparse_decode, step, keys)
   t = sync_index(step, state)
-  kept, mean = step.comm.gather(encode, decode, (x, buffers), (t,))
+  kept, mean = step.comm.gather(encode, decode, (x, base.select(state.comp, idx)), (t,))
   state = state._replace(comp=base.replace(state.comp, kept))
   return state, mean, {"outer_finite": finite_per_worker(x)}
+
+
+# -- each method's encode and decode: the collective's (above) and the store's -------------------
+# (acco_jax.loco.transport) call these, so that a formula exists once
+
+
+def pairs_encode(step, state, p: int):
+  """NoLoCo's payload of fragment ``p``: ``[Δ | φ]`` end to end per worker (``[M, D, 2 n_p]``,
+  what its peer receives), and whether ``Δ`` was finite (``[M]``)."""
+  idx = step.parts[p]
+  delta = payload(step, state, idx)
+  phi = base.select(state.outer.params, idx)
+  return concat([*delta.values(), *phi.values()]), finite_per_worker(delta)
+
+
+def pairs_decode(step, state, p: int, theirs) -> dict:
+  """Each worker's outer-update input for fragment ``p`` from its peer's payload ``theirs``
+  (:func:`pairs_encode`, ``[..., D, 2 n_p]``): ``consensus_gradient((Δ_i + Δ_j)/2, φ_i,
+  (φ_i + φ_j)/2)``."""
+  idx = step.parts[p]
+  delta, phi = payload(step, state, idx), base.select(state.outer.params, idx)
+  n = theirs.shape[-1] // 2  # Δ and φ have the same leaves
+  their_delta, their_phi = split(step, p, theirs[..., :n]), split(step, p, theirs[..., n:])
+  half = lambda a, b: jax.tree.map(lambda x, y: (x + y) / 2, a, b)
+  return consensus_gradient(half(delta, their_delta), phi, half(phi, their_phi))
+
+
+def ef_scale(step, t):
+  """``c_t``: the scale of the payload in a sparse method's error feedback at sync ``t``."""
+  spec = step.method.sparse
+  return spec.scale(t) if spec.scale is not None else 1.0
+
+
+def accumulate(step, x: dict, buffers: dict, t) -> dict:
+  """``β e + c_t x``: the error feedback ``buffers`` with payload ``x`` added, before its top-k
+  is sent (what a worker whose payload was not taken keeps)."""
+  decay, c = step.method.sparse.decay, ef_scale(step, t)
+  return jax.tree.map(lambda e, xi: decay * e + c * xi.astype(jnp.float32), buffers, x)
+
+
+def sparse_encode(step, keys: list, rows: dict, buffers: dict, t):
+  """Per device, on its own blocks (leading dims ``[1, d]``): the error feedback around the
+  top-k, ``e ← β e + c_t x``, the wire of ``top-k(e)``, ``e ← e − sent``. Returns ``(wire
+  uint8 [1, d, n], the new buffers)``."""
+  spec = step.method.sparse
+  wire, new = sparse_lib.feedback_compress(
+    step.codec, [rows[k] for k in keys], [buffers[k] for k in keys], spec.decay, ef_scale(step, t)
+  )
+  return wire, dict(zip(keys, new, strict=True))
+
+
+def sparse_decode(step, keys: list, everyone) -> dict:
+  """Per device: the scatter-mean of the wires ``everyone`` (``[S, 1, d, n]``, in the order of
+  the senders) as the fragment's view."""
+  return dict(zip(keys, step.codec.mean(everyone), strict=True))
 
 
 def sparse_share(step, state_before, state_after, p: int, ref=None) -> dict:
   """What worker ``m`` put into the sparse average of fragment ``p``: the decoded ``ê_m`` it sent,
   ``β e + c_t x − e_new`` (the error feedback before and after the sync)."""
-  idx, spec = step.parts[p], step.method.sparse
+  idx = step.parts[p]
   x = payload(step, state_before, idx, ref)
-  t = sync_index(step, state_before)
-  c = spec.scale(t) if spec.scale is not None else 1.0
   old, new = base.select(state_before.comp, idx), base.select(state_after.comp, idx)
-  return jax.tree.map(lambda e, xi, n: spec.decay * e + c * xi - n, old, x, new)
+  before = accumulate(step, x, old, sync_index(step, state_before))
+  return jax.tree.map(lambda a, n: a - n, before, new)

@@ -42,6 +42,7 @@ run's (the mean is taken in another order: equal to float tolerance).
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 from typing import Any, NamedTuple
 
@@ -54,8 +55,7 @@ from jax.sharding import PartitionSpec as P
 from acco_jax import errors
 from acco_jax.loco import base, programs
 from acco_jax.loco import store as store_lib
-from acco_jax.loco.compress import sparse as sparse_lib
-from acco_jax.loco.noloco import consensus_gradient, matchings, pairing_index
+from acco_jax.loco.noloco import matchings, pairing_index
 
 PyTree = Any
 
@@ -319,37 +319,26 @@ def encode_shape(step, p: int) -> jax.ShapeDtypeStruct:
 def _encode(step, p: int, state, r):
   m, idx = step.method, step.parts[p]
   if m.aggregate == "mean":
-    delta = base.pseudo_gradient(
-      base.select(state.outer.params, idx), base.select(programs.worker_params(state), idx)
-    )
-    payload = {k: m.compressor.roundtrip(v)[0] for k, v in delta.items()}
-    wire = programs.concat([payload[f"{i:04d}"] for i in idx])
-    return wire, (), (), programs.finite_per_worker(payload)
-  x = programs.payload(step, state, idx)
+    _, wire, finite = programs.mean_encode(step, state, p)
+    return wire, (), (), finite
   if m.aggregate == "pairs":
-    phi = base.select(state.outer.params, idx)
-    wire = programs.concat([*x.values(), *phi.values()])
-    return wire, (), (), programs.finite_per_worker(x)
-  spec, codec, keys = m.sparse, step.codec, list(x)
-  scale = spec.scale(r) if spec.scale is not None else 1.0
-  buffers = base.select(state.comp, idx)
-
-  def local(rows, bufs):
-    wire, new = sparse_lib.feedback_compress(
-      codec, [rows[k] for k in keys], [bufs[k] for k in keys], spec.decay, scale
-    )
-    return wire, dict(zip(keys, new, strict=True))
-
+    wire, finite = programs.pairs_encode(step, state, p)
+    return wire, (), (), finite
+  x, buffers = programs.payload(step, state, idx), base.select(state.comp, idx)
+  keys = programs.fragment_keys(idx)
   specs = {k: step.comm.spec for k in keys}
   wire, kept = jax.shard_map(
-    local, mesh=step.mesh, in_specs=(specs, specs), out_specs=(step.comm.spec, specs)
-  )(x, buffers)
-  acc = jax.tree.map(lambda e, xi: spec.decay * e + scale * xi.astype(jnp.float32), buffers, x)
+    functools.partial(programs.sparse_encode, step, keys),
+    mesh=step.mesh,
+    in_specs=(specs, specs, P()),
+    out_specs=(step.comm.spec, specs),
+  )(x, buffers, r)
+  acc = programs.accumulate(step, x, buffers, r)
   return (
     wire,
     base.replace(state.comp, kept),
     base.replace(state.comp, acc),
-    (programs.finite_per_worker(x)),
+    programs.finite_per_worker(x),
   )
 
 
@@ -367,18 +356,10 @@ def aggregate_program(step, p: int, count: int):
 
 def _aggregate(step, p: int, state, everyone, comp, r):
   m, idx = step.method, step.parts[p]
-  metrics = {}
   if m.aggregate == "mean":
     mean = programs.split(step, p, jnp.mean(everyone, axis=0))
   elif m.aggregate == "pairs":
-    delta, phi = programs.payload(step, state, idx), base.select(state.outer.params, idx)
-    n = programs.concat(list(delta.values())).shape[-1]
-    theirs_d, theirs_phi = (
-      programs.split(step, p, everyone[..., :n]),
-      programs.split(step, p, everyone[..., n:]),
-    )
-    half = lambda a, b: jax.tree.map(lambda x, y: (x + y) / 2, a, b)
-    mean = consensus_gradient(half(delta, theirs_d), phi, half(phi, theirs_phi))
+    mean = programs.pairs_decode(step, state, p, everyone)
   else:
     mean = decode(step, idx, everyone)
     if comp != ():
@@ -390,14 +371,13 @@ def _aggregate(step, p: int, state, everyone, comp, r):
 
 def decode(step, idx, everyone) -> dict:
   """The scatter-mean of the members' sparse wires, per device on its own rows."""
-  keys = [f"{i:04d}" for i in idx]
-  spec = step.comm.spec
-
-  def local(wires):
-    return dict(zip(keys, step.codec.mean(wires), strict=True))
-
-  out = {k: spec for k in keys}
-  return jax.shard_map(local, mesh=step.mesh, in_specs=(P(None, *spec),), out_specs=out)(everyone)
+  keys, spec = programs.fragment_keys(idx), step.comm.spec
+  return jax.shard_map(
+    functools.partial(programs.sparse_decode, step, keys),
+    mesh=step.mesh,
+    in_specs=(P(None, *spec),),
+    out_specs={k: spec for k in keys},
+  )(everyone)
 
 
 def adopt_program(step):
