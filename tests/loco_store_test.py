@@ -16,6 +16,7 @@ import pytest
 
 import acco_jax
 from acco_jax import loco
+from acco_jax.loco import base, programs
 from acco_jax.loco import step as loco_step
 from acco_jax.loco.store import RoundStore
 from acco_jax.loco.transport import StoreTransport
@@ -177,3 +178,26 @@ def test_a_noloco_joiner_starts_from_a_peers_snapshot(tmp_path):
   worker(method, 2, 4, url, batches, 0, joined, snapshot_every=3, keep_rounds=3)
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   jax.tree.map(close, joined[2], done[0])  # worker 0 wrote snapshot 3, its θ_g after round 2
+
+
+def test_a_sparse_worker_late_for_its_round_keeps_its_whole_payload(tmp_path):
+  """SparseLoCo, 2 slots: round 0 is decided with worker 1 alone (a short grace); worker 0 then
+  reaches its sync late. It applies round 0 (caught up: the others' θ_g) and, nothing of its
+  payload having been sent, its error feedback is all of it: ``β·0 + 1·Δ`` with ``Δ = θ_g − θ_m``
+  before the sync (not the feedback less a top-k that no round took)."""
+  method, url = METHODS["sparseloco"](), str(tmp_path / "store")
+  batches = toy_batches(2, 2 * D * K * B)
+  step = store_step(method, 0, 2, url, grace_s=0.2, min_workers=1)
+  state = step.init(toy_params())  # nothing decided yet: its own start
+  done = through_store(method, 2, batches, 2, url, running=[1], grace_s=0.2, min_workers=1)
+  for b in batches:  # its two inner steps, then the sync by hand
+    b = jax.tree.map(lambda x: rows_of(x, 0, 2), b)
+    state, _ = step.program("stage", None, state)(state, step.put_batch(b))
+  delta = base.pseudo_gradient(state.outer.params, programs.worker_params(state))
+  delta = jax.device_get(delta)
+  state, metrics = step.transport.sync(step, state)
+  step.transport.close()
+  assert int(metrics["outer_caught_up"]) == 1 and int(state.round) == 1
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  jax.tree.map(close, jax.device_get(state.comp), delta)
+  jax.tree.map(close, jax.device_get(step.params(state)), done[1])

@@ -12,8 +12,9 @@ between the devices and the store, and the round's host logic.
 .. code-block:: none
 
   encode      the payload of fragment p = r mod P (the method's, as the collective would take it):
-              mean: compressed Δ; sparse: the top-k wire and the error feedback with and without
-              it; pairs: [Δ | φ]                                       (one program per fragment)
+              mean: compressed Δ; sparse: the top-k wire and the error feedback less it
+              (a worker whose round was decided without it: the feedback before, in another
+              program); pairs: [Δ | φ]                                 (one program per fragment)
   publish     its blocks (one per data rank) to round r, unless the round is decided
   members     wait for round r's decision (all live workers arrived, or grace_s after the first
               arrival with min_workers)
@@ -123,20 +124,20 @@ class StoreTransport:
     Returns ``(state, metrics)``."""
     r = self._round(step, state)
     p = r % step.method.fragments
-    wire, kept, acc, finite = encode_program(step, p)(state, jnp.int32(r))
-    sparse = step.method.sparse is not None
+    wire, kept, finite = encode_program(step, p)(state, jnp.int32(r))
     members = self.store.decided(r)
     if members is None and not self.store.collected(r):
       self.store.publish(r, host_blocks(wire))
       members = self.store.members(r, step.num_devices)
     if members is not None and (self.worker in members or step.method.aggregate == "pairs"):
       own = wire if step.method.aggregate == "pairs" else None
-      state, metrics = self.apply_round(step, state, r, members, own, kept if sparse else ())
+      state, metrics = self.apply_round(step, state, r, members, own, kept)
       self.snapshot(step, state, r, members)
       return state, {**metrics, "outer_finite": finite}
     # late (or the round collected: away too long): nothing of this worker is in the round; the
     # error feedback keeps all it accumulated
-    state, metrics = self.catch_up(step, state, acc if sparse else ())
+    acc = accumulate_program(step, p)(state, jnp.int32(r)) if step.method.sparse else ()
+    state, metrics = self.catch_up(step, state, acc)
     return state, {**metrics, "outer_finite": finite}
 
   def send(self, step, state):
@@ -148,7 +149,7 @@ class StoreTransport:
     members = self.store.decided(r)
     if (members is not None and self.worker not in members) or self.store.collected(r):
       return self.catch_up(step, state)
-    wire, _, _, finite = encode_program(step, p)(state, jnp.int32(r))
+    wire, _, finite = encode_program(step, p)(state, jnp.int32(r))
     if members is None:
       self.store.publish(r, host_blocks(wire))
     return state._replace(inflight_fragment=jnp.int32(p)), {"outer_finite": finite}
@@ -298,9 +299,9 @@ class StoreTransport:
 
 
 def encode_program(step, p: int):
-  """``(state, r) -> (wire [1, D, n], kept, accumulated, finite)`` of fragment ``p``: the payload
-  as the collective would take it; for a sparse method the error feedback after sending (``kept``)
-  and before (``accumulated``, what a worker whose payload was not taken keeps)."""
+  """``(state, r) -> (wire [1, D, n], kept, finite)`` of fragment ``p``: the payload as the
+  collective would take it; for a sparse method ``kept``, the error feedback after sending (else
+  ``()``). A worker whose payload no round took keeps :func:`accumulate_program`'s instead."""
   key = ("store_encode", p)
   if key not in step.programs:
     step.programs[key] = jax.jit(lambda state, r: _encode(step, p, state, r))
@@ -320,10 +321,10 @@ def _encode(step, p: int, state, r):
   m, idx = step.method, step.parts[p]
   if m.aggregate == "mean":
     _, wire, finite = programs.mean_encode(step, state, p)
-    return wire, (), (), finite
+    return wire, (), finite
   if m.aggregate == "pairs":
     wire, finite = programs.pairs_encode(step, state, p)
-    return wire, (), (), finite
+    return wire, (), finite
   x, buffers = programs.payload(step, state, idx), base.select(state.comp, idx)
   keys = programs.fragment_keys(idx)
   specs = {k: step.comm.spec for k in keys}
@@ -333,13 +334,24 @@ def _encode(step, p: int, state, r):
     in_specs=(specs, specs, P()),
     out_specs=(step.comm.spec, specs),
   )(x, buffers, r)
-  acc = programs.accumulate(step, x, buffers, r)
-  return (
-    wire,
-    base.replace(state.comp, kept),
-    base.replace(state.comp, acc),
-    programs.finite_per_worker(x),
-  )
+  return wire, base.replace(state.comp, kept), programs.finite_per_worker(x)
+
+
+def accumulate_program(step, p: int):
+  """``(state, r) -> comp``: a sparse worker's error feedback with its payload of round ``r``
+  added and nothing taken out (``β e + c_r x``): what a worker keeps when no round took its
+  payload. Compiled only where a worker was late, so a sync that takes part runs one program
+  before its round."""
+  key = ("store_accumulate", p)
+  if key not in step.programs:
+
+    def accumulated(state, r):
+      idx = step.parts[p]
+      x, buffers = programs.payload(step, state, idx), base.select(state.comp, idx)
+      return base.replace(state.comp, programs.accumulate(step, x, buffers, r))
+
+    step.programs[key] = jax.jit(accumulated)
+  return step.programs[key]
 
 
 def aggregate_program(step, p: int, count: int):
