@@ -180,9 +180,12 @@ class StoreTransport:
     up to the first undecided one or one it took part in (rerun from a checkpoint: its sync applies
     that one), reading a snapshot where the rounds were collected; ``comp``: its error feedback
     from now on, if it changed. Returns ``(state, the last round's metrics)`` with
-    ``outer_caught_up``, the rounds applied."""
+    ``outer_caught_up``, the rounds applied. NoLoCo has no global state to catch up: nothing
+    (its late worker steps alone, :meth:`apply_round`)."""
+    if step.method.aggregate == "pairs":
+      return state, {"outer_caught_up": jnp.int32(0)}
     count, metrics = 0, {}
-    while step.method.aggregate != "pairs":
+    while True:
       r = int(state.round)
       members = self.store.decided(r)
       if members is None and self.store.collected(r):  # away too long: the latest snapshot
