@@ -8,6 +8,7 @@ taken in another order, so to float tolerance), for every method. The processes 
 """
 
 import threading
+import time
 
 import jax
 import numpy as np
@@ -39,11 +40,12 @@ def rows_of(x, i, m):
   return x[i * len(x) // m : (i + 1) * len(x) // m]
 
 
-def drive(train, state, batches, total, share=None):
-  """The trainer's loop over a step: each call takes its stages' batches (``share``: this
-  worker's rows of each global batch)."""
-  s = 0
-  while s < total:
+def drive(train, state, batches, total, share=None, start=0, end=None):
+  """The trainer's loop over a step of a run of ``total`` inner steps, from ``start`` to ``end``
+  (default: the end): each call takes its stages' batches (``share``: this worker's rows of each
+  global batch)."""
+  s = start
+  while s < (total if end is None else end):
     n = train.schedule(s, total).stages
     take = batches[s : s + n]
     if share is not None:
@@ -201,3 +203,53 @@ def test_a_sparse_worker_late_for_its_round_keeps_its_whole_payload(tmp_path):
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   jax.tree.map(close, jax.device_get(state.comp), delta)
   jax.tree.map(close, jax.device_get(step.params(state)), done[1])
+
+
+def test_a_worker_asked_to_stop_while_it_waits_for_its_round_returns_at_once(tmp_path):
+  """Worker 0 of 2 (``min_workers=2``, a 60 s grace) waits for worker 1 at its first sync and is
+  asked to stop (the trainer's SIGTERM flag, through ``watch_stop``): its call returns within a
+  second, the sync cut (its payload published, the round undecided, the state marked), where
+  it would wait for worker 1. Worker 1 then comes; worker 0, driven on, finishes the cut sync at
+  its next call first: both workers apply both rounds with both members and end on one θ_g."""
+  method, url, total = loco.diloco(sync_every=2), str(tmp_path / "store"), 4
+  batches = toy_batches(total, 2 * D * K * B)
+  late = store_step(method, 1, 2, url)  # its lease held: live, so the round waits for it
+  step = store_step(method, 0, 2, url)
+  requested = threading.Event()
+  step.watch_stop(requested.is_set)
+  out = {}
+
+  def first_round():
+    out["state"] = drive(step, step.init(toy_params()), batches, total, share=(0, 2), end=2)
+
+  waiting = threading.Thread(target=first_round, daemon=True)
+  waiting.start()
+  store = step.transport.store
+  until = time.monotonic() + 120
+  while store.arrived(0, D) != [0]:  # published: now waiting for worker 1
+    assert time.monotonic() < until and waiting.is_alive()
+    time.sleep(0.01)
+  requested.set()
+  stopped_at = time.monotonic()
+  waiting.join(timeout=10)
+  assert not waiting.is_alive(), "the wait did not give up"
+  assert time.monotonic() - stopped_at < 1.0
+  cut = out["state"]
+  assert store.decided(0) is None and int(cut.round) == 0 and int(cut.inflight_fragment) == 0
+  other = {}
+  second = threading.Thread(
+    target=lambda: other.update(
+      state=drive(late, late.init(toy_params()), batches, total, share=(1, 2))
+    )
+  )
+  second.start()
+  state = drive(step, cut, batches, total, share=(0, 2), start=2)  # the flag still set
+  second.join()
+  for t in (step, late):
+    t.transport.close()
+  assert store.decided(0) == [0, 1] and store.decided(1) == [0, 1]
+  assert int(state.round) == 2 and int(state.inflight_fragment) == -1
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  jax.tree.map(
+    close, jax.device_get(step.params(state)), jax.device_get(late.params(other["state"]))
+  )

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -123,6 +124,23 @@ def test_members_can_give_up_after_a_timeout(tmp_path):
   ):
     s.members(0, 2, timeout_s=5.0)
   assert 5.0 <= fake.now - 1000.0 < 6.0 and s.decided(0) is None
+
+
+def test_members_gives_up_at_once_when_its_stop_turns_true(tmp_path):
+  """A preemption while a worker waits: a thread sets the stop 0.2 s in; the wait (which would
+  last the 60 s grace for worker 1) raises Stopped within a second and leaves the round
+  undecided, worker 0's payload in it; a round that can be decided is decided all the same."""
+  stores = workers(tmp_path, 2, grace_s=60.0, poll_s=0.01)
+  stores[0].publish(0, blocks(0))
+  requested = threading.Event()
+  threading.Timer(0.2, requested.set).start()
+  start = time.monotonic()
+  with pytest.raises(store_lib.Stopped, match="round 0"):
+    stores[0].members(0, 2, stop=requested.is_set)
+  assert 0.2 <= time.monotonic() - start < 1.0
+  assert stores[0].decided(0) is None and stores[0].arrived(0, 2) == [0]
+  stores[1].publish(0, blocks(1))
+  assert stores[0].members(0, 2, stop=requested.is_set) == [0, 1]
 
 
 def test_a_joiner_is_not_waited_for_before_its_first_round(tmp_path):

@@ -329,8 +329,9 @@ class LocoStep(SyncAccounting, StepBase):
     if len(batches) != call.stages:
       raise ValueError(f"this call runs {call.stages} inner steps, got {len(batches)} batches")
     if self.transport is not None:
-      state, metrics = self._run_store(state, batches, call)
-      if stage + call.stages >= total:
+      last = stage + call.stages >= total
+      state, metrics = self._run_store(state, batches, call, last)
+      if last:
         self.transport.finish(state)
       return state, metrics
     metrics = {}
@@ -353,10 +354,13 @@ class LocoStep(SyncAccounting, StepBase):
       metrics = {**metrics, **outer}
     return state, metrics
 
-  def _run_store(self, state: LocoState, batches, call: Call):
+  def _run_store(self, state: LocoState, batches, call: Call, last: bool):
     """:meth:`call` of a worker meeting the others through a store: the schedule's points, each
-    sync a round (:class:`acco_jax.loco.transport.StoreTransport`; its fragment is the round's)."""
-    t, metrics = self.transport, {}
+    sync a round (:class:`acco_jax.loco.transport.StoreTransport`; its fragment is the round's);
+    a sync that a stop cut short finished first. ``last``: the run's last call (its sync waits
+    whatever :meth:`watch_stop` says)."""
+    t = self.transport
+    state, metrics = t.resume(self, state)
     if call.apply is not None:
       state, metrics = t.land(self, state)
     if call.send is not None:
@@ -366,12 +370,18 @@ class LocoStep(SyncAccounting, StepBase):
       state, inner = self.program("stage", None, state)(state, self.put_batch(batch))
     metrics = {**metrics, **inner}
     if call.sync is not None:
-      state, outer = t.sync(self, state)
+      state, outer = t.sync(self, state, stoppable=not last)
       metrics = {**metrics, **outer}
     if call.land:
       state, outer = t.land(self, state)
       metrics = {**metrics, **outer}
     return state, metrics
+
+  def watch_stop(self, requested) -> None:
+    """A store worker's wait for its round gives up once ``requested()`` is true (a preemption),
+    so that the trainer checkpoints and stops; the next call finishes that sync."""
+    if self.transport is not None:
+      self.transport.watch_stop(requested)
 
   def params(self, state: LocoState) -> PyTree:
     """``θ_g`` of worker 0 (the same on every worker) as a float32 tree of the original shapes."""

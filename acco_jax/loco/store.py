@@ -32,8 +32,9 @@ restart takes its id back at once (containers sharing a host name must share a P
 
 What the caller handles: :class:`RoundGone` (a ``KeyError``) when a round or snapshot it reads was
 collected (resynchronize from :meth:`RoundStore.latest_snapshot`); :class:`LeaseLost` when another
-process took this worker's id; ``errors.UserValueError`` (one line, nothing written) from
-:meth:`RoundStore.check_run` and :meth:`RoundStore.acquire`.
+process took this worker's id; :class:`Stopped` when the ``stop`` it handed
+:meth:`RoundStore.members` said to give up the wait (a preemption); ``errors.UserValueError`` (one
+line, nothing written) from :meth:`RoundStore.check_run` and :meth:`RoundStore.acquire`.
 """
 
 import io
@@ -62,6 +63,11 @@ class RoundGone(KeyError):
 
 class LeaseLost(errors.UserRuntimeError):
   """Another process took this worker's lease (this one was silent longer than ``lease_s``)."""
+
+
+class Stopped(Exception):
+  """The caller's ``stop`` turned true while :meth:`RoundStore.members` waited: the round is left
+  undecided, to the others (this worker's payload, if whole, may still be taken)."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -490,14 +496,16 @@ class RoundStore:
       return False
     return live <= set(arrived) or self.clock() - first >= self.grace_s
 
-  def members(self, r: int, ranks: int, *, timeout_s: float | None = None) -> list[int]:
+  def members(self, r: int, ranks: int, *, timeout_s: float | None = None, stop=None) -> list[int]:
     """Block until round ``r`` is decided; its sorted member ids.
 
     A worker has arrived when all ``ranks`` of its blocks are in the store. This process decides
     (if no one else did first) once every live worker has arrived, or ``grace_s`` after it first
     saw an arrival; either way only with at least ``min_workers`` arrived. Short of those it
     waits (a line on stderr each minute), renewing its lease. Raises :class:`RoundGone` if the
-    round was collected, ``errors.UserTimeoutError`` after ``timeout_s`` (None: never).
+    round was collected, ``errors.UserTimeoutError`` after ``timeout_s`` (None: never), and
+    :class:`Stopped` once ``stop()`` (a callable, looked at every poll; None: never) is true
+    while the round cannot be decided yet.
     """
     start = self.clock()
     first, live, done, live_at = None, set(), set(), -float("inf")
@@ -516,6 +524,8 @@ class RoundStore:
       if self._ready(arrived, live, first, done):
         return self._decide(r, arrived, live)
       self.heartbeat()
+      if stop is not None and stop():
+        raise Stopped(f"stopped waiting for round {r} of {self.url}")
       waited = self.clock() - start
       if timeout_s is not None and waited >= timeout_s:
         raise errors.UserTimeoutError(self._waiting(r, arrived, live, waited))

@@ -83,11 +83,16 @@ class StoreTransport:
     worker: this worker's id in ``[0, workers)``.
     workers: the run's worker slots ``M`` (its data shares; NoLoCo's matchings when all are there).
     snapshot_every: rounds between two snapshots of the global state.
+
+  Attributes:
+    stop: a callable, true once the run was asked to stop (a preemption), or None: a sync's wait
+      for its round then gives up (:meth:`sync`). Set by :meth:`watch_stop`.
   """
 
   def __init__(self, store, worker: int, workers: int, snapshot_every: int):
     self.store, self.worker, self.workers = store, worker, workers
-    self.snapshot_every = snapshot_every
+    self.snapshot_every, self.stop = snapshot_every, None
+    self._looked = False  # whether resume() looked at the state for a sync cut short
     self._beat = threading.Event()
     threading.Thread(target=self._heartbeat, daemon=True).start()
     atexit.register(self.close)
@@ -98,6 +103,10 @@ class StoreTransport:
         self.store.heartbeat()
       except Exception:  # a store that hiccups: the next beat tries again
         pass
+
+  def watch_stop(self, requested) -> None:
+    """From now on a sync's wait gives up once ``requested()`` is true (:meth:`sync`)."""
+    self.stop = requested
 
   @property
   def held(self) -> bool:
@@ -117,18 +126,28 @@ class StoreTransport:
 
   # -- the round of a sync -----------------------------------------------------------------------
 
-  def sync(self, step, state):
+  def sync(self, step, state, *, stoppable: bool = True):
     """A sync point (``τ = 0``): this worker's payload to its round, wait for the round's decision,
     apply it; a worker whose round was decided without it adopts the decided rounds instead.
     A round decided with it (a worker rerunning from its checkpoint) is applied as the first time.
-    Returns ``(state, metrics)``."""
+
+    Where :attr:`stop` turns true during the wait (``stoppable``: not the run's last sync), the
+    sync is *cut*: the state comes back as it was, marked (its round, ``inflight_fragment``) for
+    :meth:`resume` to finish the sync at the next call, in this process or in a rerun from the
+    checkpoint the trainer then saves; the round is left to the others, this worker's payload
+    published. Returns ``(state, metrics)``."""
     r = self._round(step, state)
     p = r % step.method.fragments
     wire, kept, finite = encode_program(step, p)(state, jnp.int32(r))
     members = self.store.decided(r)
     if members is None and not self.store.collected(r):
       self.store.publish(r, host_blocks(wire))
-      members = self.store.members(r, step.num_devices)
+      try:
+        members = self.store.members(r, step.num_devices, stop=self.stop if stoppable else None)
+      except store_lib.Stopped:
+        self._looked = False  # the next call finishes this sync first
+        cut = state._replace(round=jnp.int32(r), inflight_fragment=jnp.int32(p))
+        return cut, {"outer_finite": finite}
     if members is not None and (self.worker in members or step.method.aggregate == "pairs"):
       own = wire if step.method.aggregate == "pairs" else None
       state, metrics = self.apply_round(step, state, r, members, own, kept)
@@ -139,6 +158,18 @@ class StoreTransport:
     acc = accumulate_program(step, p)(state, jnp.int32(r)) if step.method.sparse else ()
     state, metrics = self.catch_up(step, state, acc)
     return state, {**metrics, "outer_finite": finite}
+
+  def resume(self, step, state):
+    """At a call's start: a sync :meth:`sync` cut short (the state marked so, maybe restored from
+    a checkpoint) is finished first, without giving up again. Reads the state (a device read) only
+    at this process's first call and the first after a cut; a method with windows (``τ > 0``)
+    keeps ``inflight_fragment`` for :meth:`land`. Returns ``(state, metrics)``."""
+    if self._looked or step.method.overlap_steps:
+      return state, {}
+    self._looked = True
+    if int(state.inflight_fragment) < 0:
+      return state, {}
+    return self.sync(step, state, stoppable=False)
 
   def send(self, step, state):
     """The send point of a window (``τ > 0``): publish the payload, to be applied ``τ`` steps later
@@ -466,3 +497,6 @@ class Offline(NamedTuple):
 
   def join(self, step, state):
     return state
+
+  def watch_stop(self, requested) -> None:
+    pass
