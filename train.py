@@ -82,8 +82,8 @@ def main(argv):
     _config_file_error(e)
   if not flags.FLAGS["verbosity"].present:  # keep the terminal to progress lines and results
     logging.set_verbosity(logging.WARNING)
-  from acco_jax import errors
-  from acco_jax.run import compile_cache, health, monitor, parallel  # backend not started yet
+  from acco_jax import errors, parallel
+  from acco_jax.run import compile_cache, health, monitor  # backend not started yet
 
   try:
     parallel.check_xla_flags(remember_in=compile_cache.base_dir(config.compile.cache_dir))

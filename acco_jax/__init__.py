@@ -18,6 +18,6 @@ from acco_jax.dp.methods import zero1 as zero1
 from acco_jax.dp.step import TrainState as TrainState
 from acco_jax.dp.step import TrainStep as TrainStep
 from acco_jax.dp.step import make_train_step as make_train_step
-from acco_jax.run.optim import hyperparams as hyperparams
+from acco_jax.optim import hyperparams as hyperparams
 
 __version__ = "0.1.0"

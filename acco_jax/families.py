@@ -1,7 +1,7 @@
 """Every family of the package, registered with the run shell (:mod:`acco_jax.run.registry`).
 
 Imported by the package's ``__init__``, so ``config.method`` resolves wherever ``acco_jax`` is
-imported. A new family is a folder with a ``family.py`` (its :class:`acco_jax.run.registry.Family`)
+imported. A new family is a folder with a ``family.py`` (its :class:`acco_jax.family_api.Family`)
 and its line here; the order is the order the unknown-method error lists the methods in.
 """
 

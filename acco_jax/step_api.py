@@ -4,7 +4,7 @@ family's step shares; :func:`ring_bytes`, the count every step's ``comm_bytes_pe
 The interface sits below both the shell and the families, so that a family's step imports no
 module of the run shell (``tests/import_graph_test.py``).
 
-A family's build (:class:`acco_jax.run.registry.Family`) returns a :class:`acco_jax.run.build.Run`
+A family's build (:class:`acco_jax.family_api.Family`) returns a :class:`acco_jax.family_api.Run`
 whose ``step`` is a :class:`Step`: the data-parallel :class:`acco_jax.dp.step.TrainStep`, the
 low-communication :class:`acco_jax.loco.step.LocoStep` and the pipeline's
 :class:`acco_jax.pipeline.step.PipelineStep`. The trainer (:mod:`acco_jax.run.trainer`), the

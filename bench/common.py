@@ -45,7 +45,7 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
 def cpu_env(num_devices: int) -> dict[str, str]:
   """The environment for a child process with ``num_devices`` simulated CPU devices
   (:func:`child_env`'s, so it finds the benchmark modules)."""
-  from acco_jax.run.parallel import PATIENT_CPU_COLLECTIVES
+  from acco_jax.parallel import PATIENT_CPU_COLLECTIVES
 
   env = child_env()
   flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_COUNT_FLAG)]

@@ -19,8 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-from acco_jax import step_api
-from acco_jax.run import build, parallel
+from acco_jax import parallel, step_api
+from acco_jax.run import build
 from configs import gpt2_acco, gpt2_diloco, gpt2_pipeline, gpt2_skippipe
 
 ARCHS = ("gpt_neo", "llama")

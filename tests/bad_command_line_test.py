@@ -197,8 +197,7 @@ def test_cuda_platform_without_cuda(tmp_path):
 def test_xla_flags_probe_runs_once_per_setting_that_passed(tmp_path, monkeypatch):
   """Flags the project does not know cost a child process once per jaxlib and setting, not per
   launch; a refused setting is never remembered; without a cache directory every launch probes."""
-  from acco_jax import errors
-  from acco_jax.run import parallel
+  from acco_jax import errors, parallel
 
   children = []
 

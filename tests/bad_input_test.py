@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from acco_jax.run import build, parallel, trainer
+from acco_jax import parallel
+from acco_jax.run import build, trainer
 from configs import gpt2_acco, gpt2_skippipe, gpt2_zero1
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

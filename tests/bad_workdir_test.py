@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 
-from acco_jax import model
+from acco_jax import model, parallel
 from acco_jax.ckpt import checkpoint
-from acco_jax.run import build, parallel, trainer
+from acco_jax.run import build, trainer
 from configs import gpt2_acco, gpt2_zero1
 from tests.bad_input_test import one_line, tiny
 

@@ -439,7 +439,7 @@ def test_jax_heartbeat_timeout_stays_above_the_watchdog(monkeypatch):
   default): above health.hang_timeout_s, so that the watchdog writes the verdict first."""
   import jax
 
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   seen = {}
   monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))

@@ -32,7 +32,7 @@ def test_the_page_has_a_cell_per_combination():
 
 @pytest.mark.slow
 def test_the_page_is_current_and_every_refusal_is_one_line():
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   parallel.configure_platform(cpu_devices=8)
   results = compat.collect()

@@ -4,7 +4,7 @@ these tests skip and say why."""
 
 import pytest
 
-from acco_jax.run import parallel
+from acco_jax import parallel
 
 NEEDS_PLUGIN = pytest.mark.skipif(
   not parallel.has_cuda_plugin(),

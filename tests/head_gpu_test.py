@@ -1,7 +1,7 @@
 """The head and the loss in the XLA:GPU-compiled step: bf16 GEMMs, a padded vocabulary, no f32 logits.
 
 XLA:GPU compiles a small GPT's ZeRO-1 stage for one abstract H100
-(:func:`acco_jax.run.parallel.gpu_aot_devices`, the CUDA PJRT plugin, no GPU), with V = 1000 padded
+(:func:`acco_jax.parallel.gpu_aot_devices`, the CUDA PJRT plugin, no GPU), with V = 1000 padded
 to 1024 (``vocab_multiple=128``). The optimized module is read with :func:`acco_jax.analysis.kernels.gemms`:
 
 * no GEMM of the head (forward, input gradient, weight gradient) has a float32 x float32 operand
@@ -27,9 +27,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import acco_jax
-from acco_jax import model
+from acco_jax import model, parallel
 from acco_jax.analysis import hlo, kernels
-from acco_jax.run import parallel
 from tests import cuda_plugin
 
 pytestmark = cuda_plugin.MARKS

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from acco_jax import model
+from acco_jax import model, parallel
 from acco_jax.ckpt import checkpoint
 from acco_jax.dp import hetero
-from acco_jax.run import build, parallel, trainer
+from acco_jax.run import build, trainer
 from configs import gpt2_acco
 
 # -- the planner ----------------------------------------------------------------------------------

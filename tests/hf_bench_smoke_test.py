@@ -21,7 +21,7 @@ def test_load_memory_smoke(tmp_path):
 @cuda_plugin.NEEDS_PLUGIN
 @pytest.mark.cuda_plugin
 def test_large_memory_smoke():
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   devices = parallel.gpu_aot_devices(2, "h100")
   r = large_memory.measure("llama-tiny", large_memory.SMOKE["llama-tiny"], "acco", devices, "h100")

@@ -15,10 +15,9 @@ import optax
 import pytest
 
 import acco_jax
-from acco_jax import loco
+from acco_jax import loco, optim
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.loco import step as loco_step
-from acco_jax.run import optim
 from tests.loco_test import K, ref_loco, run, toy_batches, toy_loss, toy_params
 from tests.methods_test import assert_updates_close
 

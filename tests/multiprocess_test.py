@@ -2,7 +2,7 @@
 1 process x 8 devices (for Streaming DiLoCo, 2 workers of 4 devices: one worker per process).
 
 The two workers (``tests/multiprocess_worker.py``) each see 4 local devices and feed only their own
-rows through ``acco_jax.run.parallel.global_batch``; the reference runs the same code in this process on
+rows through ``acco_jax.parallel.global_batch``; the reference runs the same code in this process on
 its 8 simulated devices (``tests/conftest.py``). With fp32 communication the trajectories agree up
 to the summation order of the reductions (gloo sums across processes, XLA:CPU within one process).
 """

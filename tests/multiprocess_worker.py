@@ -1,7 +1,7 @@
 """One process of the multi-process ACCO check (``tests/multiprocess_test.py``); the shared problem.
 
 Run as a script, it joins a ``jax.distributed`` job (gloo CPU collectives on localhost), feeds only
-its process-local rows through :func:`acco_jax.run.parallel.global_batch` and writes the per-stage
+its process-local rows through :func:`acco_jax.parallel.global_batch` and writes the per-stage
 losses and the final committed parameters (process 0 only)::
 
   python tests/multiprocess_worker.py --process-id 0 --num-processes 2 --local-devices 4 \
@@ -71,7 +71,7 @@ def run() -> dict:
   import optax
 
   import acco_jax
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   mesh = parallel.make_mesh()
   assert mesh.size == NUM_DEVICES, mesh
@@ -110,9 +110,8 @@ def run_loco(batches, inner):
   import jax.numpy as jnp
 
   import acco_jax
-  from acco_jax import loco
+  from acco_jax import loco, parallel
   from acco_jax.loco import step as loco_step
-  from acco_jax.run import parallel
 
   mesh = loco_step.worker_mesh(2)
   method = loco.streaming_diloco(sync_every=2, fragments=1, overlap_steps=1, quantize="fp4")

@@ -6,11 +6,11 @@ import math
 import jax
 import pytest
 
-from acco_jax import errors, model
+from acco_jax import errors, model, optim
 from acco_jax.dp import build as dp_build
 from acco_jax.dp import layouts
 from acco_jax.dp.owner import OwnerLayout
-from acco_jax.run import build, optim, trainer
+from acco_jax.run import build, trainer
 from configs import (
   gpt2_acco,
   gpt2_diloco,
@@ -62,7 +62,7 @@ def test_muon_is_refused_where_it_cannot_run():
     build.build(config)
   config = tiny(gpt2_zero1, **{"opt.name": "muon", "opt.ns_steps": 0})
   with pytest.raises(errors.UserValueError, match="opt.ns_steps=0 >= 1"):
-    build.inner_optimizer(config, p)
+    optim.from_config(config, p)
 
 
 def test_muloco_layout_owns_each_workers_matrices():

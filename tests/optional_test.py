@@ -3,8 +3,7 @@ missing; they never raise, so a test module that probes at import time still col
 
 import sys
 
-from acco_jax import optional
-from acco_jax.run import parallel
+from acco_jax import optional, parallel
 
 
 def test_has_cuda_plugin_without_the_jax_plugins_namespace(monkeypatch):

@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from acco_jax.run import parallel
+from acco_jax import parallel
 from tests import cuda_plugin
 
 REPO = Path(__file__).resolve().parent.parent

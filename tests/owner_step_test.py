@@ -255,7 +255,7 @@ def test_owner_step_moves_one_row_each_way_and_overlaps_like_elementwise(name, i
   assert all(x.sharding.spec[0] == "data" for x in sharded)
 
 
-# -- the config's Muon + AdamW (acco_jax.run.optim) with a global-norm clip -------------------------
+# -- the config's Muon + AdamW (acco_jax.optim) with a global-norm clip -------------------------
 
 
 def muon_leaves(params):
@@ -264,7 +264,7 @@ def muon_leaves(params):
 
 
 def muon_adamw_clipped(muon_mask, decay_mask, clip):
-  from acco_jax.run import optim
+  from acco_jax import optim
 
   schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 20, 1e-3)
   inner = optim.muon_adamw(
@@ -278,8 +278,8 @@ def test_owner_clip_by_global_norm_is_global_across_owners(name):
   """chain(clip_by_global_norm, muon + adamw) with the owner layout (Muon's matrices owned, the
   rest elementwise) equals plain optax's on one device: the clip reads the norm of the whole mean
   gradient, not of one device's items."""
+  from acco_jax import optim
   from acco_jax.dp.owner import OwnerLayout
-  from acco_jax.run import optim
 
   params, stages, clip = params_with_stack(), 4, 0.05
   batches, owned = make_batches(stages), muon_leaves(params)
@@ -313,8 +313,8 @@ def test_owner_clip_by_global_norm_is_global_across_owners(name):
 
 def owner_step(name, n, params):
   """``name`` with the config's Muon + AdamW (global clip) on ``n`` devices, one global batch."""
+  from acco_jax import optim
   from acco_jax.dp.owner import OwnerLayout
-  from acco_jax.run import optim
 
   owned, decay = muon_leaves(params), jax.tree.map(lambda x: np.ndim(x) >= 2, params)
   view = OwnerLayout(params, n, owned).view

@@ -12,11 +12,11 @@ import numpy as np
 import optax
 import pytest
 
-from acco_jax import errors, model
+from acco_jax import errors, model, optim
 from acco_jax.pipeline import packing, ticks
 from acco_jax.pipeline import programs as pipe
 from acco_jax.pipeline import step as pipe_train
-from acco_jax.run import build, optim
+from acco_jax.run import build
 from configs import gpt2_pipeline
 from tests.pipeline_data_test import CFG, LANES, B, M, S, _batches, _close, _mean_grad
 from tests.train_test import tiny

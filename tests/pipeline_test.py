@@ -363,7 +363,7 @@ def _run_bench(args, tmp_path, timeout):
 
 
 def test_bench_memory_without_plugin_says_skipped(tmp_path):
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   if parallel.has_cuda_plugin():
     pytest.skip("the CUDA PJRT plugin is installed here: --parts aot would compile every row")
@@ -378,7 +378,7 @@ def test_bench_memory_one_row_at_toy_widths(tmp_path):
   """One acco row on 2 lanes x 4 stages at toy widths: the worker's JSON (needs the plugin)."""
   import json
 
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   if not parallel.has_cuda_plugin():
     pytest.skip("no CUDA PJRT plugin (jax-cuda12-pjrt): nothing to compile for")

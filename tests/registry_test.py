@@ -1,7 +1,7 @@
 """Families declare, the shell asks (issue 70, item 1): no module of acco_jax/run names a family
 or a method as a value; what it once decided by those names (the data.packing a run needs, whether
 a checkpoint's state starts another run kind or reads back on another device count, whether slow
-workers are absorbed) is a declared field of each family's :class:`acco_jax.run.registry.Family`.
+workers are absorbed) is a declared field of each family's :class:`acco_jax.family_api.Family`.
 """
 
 import ast

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from acco_jax import model
-from acco_jax.run import build, parallel, trainer
+from acco_jax import model, parallel
+from acco_jax.run import build, trainer
 from acco_jax.skippipe import orders as orders_lib
 from acco_jax.skippipe import paths
 from configs import gpt2_skippipe

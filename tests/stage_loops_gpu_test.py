@@ -3,7 +3,7 @@
 XLA:GPU runs a ``while`` whose trip count it does not know by copying the loop predicate to the host
 after every iteration (a ``MemcpyD2H`` each, in an H100 profile of the old loop with traced bounds):
 the host's call returns only after the loop, and the next stage is dispatched late. The stages of
-ZeRO-1 and ACCO, compiled for two abstract H100s (:func:`acco_jax.run.parallel.gpu_aot_devices`, the
+ZeRO-1 and ACCO, compiled for two abstract H100s (:func:`acco_jax.parallel.gpu_aot_devices`, the
 CUDA PJRT plugin, no GPU), must carry ``known_trip_count`` on every microbatch loop: ``k`` for
 ZeRO-1's, ``ceil(k/2)`` and ``k - ceil(k/2)`` for ACCO's two. A stage run with per-device budgets
 (heterogeneous workers) keeps its traced bounds on purpose, so that a slow device computes fewer
@@ -23,9 +23,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import acco_jax
-from acco_jax import model
+from acco_jax import model, parallel
 from acco_jax.analysis import hlo
-from acco_jax.run import parallel
 from tests import cuda_plugin
 
 pytestmark = cuda_plugin.MARKS

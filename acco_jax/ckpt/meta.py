@@ -22,7 +22,7 @@ from acco_jax import errors
 if TYPE_CHECKING:
   from acco_jax import model
 
-Run = Any  # the run shell's Run (acco_jax.run.build): its model_cfg, tokens and mesh
+Run = Any  # a family_api.Run: its model_cfg, tokens and mesh
 
 
 def written(

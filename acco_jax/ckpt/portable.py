@@ -8,7 +8,7 @@ structure (``acco_jax.model.init_params``: ``{'blocks': {'0': ..., ...}, **share
 - ``params``: the committed parameters θ, float32 (ACCO and WP: the committed copy, not the
   estimate θ̃ or the prediction θ̂ the next stage would compute at);
 - ``opt``: the inner optimizer's state S (the config's optax optimizer,
-  :func:`acco_jax.run.build.inner_optimizer`: counts, injected hyperparameters, moments): every
+  :func:`acco_jax.optim.from_config`: counts, injected hyperparameters, moments): every
   parameter-shaped subtree (Adam's ``mu`` and ``nu``, ...) in the model's structure and shapes,
   the other leaves as they are;
 - ``updates``: optimizer updates done (what the trainer's update counter says: ACCO counts
@@ -27,7 +27,7 @@ Contract for a family's step (what :mod:`acco_jax.run.init_from` calls):
   ``saved`` is the step's state as a checkpoint of it holds it: host numpy leaves with the shapes
   they were *written* with (any device count or mesh), in the tree structure of the step's
   ``abstract_state(params_shapes)``. The step that exports was built from the source run's config
-  (the family's ``source_step``, :class:`acco_jax.run.registry.Family`), on this process's devices.
+  (the family's ``source_step``, :class:`acco_jax.family_api.Family`), on this process's devices.
 ``export_params(saved) -> params``
   The committed parameters alone, ``PortableState.params`` (``python -m acco_jax.export``; a LoCo
   step has this one only: its global parameters θ_g).

@@ -1,7 +1,7 @@
 """Device prefetch: the next batches are read, placed and on the device while the current step runs.
 
 A background thread takes batches from a checkpointable iterator (:class:`BatchIterator`), places
-each one with ``put`` (e.g. :func:`acco_jax.run.parallel.global_batch`, which keeps
+each one with ``put`` (e.g. :func:`acco_jax.parallel.global_batch`, which keeps
 ``jax.make_array_from_process_local_data`` for multi-process runs) and queues it with the
 iterator's position *after* it. The loop therefore checkpoints the position of the batches it has
 consumed, not of those read ahead, and a resumed run continues bit for bit.

@@ -15,23 +15,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acco_jax import data, errors, model
+from acco_jax import data, errors, model, optim, parallel
 from acco_jax.dp import hetero, layouts, methods, quantize
 from acco_jax.dp.flat import FlatLayout
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.dp.step import make_train_step
 from acco_jax.dp.updates import stage_plan
-from acco_jax.run import build as build_lib
-from acco_jax.run import health, parallel
+from acco_jax.family_api import Run
 from acco_jax.skippipe import orders as pipeline_orders
 
 
-def build_run(config, tokens: data.TokenData) -> build_lib.Run:
-  """The :class:`acco_jax.run.build.Run` of a data-parallel method."""
-  health.check_config(config)
+def build_run(config, tokens: data.TokenData, model_cfg: model.ModelConfig) -> Run:
+  """The :class:`acco_jax.family_api.Run` of a data-parallel method."""
   skippipe = config.get("pipeline") is not None and config.pipeline.stages != 0
   mesh = parallel.make_mesh(config.mesh.num_devices)
-  model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
   k, per_update, total = stage_plan(config)
   shapes = model.param_shapes(model_cfg)
   tx, owned = method(config, mesh.size, shapes)
@@ -68,7 +65,7 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
       policy=config.hetero.adaptive,
       hysteresis=config.hetero.hysteresis,
     )
-  return build_lib.Run(
+  return Run(
     mesh=mesh,
     tokens=tokens,
     model_cfg=model_cfg,
@@ -86,7 +83,7 @@ def method(config, n: int, shapes):
   layout = layouts.for_config(config, n)
   owned = model.muon_mask(shapes) if layout == "owner" and config.opt.name == "muon" else None
   view = OwnerLayout(shapes, n, owned).view if layout == "owner" else None
-  inner = build_lib.inner_optimizer(config, shapes, view=view)
+  inner = optim.from_config(config, shapes, view=view)
   kwargs = {"comm_dtype": jnp.dtype(config.comm_dtype), **comm_args(config, n, shapes)}
   if config.method == "dpu":
     kwargs["warmup_steps"] = int(config.dpu_warmup_updates)
@@ -120,7 +117,7 @@ def _for_checkpoints(step, config, shapes):
   on another device count (the owner layout's masks are in that count's view) and the inner
   optimizer on the model's tree (``ckpt.init_from`` of the owner layout)."""
   step.source_tx = lambda n: method(config, n, shapes)[0]
-  step.tree_inner = build_lib.inner_optimizer(config, shapes)
+  step.tree_inner = optim.from_config(config, shapes)
   return step
 
 

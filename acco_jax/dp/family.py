@@ -1,16 +1,16 @@
-"""The data-parallel family as the run shell sees it (:mod:`acco_jax.run.registry`): its methods,
+"""The data-parallel family as the run shell sees it (:class:`acco_jax.family_api.Family`): its methods,
 their update count (:mod:`acco_jax.dp.updates`) and the builder (:mod:`acco_jax.dp.build`, imported
 on call)."""
 
+from acco_jax import family_api
 from acco_jax.dp.methods import METHODS
 from acco_jax.dp.updates import updates_done
-from acco_jax.run import registry
 
 
-def _build(config, tokens):
+def _build(config, tokens, model_cfg):
   from acco_jax.dp import build
 
-  return build.build_run(config, tokens)
+  return build.build_run(config, tokens, model_cfg)
 
 
 def _source_step(config, model_cfg, num_devices):
@@ -19,11 +19,11 @@ def _source_step(config, model_cfg, num_devices):
   return build.source_step(config, model_cfg, num_devices)
 
 
-def _packing(config) -> registry.Packing | None:
+def _packing(config) -> family_api.Packing | None:
   if config.get("pipeline") is None or config.pipeline.stages == 0:
     return None
   why = "SkipPipe's paths (pipeline.stages > 0) run each row as one sequence, without segment masks"
-  return registry.Packing(False, why)
+  return family_api.Packing(False, why)
 
 
 def _absorbs_slow_workers(config) -> bool:
@@ -31,7 +31,7 @@ def _absorbs_slow_workers(config) -> bool:
   return config.method == "acco" and bool(config.hetero.adaptive)
 
 
-FAMILY = registry.Family(
+FAMILY = family_api.Family(
   "dp",
   METHODS,
   build=_build,

@@ -9,7 +9,7 @@ the inner optimizer is not elementwise, judged by its state: state shaped unlike
 (Adafactor's factored moments, Muon's split between matrices and the rest by their rank).
 
 On the owner layout a transform that reads every leaf sees one device's slots only. The step gives
-:func:`acco_jax.run.optim.clip_by_global_norm` the norm of the whole gradient; an
+:func:`acco_jax.optim.clip_by_global_norm` the norm of the whole gradient; an
 ``optax.clip_by_global_norm`` that the inner optimizer applies first (``optax.chain(
 optax.clip_by_global_norm(c), ...)``, found by :func:`leading_global_clip`) is applied by the step
 to the whole gradient before the per-slot update, where its copy then never triggers (a slot's norm
@@ -205,6 +205,6 @@ def check_per_leaf(tx, name: str, view_like, clip: float | None = None) -> None:
         f"method {name!r} with layout='owner' runs the inner optimizer on each device's "
         "items alone, but its update of one leaf reads others: use per-leaf transforms "
         "(clip_by_block_rms, muon, adafactor, adamw), a global-norm clip first in the chain "
-        "(optax.clip_by_global_norm or acco_jax.run.optim.clip_by_global_norm), or the "
+        "(optax.clip_by_global_norm or acco_jax.optim.clip_by_global_norm), or the "
         "elementwise layout"
       )

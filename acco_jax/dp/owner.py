@@ -39,7 +39,7 @@ the whole tree when the transform is *per leaf* and treats a stacked leaf's lead
 (Muon with ``MuonDimensionNumbers``; Adafactor factors a 3-D leaf over its two largest axes and is
 per leaf only on leaves of ``ndim <= 2``), and per-leaf reductions see elementwise leaves chunk by
 chunk. A transform coupling leaves (``optax.clip_by_global_norm``) sees one device's slots only;
-:func:`acco_jax.run.optim.clip_by_global_norm` takes the norm of the whole reduced gradient from the
+:func:`acco_jax.optim.clip_by_global_norm` takes the norm of the whole reduced gradient from the
 step (``update(..., global_norm=)``), so it stays global.
 """
 

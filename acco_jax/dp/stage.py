@@ -372,7 +372,7 @@ class StageProgram:
     grads = self.layout.rows_to_shards(g_rows)
     norm, update = optax.tree.norm(grads), self.tx.update
     if self.plan.sharded and self.plan.layout == "owner":  # each device's slots on their own;
-      # a global-norm clip (acco_jax.run.optim.clip_by_global_norm) takes the whole tree's norm
+      # a global-norm clip (acco_jax.optim.clip_by_global_norm) takes the whole tree's norm
       # (empty slots and padding are zeros: they add nothing to it); optax's, first in the chain,
       # is applied here to the whole gradient (dp/layouts.py): its per-slot copy does nothing
       if self.global_clip is not None:

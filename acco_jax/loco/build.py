@@ -12,32 +12,29 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from acco_jax import data, errors, loco, model
+from acco_jax import data, errors, loco, model, optim, parallel
 from acco_jax.dp import build as dp_build
 from acco_jax.dp import layouts, methods
 from acco_jax.dp.owner import OwnerLayout
+from acco_jax.family_api import Run
 from acco_jax.loco import step as loco_lib
 from acco_jax.loco import store as store_lib
 from acco_jax.loco import transport as transport_lib
-from acco_jax.run import build as build_lib
-from acco_jax.run import health, optim, parallel
 
 
-def build_run(config, tokens: data.TokenData) -> build_lib.Run:
-  """The :class:`acco_jax.run.build.Run` of a low-communication method ."""
-  health.check_config(config)
+def build_run(config, tokens: data.TokenData, model_cfg: model.ModelConfig) -> Run:
+  """The :class:`acco_jax.family_api.Run` of a low-communication method."""
   if config.get("pipeline") is not None and config.pipeline.stages != 0:
     raise errors.UserValueError(
       f"pipeline.stages={config.pipeline.stages}: SkipPipe paths run with the data-parallel "
       f"methods (ddp, zero1, acco, dpu, wp), not {config.method}; set pipeline.stages=0"
     )
   mesh = parallel.make_mesh(config.mesh.num_devices)
-  model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
   step = _step(config, model_cfg, mesh, lambda p, b: model.loss_fn(p, model_cfg, b))
   shapes = model.param_shapes(model_cfg)
   total, k = config.train.num_updates, int(config.batch.microbatches)
   axes = tuple(step.mesh.axis_names)
-  return build_lib.Run(
+  return Run(
     mesh=step.mesh,
     tokens=tokens,
     model_cfg=model_cfg,
@@ -69,7 +66,7 @@ def _step(config, model_cfg: model.ModelConfig, mesh, loss, offline=False) -> lo
   shapes = model.param_shapes(model_cfg)
   dp_build.comm_args(config, mesh.size, shapes)  # refuses comm.quantize: LoCo syncs its own way
   layout, owned, view = _inner_layout(config, mesh.shape["data"], shapes)
-  inner = build_lib.inner_optimizer(config, shapes, view=view)
+  inner = optim.from_config(config, shapes, view=view)
   if config.method == "demo":  # no inner optimizer: the inner step only keeps the gradient
     clip = [optax.clip_by_global_norm(config.opt.clip_norm)] if config.opt.clip_norm > 0 else []
     inner = optax.chain(*clip, loco.keep_gradient())

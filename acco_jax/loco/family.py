@@ -1,15 +1,15 @@
-"""The low-communication family as the run shell sees it (:mod:`acco_jax.run.registry`): one update
+"""The low-communication family as the run shell sees it (:class:`acco_jax.family_api.Family`): one update
 per stage; the builder and the checkpoints' reader (:mod:`acco_jax.loco.build`) are imported on
 call."""
 
+from acco_jax import family_api
 from acco_jax.loco import METHODS
-from acco_jax.run import registry
 
 
-def _build(config, tokens):
+def _build(config, tokens, model_cfg):
   from acco_jax.loco import build
 
-  return build.build_run(config, tokens)
+  return build.build_run(config, tokens, model_cfg)
 
 
 def _source_step(config, model_cfg, num_devices):
@@ -19,7 +19,7 @@ def _source_step(config, model_cfg, num_devices):
 
 
 # a call takes several stages' batches at once: every batch must have the same width
-ALL_PACKED = registry.Packing(
+ALL_PACKED = family_api.Packing(
   True,
   "a LoCo call takes several stages' batches at once, which buckets would give different widths",
 )
@@ -27,7 +27,7 @@ ALL_PACKED = registry.Packing(
 # source_step exports a checkpoint's global parameters only (``export_params``): a LoCo state does
 # not start another run kind (ckpt.init_from refuses it), but exports to Hugging Face; its
 # workers' states do not move onto another mesh, so it reads back on its own device count only
-FAMILY = registry.Family(
+FAMILY = family_api.Family(
   "loco",
   METHODS,
   build=_build,

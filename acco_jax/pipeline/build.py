@@ -7,14 +7,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from acco_jax import data, errors, model
+from acco_jax import data, errors, model, optim, parallel
 from acco_jax.dp import layouts, methods
+from acco_jax.family_api import Run
 from acco_jax.pipeline import packing as packing_lib
 from acco_jax.pipeline import programs as pipe
 from acco_jax.pipeline import relayout, ticks
 from acco_jax.pipeline.step import PipelineStep, build_state
-from acco_jax.run import build as build_lib
-from acco_jax.run import parallel
 from acco_jax.skippipe import orders, plans
 from acco_jax.skippipe import paths as paths_lib
 
@@ -112,7 +111,7 @@ def _split_and_tx(config, model_cfg, stages: int, lanes: int):
   shapes = model.param_shapes(model_cfg)
   matrices = whole_matrices(config, shapes)
   buffers = pipe.packing_for(shapes, stages, counts, lanes, matrices)
-  tx = build_lib.inner_optimizer(config, shapes, view=buffers.view_mask)
+  tx = optim.from_config(config, shapes, view=buffers.view_mask)
   return counts, shapes, tx if matrices is None else packing_lib.on_view(tx, buffers)
 
 
@@ -130,12 +129,11 @@ def source_step(config, model_cfg: model.ModelConfig, num_devices: int) -> relay
   return relayout.SourceStep(packing, tx, data_method, build)
 
 
-def build_run(config, tokens: data.TokenData) -> build_lib.Run:
-  """A :class:`acco_jax.run.build.Run` for ``method=pipeline`` (through
+def build_run(config, tokens: data.TokenData, model_cfg: model.ModelConfig) -> Run:
+  """A :class:`acco_jax.family_api.Run` for ``method=pipeline`` (through
   :mod:`acco_jax.pipeline.family`)."""
   devices = parallel.make_mesh(config.mesh.num_devices).devices.flatten()
   stages, lanes = _check(config, len(devices))
-  model_cfg = build_lib.model_config(config, tokens.tokenizer.vocab_size)
   M, per_update, total = flush_plan(config)
   p = config.pipeline
   if p.paths not in orders.MODES:
@@ -167,7 +165,7 @@ def build_run(config, tokens: data.TokenData) -> build_lib.Run:
     whole_matrices(config, shapes),
   )
   axis = pipe.DATA if lanes > 1 and not schedule.mesh_wide else None
-  return build_lib.Run(
+  return Run(
     mesh=mesh,
     tokens=tokens,
     model_cfg=model_cfg,

@@ -1,15 +1,15 @@
-"""The pipeline family as the run shell sees it (:mod:`acco_jax.run.registry`): ``method=pipeline``,
+"""The pipeline family as the run shell sees it (:class:`acco_jax.family_api.Family`): ``method=pipeline``,
 one update per flush (``pipeline.data_method=acco``: :func:`acco_jax.pipeline.build.updates_done`);
 its builder (:func:`acco_jax.pipeline.build.build_run`) is imported on
 call."""
 
-from acco_jax.run import registry
+from acco_jax import family_api
 
 
-def _build(config, tokens):
+def _build(config, tokens, model_cfg):
   from acco_jax.pipeline import build
 
-  return build.build_run(config, tokens)
+  return build.build_run(config, tokens, model_cfg)
 
 
 def _updates_done(config, stage: int) -> int:
@@ -25,11 +25,11 @@ def _source_step(config, model_cfg, num_devices):
 
 
 # the stages run each row as one sequence: no segment masks cross a stage boundary
-ONE_SEQUENCE_A_ROW = registry.Packing(
+ONE_SEQUENCE_A_ROW = family_api.Packing(
   False, "the pipeline's stages run each row as one sequence, without segment masks"
 )
 
-FAMILY = registry.Family(
+FAMILY = family_api.Family(
   "pipeline",
   ("pipeline",),
   build=_build,

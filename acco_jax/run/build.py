@@ -12,35 +12,17 @@ one-line :class:`acco_jax.errors.UserError`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
-from acco_jax import data, errors, model, step_api
+from acco_jax import data, errors, model, parallel, step_api
 from acco_jax.data import examples, instruct
 from acco_jax.data.tokenizer import declared_vocab_size
-from acco_jax.run import optim, parallel, presets, pretrained, profile, registry
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Run:
-  """Everything built from the config before the loop starts (a family's build returns it)."""
-
-  mesh: Any
-  tokens: data.TokenData
-  model_cfg: model.ModelConfig
-  params_shapes: Any  # ShapeDtypeStruct tree of the model's parameters
-  step: step_api.Step  # the family's step: dp.step.TrainStep, loco.step.LocoStep, ...
-  stages_per_update: int
-  total_stages: int
-  base_microbatches: int  # per device per stage without heterogeneous budgets
-  batch_axis: Any = parallel.DATA  # the mesh axes a batch's rows are sharded over
-  # every process reads the whole global batch (a pipeline: a lane's devices sit on several
-  # processes, which must hold the same rows)
-  batch_whole: bool = False
+from acco_jax.family_api import Run
+from acco_jax.run import health, presets, pretrained, profile, registry
 
 
 def model_config(config, vocab_size: int) -> model.ModelConfig:
@@ -98,7 +80,7 @@ def batch_stream(
   """Batches of ``rows`` rows of ``tokens`` (this process's share), as the config packs them.
 
   With ``run.batch_whole`` (a pipeline) every process reads the whole batch, so that processes
-  whose devices share rows hold the same ones (:func:`acco_jax.run.parallel.global_batch` places
+  whose devices share rows hold the same ones (:func:`acco_jax.parallel.global_batch` places
   each device's part). ``share=(i, n)``: the rows are share ``i`` of a batch ``n`` times larger
   (a job that is one of ``n`` workers: ``Step.data_share``).
   """
@@ -134,19 +116,6 @@ def updates_done(config, stage: int) -> int:
   return registry.lookup(config.method).updates_done(config, stage)
 
 
-def inner_optimizer(config, shapes, decay_mask=model.decay_mask, view=None):
-  """The config's inner optimizer; ``decay_mask`` maps the parameters' shapes to the weight-decay
-  mask of ``opt.decay=matrices`` (its layout is the step's). ``view`` maps a per-leaf tree like
-  the parameters (a mask) to the structure the optimizer sees (the owner layout's
-  :meth:`acco_jax.dp.owner.OwnerLayout.view`); default: that structure is the parameters'."""
-  if config.opt.decay not in ("matrices", "all"):
-    raise errors.UserValueError(f"opt.decay={config.opt.decay!r}: choose 'matrices' or 'all'")
-  view = view or (lambda tree: tree)
-  mask = view(decay_mask(shapes)) if config.opt.decay == "matrices" else None
-  muon = view(model.muon_mask(shapes)) if config.opt.name == "muon" else None
-  return optim.inner_optimizer(config.opt, config.train.num_updates, mask, muon)
-
-
 def build(config, *, check_only: bool = False) -> Run:
   """The run of ``config``, built by the family of its method (one-line errors before that).
 
@@ -162,12 +131,16 @@ def build(config, *, check_only: bool = False) -> Run:
       "with train.py"
     )
   _check_config(config)
-  checked = family.build(config, declared_tokens(config))
+  health.check_config(config)
+  declared = declared_tokens(config)
+  model_cfg = model_config(config, declared.tokenizer.vocab_size)
+  checked = family.build(config, declared, model_cfg)
   _check_probes(config, checked.step)
   profile.parse(config.train.get("profile_stages", ""), checked.total_stages)  # within the run
   if check_only:
     return checked
-  return family.build(config, prepare_tokens(config))
+  tokens = prepare_tokens(config)
+  return family.build(config, tokens, model_config(config, tokens.tokenizer.vocab_size))
 
 
 def _check_probes(config, step: step_api.Step) -> None:

@@ -4,7 +4,7 @@ The trainer calls :func:`start` when ``ckpt.init_from`` is set and the run's own
 checkpoint (with one, the run resumes from it and ``init_from`` is ignored). The source may be of
 another run kind: ``ddp``, ``zero1``, ``acco``, ``dpu``, ``wp`` or ``pipeline``, on any device count
 and mesh, onto any of them (:mod:`acco_jax.dp.relayout`, :mod:`acco_jax.pipeline.relayout`). The source's config is in its checkpoint (``extra['config']``):
-its family builds the source's step (:attr:`acco_jax.run.registry.Family.source_step`) on this
+its family builds the source's step (:attr:`acco_jax.family_api.Family.source_step`) on this
 run's device count, the checkpoint is read as host arrays with the shapes it was written with
 (:meth:`acco_jax.ckpt.checkpoint.Checkpointer.restore_host`, read-only: nothing in the source
 workdir is written), exported to the portable form and imported into this run's state.
@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 
-from acco_jax import data, errors, model, step_api
+from acco_jax import data, errors, family_api, model, optim, step_api
 from acco_jax.ckpt.checkpoint import open_read_only
 from acco_jax.run import build as build_lib
 from acco_jax.run import registry
@@ -123,7 +123,7 @@ def _check_model(path: str, src, extra: dict, mine: model.ModelConfig) -> model.
 
 def _check_optimizer(path: str, src, config, shapes) -> None:
   """Refused unless the source's inner optimizer keeps the state this run's does."""
-  state = lambda c: jax.eval_shape(build_lib.inner_optimizer(c, shapes).init, shapes)
+  state = lambda c: jax.eval_shape(optim.from_config(c, shapes).init, shapes)
   theirs, mine = state(src), state(config)
   same = jax.tree.structure(theirs) == jax.tree.structure(mine) and all(
     (a.shape, a.dtype) == (b.shape, b.dtype)
@@ -143,7 +143,7 @@ def _check_optimizer(path: str, src, config, shapes) -> None:
     )
 
 
-def _check_source(path: str, src, extra: dict, config, step) -> registry.Family:
+def _check_source(path: str, src, extra: dict, config, step) -> family_api.Family:
   family = registry.lookup(src.method)
   if family.state_stays:
     raise _refuse(path, f"the source is a method={src.method} run: {family.state_stays}")
@@ -178,7 +178,7 @@ def start(run, config, stream, rows_per_stage: int) -> Imported:
   """This run's state from the newest checkpoint in ``config.ckpt.init_from`` (the module).
 
   Args:
-    run: this run (:class:`acco_jax.run.build.Run`).
+    run: this run (:class:`acco_jax.family_api.Run`).
     config: this run's config.
     stream: this run's training batches; set to the source's data position.
     rows_per_stage: rows of one of this run's stages (the global batch).

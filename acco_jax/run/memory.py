@@ -169,14 +169,14 @@ def check(p: Prediction, config, num_devices: int, cpu: bool, host_total=None, d
 
 
 def predict_run(run, config, cpu: bool) -> Prediction:
-  """:func:`predict` of a built run (:class:`acco_jax.run.build.Run`, data or not), from its own
+  """:func:`predict` of a built run (:class:`acco_jax.family_api.Run`, data or not), from its own
   abstract state."""
   abstract = run.step.abstract_state(run.params_shapes)
   return predict(config, run.model_cfg, abstract, run.params_shapes, run.mesh.size, cpu)
 
 
 def check_run(run, config, *, lead: bool = True) -> Prediction:
-  """The trainer's pre-work check of a built run (:class:`acco_jax.run.build.Run`): prints the
+  """The trainer's pre-work check of a built run (:class:`acco_jax.family_api.Run`): prints the
   prediction in one line (``lead``) and refuses, unless ``train.memory_check`` is off, a run that
   does not fit."""
   devices = run.mesh.devices.flat

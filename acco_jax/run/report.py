@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acco_jax import data, layers, model, sampling
+from acco_jax import data, layers, model, parallel, sampling
+from acco_jax.family_api import Run
 from acco_jax.run import metrics as metrics_lib
-from acco_jax.run import parallel
-from acco_jax.run.build import Run, batch_stream, updates_done
+from acco_jax.run.build import batch_stream, updates_done
 
 
 def eval_function(cfg: model.ModelConfig, order=None):

@@ -24,9 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 from acco_jax import data, model
 from acco_jax.ckpt import checkpoint, meta
+from acco_jax.family_api import Run
 from acco_jax.run import init_from as init_from_lib
 from acco_jax.run import pretrained
-from acco_jax.run.build import Run, prime_batch
+from acco_jax.run.build import prime_batch
 
 
 @functools.lru_cache(maxsize=8)

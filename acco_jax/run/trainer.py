@@ -25,22 +25,21 @@ import os
 
 import jax
 
-from acco_jax import data, errors, step_api
+from acco_jax import data, errors, optim, parallel, step_api
 from acco_jax.ckpt import meta
+from acco_jax.family_api import Run
 from acco_jax.run import build as build_lib
 from acco_jax.run import (
   compile_cache,
   health,
   monitor,
-  optim,
-  parallel,
   profile,
   report,
 )
 from acco_jax.run import memory as memory_lib
 from acco_jax.run import metrics as metrics_lib
 from acco_jax.run import start as start_lib
-from acco_jax.run.build import Run, updates_done
+from acco_jax.run.build import updates_done
 from acco_jax.run.rows import Rows
 
 
@@ -115,7 +114,7 @@ def check_held_out(run: Run, config) -> None:
 
 
 class Loop:
-  """One run of the stage loop over a built :class:`acco_jax.run.build.Run`, from the state it
+  """One run of the stage loop over a built :class:`acco_jax.family_api.Run`, from the state it
   starts from (:class:`acco_jax.run.start.LoopStart`; see the module docstring for its reading
   order).
 

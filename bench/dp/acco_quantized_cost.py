@@ -76,8 +76,8 @@ def gpu_kernels_worker() -> dict:
   """Kernels of the compiled XLA:GPU ACCO stage (GPT-2-shaped tiny model, 8 x H100, compile only):
   entry-computation fusions and the ones that touch int8 (the quantize/dequantize fusions). Runs
   in a process started with XLA:GPU's flags (:func:`gpu_kernels`)."""
+  from acco_jax import parallel
   from acco_jax.analysis import hlo
-  from acco_jax.run import parallel
   from bench.gpu import overlap_gpu
 
   devices = parallel.gpu_aot_devices(8, "h100")
@@ -94,7 +94,7 @@ def gpu_kernels_worker() -> dict:
 
 def gpu_kernels() -> dict:
   """:func:`gpu_kernels_worker` in a child process whose XLA flags are the GPU overlap flags."""
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   env = {k: v for k, v in common.child_env().items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(parallel.GPU_OVERLAP_FLAGS))
@@ -135,7 +135,7 @@ def cost_report(args) -> int:
       ],
     )
   )
-  from acco_jax.run.parallel import has_cuda_plugin
+  from acco_jax.parallel import has_cuda_plugin
 
   kernels = gpu_kernels() if has_cuda_plugin() else {"skipped": "no CUDA PJRT plugin"}
   print(json.dumps(kernels, indent=1))

@@ -59,12 +59,11 @@ def build(preset: str, method: str, opt: str, n: int):
   ``configs/gpt2_<method>.py:<preset>`` with ``opt.name=opt`` on ``n`` devices (one microbatch)."""
   import jax
 
-  from acco_jax import model
+  from acco_jax import model, parallel
   from acco_jax.dp import build as dp_build
   from acco_jax.dp import layouts
   from acco_jax.dp.step import make_train_step
   from acco_jax.run import build as run_build
-  from acco_jax.run import parallel
 
   config = importlib.import_module(f"configs.gpt2_{method}").get_config(preset)
   config.opt.name = opt

@@ -69,7 +69,8 @@ def measure(
 ) -> dict:
   import jax
 
-  from acco_jax.run import build, parallel, start
+  from acco_jax import parallel
+  from acco_jax.run import build, start
 
   config = config_for(source, fmt, seq_len, packing, stages, small)
   run = build.build(config)
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
   p.add_argument("--smoke", action="store_true")
   p.add_argument("--out", type=Path, default=common.RESULTS / "sft_rows.json")
   args = p.parse_args(argv)
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   parallel.configure_platform(cpu_devices=8)
   root = common.RESULTS / "runs" / "sft_rows"

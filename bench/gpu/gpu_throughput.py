@@ -18,7 +18,7 @@ Rows (``--only`` picks some by name):
 * ``torch:V<n>``: ``bench/gpu/torch_gpt.py`` (torch.compile, SDPA, fused AdamW, bf16 autocast, clip
   1.0, the same microbatches per update) where ``torch`` imports; skipped otherwise.
 * ``<row>+cb`` (``trainer:`` and ``step:`` rows): the same with XLA:GPU's command buffers (CUDA
-  graphs) on; every other row runs with :data:`acco_jax.run.parallel.GPU_OVERLAP_FLAGS`, which turn
+  graphs) on; every other row runs with :data:`acco_jax.parallel.GPU_OVERLAP_FLAGS`, which turn
   them off (the multi-GPU overlap needs that; one GPU may not).
 
 ``--profile`` adds to each ``step:`` row a ``jax.profiler`` trace of 4 stages after the timed ones
@@ -164,7 +164,7 @@ def main() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
   args.steps = args.steps or (2 if args.smoke else 20)
   args.warmup = args.warmup or (1 if args.smoke else 3)
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   parallel.configure_platform()  # train.py's XLA:GPU flags, for every row (before JAX starts)
   if args.worker:

@@ -3,8 +3,8 @@ on 8 x H100, compiled for an abstract topology (compile only: the CUDA PJRT plug
 
 For each preset and method, the stage program (:func:`bench.common.abstract_stage`: the model's
 parameters and the train state as shapes, nothing allocated) is compiled by XLA:GPU for an abstract
-``--devices`` x ``--target`` topology (:func:`acco_jax.run.parallel.gpu_aot_devices`) with
-:data:`acco_jax.run.parallel.GPU_OVERLAP_FLAGS`, bf16 compute, every block rematerialised
+``--devices`` x ``--target`` topology (:func:`acco_jax.parallel.gpu_aot_devices`) with
+:data:`acco_jax.parallel.GPU_OVERLAP_FLAGS`, bf16 compute, every block rematerialised
 (``remat=True``) and the vocabulary padded to 128. Reported per device, from
 ``compiled.memory_analysis()``: arguments (the state and the batch), temporaries, and the program's
 total (arguments + outputs − aliased + temporaries), against the device's 80 GB and beside the state
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
   p.add_argument("--smoke", action="store_true", help="tiny presets on 2 devices (CI)")
   p.add_argument("--out", type=Path, default=common.RESULTS / "large_memory.json")
   args = p.parse_args(argv)
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   if not parallel.has_cuda_plugin():
     common.log('skipped: needs the CUDA PJRT plugin: pip install "jax-cuda12-pjrt==<jaxlib>"')

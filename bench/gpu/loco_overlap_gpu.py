@@ -2,8 +2,8 @@
 
 Compiles the *window* program of Streaming DiLoCo (:mod:`acco_jax.loco.programs`: the
 pseudo-gradient of a fragment, its all-reduce over the workers, and the ``τ`` inner steps, one XLA
-program) for ``--workers`` x ``--per-worker`` abstract GPUs (``acco_jax.run.parallel.gpu_aot_devices``:
-the CUDA PJRT plugin, no GPU), with :data:`acco_jax.run.parallel.GPU_OVERLAP_FLAGS`, and reads the
+program) for ``--workers`` x ``--per-worker`` abstract GPUs (``acco_jax.parallel.gpu_aot_devices``:
+the CUDA PJRT plugin, no GPU), with :data:`acco_jax.parallel.GPU_OVERLAP_FLAGS`, and reads the
 scheduled entry computation (:func:`acco_jax.analysis.hlo.async_overlap_report`): for every asynchronous
 all-reduce whose replica groups join devices of different workers, whether its start and done
 bracket an inner-step ``while`` (the microbatch loop of the first inner step, and the loop over the
@@ -56,9 +56,8 @@ def compile_program(args, overlap: int) -> dict:
   import optax
 
   import acco_jax
-  from acco_jax import loco, model
+  from acco_jax import loco, model, parallel
   from acco_jax.loco import step as loco_step
-  from acco_jax.run import parallel
 
   n = args.workers * args.per_worker
   devices = parallel.gpu_aot_devices(n, args.target, hosts=args.workers)
@@ -132,7 +131,7 @@ def main() -> int:
   ap.add_argument("--out", default=str(common.RESULTS / "loco_overlap_gpu.json"))
   args = ap.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax starts: the GPUs are abstract
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   if not parallel.has_cuda_plugin():
     print("skipped: needs the CUDA PJRT plugin (pip install jax-cuda12-pjrt==<jaxlib version>)")

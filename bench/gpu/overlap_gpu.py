@@ -1,7 +1,7 @@
 """Does XLA:GPU schedule ACCO's reduce-scatter and all-gather around the microbatch loops?
 
 Compiles the ACCO stage program of GPT-2 124M (``acco_jax.model.get_config('gpt2')``) for an
-8-device data mesh, with :data:`acco_jax.run.parallel.GPU_OVERLAP_FLAGS`, from abstract shapes (nothing
+8-device data mesh, with :data:`acco_jax.parallel.GPU_OVERLAP_FLAGS`, from abstract shapes (nothing
 is allocated or run), and reads the scheduled entry computation with
 :func:`acco_jax.analysis.hlo.async_overlap_report`: for the flat-buffer reduce-scatter and all-gather,
 whether their async start/done pair brackets a microbatch ``while`` and whether XLA marked it
@@ -16,7 +16,7 @@ Where it compiles (``--mode``, default ``auto`` = the first that applies):
   ``--devices`` devices it reports ``skipped`` with the reasons, never an error.
 * ``aot``: no GPU needed, only the CUDA PJRT plugin (``pip install jax-cuda12-pjrt==<jaxlib
   version>``): XLA:GPU compiles for an abstract topology of ``--target`` GPUs
-  (:func:`acco_jax.run.parallel.gpu_aot_devices`). Same compiler passes and scheduler as on the GPU, with
+  (:func:`acco_jax.parallel.gpu_aot_devices`). Same compiler passes and scheduler as on the GPU, with
   the target's published figures in place of a queried device.
 * ``cpu``: checks what a CPU can (the jaxpr dataflow precondition on GPT-2, the reduce-scatter ->
   all-gather chain in the compiled CPU module of a small model); XLA:CPU has no async collectives.
@@ -121,7 +121,7 @@ def gpu_schedule(args) -> dict:
   """Compiles for the GPUs (real, mocked, or an abstract ``--target`` topology); reads the schedule."""
   import jax
 
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   if args.mock:  # before the backend starts; compile-only (a mocked program does not run)
     name, _, value = args.mock.partition("=")
@@ -146,7 +146,7 @@ def gpu_schedule(args) -> dict:
 
 # Flag sets compiled by --ablation: (name, flags, method). "main" is what train.py uses.
 def variants(names: str) -> list[tuple[str, tuple[str, ...], str]]:
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   full = parallel.GPU_OVERLAP_FLAGS
   drop = lambda *keys: tuple(f for f in full if not any(k in f for k in keys))
@@ -230,8 +230,8 @@ def run_worker(
 
 
 def gpu_target_of(kind: str) -> str | None:
-  """The abstract target (``acco_jax.run.parallel`` names) of a GPU's device kind, or None."""
-  from acco_jax.run import parallel
+  """The abstract target (``acco_jax.parallel`` names) of a GPU's device kind, or None."""
+  from acco_jax import parallel
 
   kind = kind.lower()
   return next((t for t in parallel.GPU_TARGETS if t in kind), None)
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
   if args.worker:
     return worker(args)
 
-  from acco_jax.run.parallel import has_cuda_plugin
+  from acco_jax.parallel import has_cuda_plugin
 
   info = probe()
   if args.mode == "auto":

@@ -95,8 +95,7 @@ def run_step(method: str, s: dict, args) -> dict:
   import numpy as np
 
   import acco_jax
-  from acco_jax import model
-  from acco_jax.run import parallel
+  from acco_jax import model, parallel
 
   cfg = _model_cfg(s)
   k = s["k"] // 2 if method == "acco" else s["k"]  # ACCO: an update is two stages of k/2
@@ -249,9 +248,8 @@ def run_hlo(method: str, s: dict, args) -> dict:
   import jax
 
   import acco_jax
-  from acco_jax import model
+  from acco_jax import model, parallel
   from acco_jax.analysis import kernels
-  from acco_jax.run import parallel
 
   on_gpu = jax.default_backend() == "gpu"
   if not on_gpu and not parallel.has_cuda_plugin():

@@ -214,7 +214,7 @@ def model_config(preset: str, smoke: bool = False):
 
 
 def abstract_devices(num_devices: int):
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   n, hosts = topology(num_devices)
   return parallel.gpu_aot_devices(n, "h100", hosts=hosts), f"{hosts}x{n // hosts}"
@@ -268,11 +268,10 @@ def aot_worker(args) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from acco_jax import model
+  from acco_jax import model, optim, parallel
   from acco_jax.pipeline import packing, ticks
   from acco_jax.pipeline import programs as pipe
   from acco_jax.pipeline import step as pipe_train
-  from acco_jax.run import optim, parallel
   from acco_jax.skippipe import paths
 
   if not parallel.has_cuda_plugin():

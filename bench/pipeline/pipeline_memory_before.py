@@ -46,11 +46,10 @@ def aot_worker(args) -> dict:
   use_old_checkout(args.repo)
   import jax
 
-  from acco_jax import model
+  from acco_jax import model, optim, parallel
   from acco_jax.pipeline import step as pipe
   from acco_jax.pipeline import ticks
   from acco_jax.pipeline import train as pipe_train
-  from acco_jax.run import optim, parallel
   from acco_jax.skippipe import paths
 
   if not parallel.has_cuda_plugin():

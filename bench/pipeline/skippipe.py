@@ -114,8 +114,8 @@ def _train(run, config, orders):
   """Trains with the trainer's pieces (the ordered stream, the step) and returns params, losses."""
   import jax
 
-  from acco_jax import model
-  from acco_jax.run import build, parallel
+  from acco_jax import model, parallel
+  from acco_jax.run import build
   from acco_jax.skippipe import orders as orders_lib
 
   train, mesh = run.step, run.mesh

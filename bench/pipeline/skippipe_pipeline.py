@@ -119,8 +119,8 @@ def train_one(run, cfg) -> tuple[dict, list[float]]:
   """Trains ``run``'s step from the seed's initialisation; returns (final params, losses)."""
   import jax
 
-  from acco_jax import model
-  from acco_jax.run import build, parallel
+  from acco_jax import model, parallel
+  from acco_jax.run import build
 
   train = run.step
   rows = train.microbatches_per_stage * cfg.batch.microbatch_size

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
   p.add_argument("--check", action="store_true", help="compare with docs/compositions.md")
   p.add_argument("--out", type=Path, default=OUT)
   args = p.parse_args(argv)
-  from acco_jax.run import parallel
+  from acco_jax import parallel
 
   parallel.configure_platform(cpu_devices=8)
   text = render_all(collect(None if args.check else common.log))

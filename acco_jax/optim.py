@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from acco_jax import errors
+from acco_jax import errors, model
 from acco_jax.optax_state import find_state
 
 SCHEDULES = ("cosine", "constant", "linear")
@@ -177,3 +177,16 @@ def hyperparams(opt_state) -> dict:
     opt_state, lambda s: hasattr(s, "hyperparams") and isinstance(s.hyperparams, dict)
   )
   return {} if found is None else dict(found.hyperparams)
+
+
+def from_config(config, shapes, decay_mask=model.decay_mask, view=None):
+  """The inner optimizer of a run's ``config`` (its ``opt`` group, over ``train.num_updates``); ``decay_mask`` maps the parameters' shapes to the weight-decay
+  mask of ``opt.decay=matrices`` (its layout is the step's). ``view`` maps a per-leaf tree like
+  the parameters (a mask) to the structure the optimizer sees (the owner layout's
+  :meth:`acco_jax.dp.owner.OwnerLayout.view`); default: that structure is the parameters'."""
+  if config.opt.decay not in ("matrices", "all"):
+    raise errors.UserValueError(f"opt.decay={config.opt.decay!r}: choose 'matrices' or 'all'")
+  view = view or (lambda tree: tree)
+  mask = view(decay_mask(shapes)) if config.opt.decay == "matrices" else None
+  muon = view(model.muon_mask(shapes)) if config.opt.name == "muon" else None
+  return inner_optimizer(config.opt, config.train.num_updates, mask, muon)
