@@ -24,6 +24,7 @@ LIBRARIES = {
   "bench.net.skippipe_prediction",
   "bench.pipeline.skippipe_sim",
 }  # imported, not run
+LIBRARY_PACKAGES = ("bench.loco.faults.",)  # the parts of bench.loco.store_faults
 
 
 def documents() -> list[pathlib.Path]:
@@ -93,4 +94,5 @@ def test_bench_readme_lists_every_benchmark():
     for p in (REPO / "bench").rglob("*.py")
     if p.name != "__init__.py" and "results" not in p.parts
   } - LIBRARIES
+  every = {m for m in every if not m.startswith(LIBRARY_PACKAGES)}
   assert every - listed == set(), f"bench/README.md does not list {sorted(every - listed)}"

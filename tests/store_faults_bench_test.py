@@ -1,5 +1,6 @@
-"""bench.loco.store_faults: its clock anchoring and rates on hand-made metrics (default suite), and
-its smoke run, two worker processes meeting through a store directory (slow)."""
+"""bench.loco.store_faults: its clock anchoring (bench.loco.faults.watch) and rates
+(bench.loco.faults.analysis) on hand-made metrics (default suite), and its smoke run, two worker
+processes meeting through a store directory (slow)."""
 
 import json
 import math
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.loco import store_faults
+from bench.loco.faults import analysis, watch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,20 +26,20 @@ def test_rows_are_anchored_to_the_clock_per_launch():
   seen += [(1000 + 4 + 5.0, row(4, 4.0))]  # written late: its process was stopped
   seen += [(2000.5, {"event": "config"})]
   seen += [(2000 + 0.5 + s + 0.2, row(s + 2, 0.5 + s)) for s in (1, 2)]
-  rows = store_faults.timeline(seen)
+  rows = watch.timeline(seen)
   assert [r["launch"] for r in rows] == [0, 0, 0, 0, 1, 1]
   assert [round(r["t"], 3) for r in rows] == [1001.05, 1002.05, 1003.05, 1004.05, 2001.7, 2002.7]
   # the same without config events: wall_s going back starts a launch
   bare = [(at, r) for at, r in seen if "event" not in r]
-  assert [r["launch"] for r in store_faults.timeline(bare)] == [0, 0, 0, 0, 1, 1]
+  assert [r["launch"] for r in watch.timeline(bare)] == [0, 0, 0, 0, 1, 1]
 
 
 def test_rate_counts_stages_per_minute_in_a_window():
   rows = [{"t": 10.0 + 0.5 * i} for i in range(40)]  # 2 stages a second from t = 10 to 29.5
-  assert store_faults.rate(rows, 10.0, 20.0) == pytest.approx(120.0)
-  assert store_faults.rate(rows, 30.0, 40.0) == 0.0
-  assert store_faults.rate(rows, 10.0, 10.5) is None  # under a second: no rate
-  assert store_faults.rate(rows, 10.0, None) is None
+  assert analysis.rate(rows, 10.0, 20.0) == pytest.approx(120.0)
+  assert analysis.rate(rows, 30.0, 40.0) == 0.0
+  assert analysis.rate(rows, 10.0, 10.5) is None  # under a second: no rate
+  assert analysis.rate(rows, 10.0, None) is None
 
 
 @pytest.mark.slow
