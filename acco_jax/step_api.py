@@ -87,6 +87,11 @@ class Step(Protocol):
     :data:`OUTER_FINITE`, and what the step's own :meth:`log_fields` and :meth:`outer_metrics`
     read. ``counts``: per-device microbatch budgets, or ``None``: the step's :attr:`budgets`."""
 
+  def watch_stop(self, requested) -> None:
+    """From now on ``requested()`` says whether the run was asked to stop (SIGTERM/SIGINT): a
+    step that waits for other jobs within a call (LoCo workers meeting through a store) gives the
+    wait up once it is true, so that the trainer checkpoints and stops at once."""
+
   def feed(self, stream):
     """This process's host batches as the step takes them: ``stream`` itself, or with what a
     family adds to each batch (SkipPipe's paths: each microbatch's layer order, ``'order'``)."""
@@ -240,6 +245,9 @@ class StepBase:
 
   def call_stages(self, stage: int, total: int) -> int:
     return 1
+
+  def watch_stop(self, requested) -> None:
+    return None
 
   def feed(self, stream):
     return stream
