@@ -17,7 +17,8 @@ between the devices and the store, and the round's host logic.
               program); pairs: [Δ | φ]                                 (one program per fragment)
   publish     its blocks (one per data rank) to round r, unless the round is decided
   members     wait for round r's decision (all live workers arrived, or grace_s after the first
-              arrival with min_workers)
+              arrival with min_workers); a stop (SIGTERM) cuts the wait: the state goes back
+              marked, and the next call (or a rerun from its checkpoint) finishes the sync
   aggregate   the members' payloads, then the outer update and merge as on the mesh; round r+1
               (one program per fragment and number of members)
 
