@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from acco_jax import data, model, parallel, step_api
 
 
-def one_update_per_stage(config, stage: int) -> int:
+def one_update_per_stage(stage: int) -> int:
   """Optimizer updates completed after ``stage`` stages, when every stage is one update."""
   return stage
 
@@ -62,7 +62,6 @@ class Family(NamedTuple):
   build: Callable[[Any, Any, Any], Run] | None = None
   # (config, workdir) -> summary: trains it instead of the trainer (the trainer's signature)
   train_and_evaluate: Callable[[Any, str], Any] | None = None
-  updates_done: Callable[[Any, int], int] = one_update_per_stage  # (config, stages) -> updates
   # (config, model_cfg, num_devices) -> a step of this family's run of ``config`` on this
   # process's first num_devices devices, never run: it reads a checkpoint of that run
   # (``abstract_state``) and exports it (``export_state``; acco_jax.ckpt.portable). None: this
@@ -92,6 +91,8 @@ class Run:
   stages_per_update: int
   total_stages: int
   base_microbatches: int  # per device per stage without heterogeneous budgets
+  # (stages) -> optimizer updates completed after that many stages (ACCO: two stages an update)
+  updates_done: Callable[[int], int] = one_update_per_stage
   batch_axis: Any = parallel.DATA  # the mesh axes a batch's rows are sharded over
   # every process reads the whole global batch (a pipeline: a lane's devices sit on several
   # processes, which must hold the same rows)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from acco_jax import parallel, step_api
-from acco_jax.run import build
+from acco_jax.run import build, streams
 from configs import gpt2_acco, gpt2_diloco, gpt2_pipeline, gpt2_skippipe
 
 ARCHS = ("gpt_neo", "llama")
@@ -44,11 +44,11 @@ def _losses(config, stages: int) -> list[float]:
   run = build.build(config)
   train = run.step
   rows = train.microbatches_per_stage * config.batch.microbatch_size
-  stream = build.batch_stream(run, config, run.tokens.train, rows, seed=0)
+  stream = streams.batch_stream(run, config, run.tokens.train, rows, seed=0)
   stream = train.feed(stream)  # SkipPipe: each microbatch's layer order rides in the batch
   batch = next(stream)
   placed = parallel.global_batch(batch, run.mesh, run.batch_axis, run.batch_whole)
-  state = train.init(jax.tree.map(np.asarray, _init(run, config)), build.prime_batch(run, config))
+  state = train.init(jax.tree.map(np.asarray, _init(run, config)), streams.prime_batch(run, config))
   out = []
   for stage in range(stages):  # one stage a call (a LoCo schedule with no window of H stages)
     state, m = train.call(state, [placed], stage, stages)

@@ -13,7 +13,7 @@ import pytest
 
 from acco_jax import model, parallel
 from acco_jax.ckpt import checkpoint
-from acco_jax.run import build, trainer
+from acco_jax.run import build, streams, trainer
 from configs import gpt2_acco, gpt2_zero1
 from tests.bad_input_test import one_line, tiny
 
@@ -35,9 +35,9 @@ def saved(tmp_path_factory):
   config = tiny()
   run = build.build(config)
   rows = run.mesh.size * config.batch.microbatch_size
-  prime = next(build.batch_stream(run, config, run.tokens.train, rows, seed=1))
+  prime = next(streams.batch_stream(run, config, run.tokens.train, rows, seed=1))
   state = run.step.init(model.init_params(run.model_cfg, 0), parallel.global_batch(prime, run.mesh))
-  stream = build.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
+  stream = streams.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
   with checkpoint.Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
     for stage in (2, 4):
       for _ in range(2):

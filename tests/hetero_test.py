@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from acco_jax import model, parallel
 from acco_jax.ckpt import checkpoint
 from acco_jax.dp import hetero
-from acco_jax.run import build, trainer
+from acco_jax.run import build, streams, trainer
 from configs import gpt2_acco
 
 # -- the planner ----------------------------------------------------------------------------------
@@ -134,8 +134,12 @@ def reference_acco(config, run, num_stages):
   n, b, k_max = run.mesh.size, config.batch.microbatch_size, max(BUDGETS)
   grad = jax.jit(jax.grad(lambda p, mb: model.loss_fn(p, run.model_cfg, mb)[0]))
   add = lambda *trees: jax.tree.map(lambda *x: sum(x[1:], x[0]), *trees)
-  prime = next(build.batch_stream(run, config, run.tokens.train, n * b, seed=config.train.seed + 1))
-  stream = build.batch_stream(run, config, run.tokens.train, n * k_max * b, seed=config.train.seed)
+  prime = next(
+    streams.batch_stream(run, config, run.tokens.train, n * b, seed=config.train.seed + 1)
+  )
+  stream = streams.batch_stream(
+    run, config, run.tokens.train, n * k_max * b, seed=config.train.seed
+  )
   theta = model.init_params(run.model_cfg, config.train.seed)
   rows = lambda batch, lo, hi: jax.tree.map(lambda x: x[lo:hi], batch)
   buf = add(*[grad(theta, rows(prime, i * b, (i + 1) * b)) for i in range(n)])

@@ -24,7 +24,7 @@ from acco_jax.ckpt import meta, portable
 from acco_jax.ckpt.checkpoint import Checkpointer
 from acco_jax.dp.methods import AccoState
 from acco_jax.dp.step import TrainStep
-from acco_jax.run import build, trainer
+from acco_jax.run import build, streams, trainer
 from acco_jax.run import init_from as init_from_lib
 from configs import gpt2_acco, gpt2_diloco, gpt2_pipeline, gpt2_zero1, hdee
 from tests.elastic_test import bits
@@ -79,7 +79,7 @@ def source_run(workdir, config, stages: int, seed: int = 0):
   if host.buf_count is not None:
     host = host._replace(buf_count=np.ones_like(host.buf_count))
   rows = run.mesh.size * run.step.num_microbatches * config.batch.microbatch_size
-  stream = build.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
+  stream = streams.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
   extra = {
     "stage": stages,
     "data": {**stream.get_state(), "step": stages},
@@ -159,7 +159,7 @@ def test_zero1_run_starts_an_acco_run(sources):
   root, made = sources
   config = tiny(gpt2_acco, **{"ckpt.init_from": str(root / "zero1"), "mesh.num_devices": 4})
   run = build.build(config)
-  stream = build.batch_stream(run, config, run.tokens.train, 4, seed=config.train.seed)
+  stream = streams.batch_stream(run, config, run.tokens.train, 4, seed=config.train.seed)
   imported = init_from_lib.start(run, config, stream, rows_per_stage=4)
   assert imported.stage == 4 and stream.get_state()["step"] == 8  # 2 updates; 32 rows / 4
   assert imported.tokens_seen == 2 * 16 * 8

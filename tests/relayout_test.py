@@ -13,7 +13,7 @@ import pytest
 from acco_jax.ckpt import portable
 from acco_jax.ckpt.checkpoint import Checkpointer
 from acco_jax.dp.methods import AccoState, WpState
-from acco_jax.run import build
+from acco_jax.run import build, streams
 from configs import gpt2_pipeline, gpt2_zero1
 from tests.elastic_test import PARAMS, logical_flat, logical_shards, padding
 from tests.elastic_test import build as build_step
@@ -197,7 +197,7 @@ def test_pipeline_and_data_parallel_both_ways(tmp_path):
     zero1.step.import_state(
       exported,
       1,
-      build.prime_batch(zero1, tiny(gpt2_zero1, **{"model.N": 4, "mesh.num_devices": 4})),
+      streams.prime_batch(zero1, tiny(gpt2_zero1, **{"model.N": 4, "mesh.num_devices": 4})),
     )
   )
   got = view(into, zero1.step.layout)

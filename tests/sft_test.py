@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from acco_jax import errors
-from acco_jax.run import build, trainer
+from acco_jax.run import build, streams, trainer
 from configs import sft_acco
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def test_fine_tunes_from_a_directory_and_from_a_run(tmp_path, capsys):
 
   config = tiny(tmp_path, **{"train.num_updates": 12})
   run = build.build(config)
-  stream = build.batch_stream(run, config, run.tokens.train, 8, seed=config.train.seed)
+  stream = streams.batch_stream(run, config, run.tokens.train, 8, seed=config.train.seed)
   widths = {next(stream)["inputs"].shape[1] for _ in range(24)}  # the run's 24 stages
   assert widths <= {16, 32, 48} and len(widths) >= 2, widths
   traced, first = [], {}

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from acco_jax import model, parallel
-from acco_jax.run import build, trainer
+from acco_jax.run import build, streams, trainer
 from acco_jax.skippipe import orders as orders_lib
 from acco_jax.skippipe import paths
 from configs import gpt2_skippipe
@@ -50,7 +50,7 @@ def _config(method="zero1", stages=4, skip=0.0, swap=False, **opt):
 
 def _batches(run, config, n):
   rows = run.mesh.size * run.step.num_microbatches * config.batch.microbatch_size
-  stream = build.batch_stream(run, config, run.tokens.train, rows, seed=0)
+  stream = streams.batch_stream(run, config, run.tokens.train, rows, seed=0)
   if run.step.orders is not None:
     stream = orders_lib.OrderedStream(stream, run.step.orders)
   return [next(stream) for _ in range(n)]

@@ -81,7 +81,7 @@ CALLERS = {
   "acco_jax/run/monitor.py": ("step",),
   "acco_jax/run/rows.py": ("self.step",),
   "acco_jax/run/metrics.py": ("step",),
-  "acco_jax/run/build.py": ("step", "checked.step", "run.step"),
+  "acco_jax/run/streams.py": ("run.step",),
   "acco_jax/ckpt/meta.py": ("step",),  # what a checkpoint records of the step
 }
 

@@ -9,6 +9,7 @@ the compiled :class:`acco_jax.dp.step.TrainStep`. Values that cannot work are on
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -20,7 +21,7 @@ from acco_jax.dp import hetero, layouts, methods, quantize
 from acco_jax.dp.flat import FlatLayout
 from acco_jax.dp.owner import OwnerLayout
 from acco_jax.dp.step import make_train_step
-from acco_jax.dp.updates import stage_plan
+from acco_jax.dp.updates import stage_plan, updates_done
 from acco_jax.family_api import Run
 from acco_jax.skippipe import orders as pipeline_orders
 
@@ -74,6 +75,7 @@ def build_run(config, tokens: data.TokenData, model_cfg: model.ModelConfig) -> R
     stages_per_update=per_update,
     total_stages=total,
     base_microbatches=k,
+    updates_done=functools.partial(updates_done, config),
   )
 
 

@@ -4,7 +4,6 @@ on call)."""
 
 from acco_jax import family_api
 from acco_jax.dp.methods import METHODS
-from acco_jax.dp.updates import updates_done
 
 
 def _build(config, tokens, model_cfg):
@@ -35,7 +34,6 @@ FAMILY = family_api.Family(
   "dp",
   METHODS,
   build=_build,
-  updates_done=updates_done,
   source_step=_source_step,
   packing=_packing,
   absorbs_slow_workers=_absorbs_slow_workers,

@@ -4,6 +4,8 @@ and the step ``ckpt.init_from`` reads a pipeline run's checkpoints with."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -174,6 +176,7 @@ def build_run(config, tokens: data.TokenData, model_cfg: model.ModelConfig) -> R
     stages_per_update=per_update,
     total_stages=total,
     base_microbatches=M,
+    updates_done=functools.partial(updates_done, config),
     batch_axis=axis,
     batch_whole=True,
   )

@@ -12,12 +12,6 @@ def _build(config, tokens, model_cfg):
   return build.build_run(config, tokens, model_cfg)
 
 
-def _updates_done(config, stage: int) -> int:
-  from acco_jax.pipeline import build
-
-  return build.updates_done(config, stage)
-
-
 def _source_step(config, model_cfg, num_devices):
   from acco_jax.pipeline import build
 
@@ -33,7 +27,6 @@ FAMILY = family_api.Family(
   "pipeline",
   ("pipeline",),
   build=_build,
-  updates_done=_updates_done,
   source_step=_source_step,
   packing=lambda config: ONE_SEQUENCE_A_ROW,
 )

@@ -15,10 +15,9 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-import jax
 import numpy as np
 
-from acco_jax import data, errors, model, parallel, step_api
+from acco_jax import data, errors, model, step_api
 from acco_jax.data import examples, instruct
 from acco_jax.data.tokenizer import declared_vocab_size
 from acco_jax.family_api import Run
@@ -72,48 +71,6 @@ def prepare_tokens(config) -> data.TokenData:
     data_dir=config.data.data_dir or None,
     text_key=config.data.text_key,
   )
-
-
-def batch_stream(
-  run: Run, config, tokens, rows: int, *, seed: int, shuffle=True, epochs=None, share=(0, 1)
-):
-  """Batches of ``rows`` rows of ``tokens`` (this process's share), as the config packs them.
-
-  With ``run.batch_whole`` (a pipeline) every process reads the whole batch, so that processes
-  whose devices share rows hold the same ones (:func:`acco_jax.parallel.global_batch` places
-  each device's part). ``share=(i, n)``: the rows are share ``i`` of a batch ``n`` times larger
-  (a job that is one of ``n`` workers: ``Step.data_share``).
-  """
-  (index, count), procs = share, 1 if run.batch_whole else jax.process_count()
-  common = dict(
-    seq_len=config.data.seq_len,
-    global_batch_rows=rows * count,
-    seed=seed,
-    process_index=index * procs + (0 if run.batch_whole else jax.process_index()),
-    process_count=count * procs,
-    shuffle=shuffle,
-    num_epochs=epochs,
-  )
-  if isinstance(tokens, data.Examples):  # instruction data: packed rows, or buckets
-    packing, bucket = bool(config.data.packing), int(config.data.bucket)
-    return examples.batches(tokens, **common, packing=packing, bucket=bucket)
-  return data.batches(tokens, **common)
-
-
-def prime_batch(run: Run, config):
-  """What a delayed method primes its gradient buffer with: one microbatch per device, the first
-  batch of the stream seeded ``train.seed + 1`` (not the training stream), placed."""
-  rows, share = run.mesh.size * config.batch.microbatch_size, run.step.data_share
-  prime = next(
-    batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed + 1, share=share)
-  )
-  prime = run.step.priming_batch(prime)  # SkipPipe: each device primes with its first path
-  return parallel.global_batch(prime, run.mesh, run.batch_axis, run.batch_whole)
-
-
-def updates_done(config, stage: int) -> int:
-  """Optimizer updates completed after ``stage`` stages (the method's family knows the rule)."""
-  return registry.lookup(config.method).updates_done(config, stage)
 
 
 def build(config, *, check_only: bool = False) -> Run:

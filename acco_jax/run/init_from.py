@@ -39,7 +39,7 @@ import ml_collections
 from acco_jax import data, errors, family_api, model, optim, step_api
 from acco_jax.ckpt.checkpoint import open_read_only
 from acco_jax.run import build as build_lib
-from acco_jax.run import registry
+from acco_jax.run import registry, streams
 
 
 class Imported(NamedTuple):
@@ -166,10 +166,10 @@ def _check_source(path: str, src, extra: dict, config, step) -> family_api.Famil
   return family
 
 
-def _first_stage(config, updates: int) -> int:
-  """The stage at which this run has done ``updates`` updates (ACCO: ``2 * updates``)."""
+def _first_stage(run, updates: int) -> int:
+  """The stage at which ``run`` has done ``updates`` updates (ACCO: ``2 * updates``)."""
   stage = 0
-  while build_lib.updates_done(config, stage) < updates:
+  while run.updates_done(stage) < updates:
     stage += 1
   return stage
 
@@ -214,14 +214,14 @@ def start(run, config, stream, rows_per_stage: int) -> Imported:
       f"{config.train.num_updates} counts from its first: raise train.num_updates above "
       f"{portable.updates}",
     )
-  stage = _first_stage(config, portable.updates)
+  stage = _first_stage(run, portable.updates)
   position = data.data_state(extra["data"], rows_per_stage)
   try:
     stream.set_state(position)
   except errors.UserValueError as e:
     raise _refuse(path, f"the data position cannot be kept: {e}") from None
   try:
-    state = step.import_state(portable, stage, build_lib.prime_batch(run, config))
+    state = step.import_state(portable, stage, streams.prime_batch(run, config))
   except errors.UserError:
     raise
   except ValueError as e:

@@ -18,7 +18,7 @@ import numpy as np
 from acco_jax import data, layers, model, parallel, sampling
 from acco_jax.family_api import Run
 from acco_jax.run import metrics as metrics_lib
-from acco_jax.run.build import batch_stream, updates_done
+from acco_jax.run import streams
 
 
 def eval_function(cfg: model.ModelConfig, order=None):
@@ -37,8 +37,7 @@ def evaluate(run: Run, config, params, eval_fn=None, order=None) -> dict:
   """
   if eval_fn is None:
     eval_fn = eval_function(run.model_cfg, order)
-  rows = run.mesh.size * config.batch.microbatch_size
-  it = batch_stream(run, config, run.tokens.eval, rows, seed=0, shuffle=False)
+  it = streams.eval_stream(run, config)
   loss_sum = tokens = 0.0
   for _ in range(config.train.eval_batches):
     batch = parallel.global_batch(next(it), run.mesh, run.batch_axis, run.batch_whole)
@@ -152,7 +151,7 @@ def finished(run: Run, config, workdir: str, stage: int, wire_bytes: float, lead
   at = logged.pop("eval_step", None)
   summary = {"unigram_baseline": data.unigram_entropy(data.loss_tokens(run.tokens.train)), **logged}
   summary.update(run.step.summary(wire_bytes))
-  summary.update(stages=stage, updates=updates_done(config, stage))
+  summary.update(stages=stage, updates=run.updates_done(stage))
   sample_path = os.path.join(workdir, "sample.txt")
   if config.train.sample_tokens and os.path.exists(sample_path):
     with open(sample_path) as f:

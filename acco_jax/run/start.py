@@ -27,7 +27,7 @@ from acco_jax.ckpt import checkpoint, meta
 from acco_jax.family_api import Run
 from acco_jax.run import init_from as init_from_lib
 from acco_jax.run import pretrained
-from acco_jax.run.build import prime_batch
+from acco_jax.run.streams import prime_batch
 
 
 @functools.lru_cache(maxsize=8)

@@ -29,17 +29,10 @@ from acco_jax import data, errors, optim, parallel, step_api
 from acco_jax.ckpt import meta
 from acco_jax.family_api import Run
 from acco_jax.run import build as build_lib
-from acco_jax.run import (
-  compile_cache,
-  health,
-  monitor,
-  profile,
-  report,
-)
+from acco_jax.run import compile_cache, health, monitor, profile, report, streams
 from acco_jax.run import memory as memory_lib
 from acco_jax.run import metrics as metrics_lib
 from acco_jax.run import start as start_lib
-from acco_jax.run.build import updates_done
 from acco_jax.run.rows import Rows
 
 
@@ -70,8 +63,8 @@ def train_and_evaluate(
   check = lambda c: build_lib.build(c, check_only=True)
   memory_lib.fit_devices(config, check, lead=lead)  # mesh.fit_memory
   run = build_lib.build(config)
-  stream, rows_per_stage = train_stream(run, config)
-  check_held_out(run, config)
+  stream, rows_per_stage = streams.train_stream(run, config)
+  streams.check_held_out(run, config)
   memory_lib.check_run(run, config, lead=lead)  # the predicted peak; refused if it cannot fit
   # -- restore or initialise (acco_jax.run.start); nothing written to the workdir before ---------
   origin = start_lib.restore_or_init(
@@ -86,31 +79,6 @@ def train_and_evaluate(
     return report.finished(run, config, workdir, origin.stage, sent, lead)
   loop = Loop(run, config, workdir, stream, origin, max_stages=max_stages, launch=launch)
   return loop.drive(on_params)
-
-
-def train_stream(run: Run, config):
-  """The training batches of this process, and the rows one stage takes (a pipeline: ``M`` per
-  data lane, not per device), as the step takes them (SkipPipe: with each microbatch's layer
-  order)."""
-  rows_per_stage = run.step.microbatches_per_stage * config.batch.microbatch_size
-  rows, share = rows_per_stage, run.step.data_share
-  stream = build_lib.batch_stream(
-    run, config, run.tokens.train, rows, seed=config.train.seed, share=share
-  )
-  return run.step.feed(stream), rows_per_stage
-
-
-def check_held_out(run: Run, config) -> None:
-  """Refuses, before any work, held-out data that gives no evaluation batch (the final
-  evaluation's stream, :func:`acco_jax.run.report.evaluate`'s, is built here and not read)."""
-  rows = run.mesh.size * config.batch.microbatch_size
-  try:
-    build_lib.batch_stream(run, config, run.tokens.eval, rows, seed=0, shuffle=False)
-  except errors.UserValueError as e:
-    raise errors.UserValueError(
-      f"the held-out split (data.eval_fraction={config.data.eval_fraction}): {e}; or raise "
-      "data.eval_fraction"
-    ) from None
 
 
 class Loop:
@@ -216,8 +184,8 @@ class Loop:
       self.rows.outer.append((self.stage + stages, outer))
     self.consumed = positions[-1]
     self._advance(m, batches[0]["inputs"].shape[-1], stages)
-    done = updates_done(config, self.stage)
-    prev = updates_done(config, self.stage - stages)
+    done = self.built.updates_done(self.stage)
+    prev = self.built.updates_done(self.stage - stages)
     crossed = lambda every: every and done // every != prev // every
     every = config.train.log_every
     if self.stage // every != (self.stage - stages) // every or self.stage == total:
@@ -353,7 +321,7 @@ class Loop:
     final = self.step.params(self.state)
     if on_params is not None:
       on_params(final)
-    update = updates_done(config, stage)
+    update = run.updates_done(stage)
     if rows.evaluated_at != stage:  # the last update may have been evaluated already
       ev = report.evaluate(run, config, final, self.eval_fn)
       rows.writer.write(stage, {"update": update, **ev})

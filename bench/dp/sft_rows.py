@@ -70,12 +70,12 @@ def measure(
   import jax
 
   from acco_jax import parallel
-  from acco_jax.run import build, start
+  from acco_jax.run import build, start, streams
 
   config = config_for(source, fmt, seq_len, packing, stages, small)
   run = build.build(config)
   rows = run.mesh.size * run.step.num_microbatches * config.batch.microbatch_size
-  stream = build.batch_stream(run, config, run.tokens.train, rows, seed=0)
+  stream = streams.batch_stream(run, config, run.tokens.train, rows, seed=0)
   batches = [next(stream) for _ in range(stages)]
   computed = sum(b["weights"].size for b in batches)
   weighted = sum(float(b["weights"].sum()) for b in batches)
@@ -84,7 +84,7 @@ def measure(
     int(b["segments"].max(axis=1).sum()) if "segments" in b else len(b["inputs"]) for b in batches
   )
   params = start.initializer(run.mesh)(run.model_cfg, 0)
-  state = run.step.init(params, build.prime_batch(run, config))
+  state = run.step.init(params, streams.prime_batch(run, config))
   placed = [parallel.global_batch(b, run.mesh, run.batch_axis) for b in batches]
   for b in placed[:4]:  # every bucket's program compiled before the clock starts
     state, m = run.step.step(state, b)

@@ -115,12 +115,12 @@ def _train(run, config, orders):
   import jax
 
   from acco_jax import model, parallel
-  from acco_jax.run import build
+  from acco_jax.run import streams
   from acco_jax.skippipe import orders as orders_lib
 
   train, mesh = run.step, run.mesh
   rows = mesh.size * train.num_microbatches * config.batch.microbatch_size
-  stream = build.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
+  stream = streams.batch_stream(run, config, run.tokens.train, rows, seed=config.train.seed)
   stream = orders_lib.OrderedStream(stream, orders)
   state = train.init(model.init_params(run.model_cfg, config.train.seed))
   losses = []

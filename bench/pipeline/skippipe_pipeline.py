@@ -120,11 +120,11 @@ def train_one(run, cfg) -> tuple[dict, list[float]]:
   import jax
 
   from acco_jax import model, parallel
-  from acco_jax.run import build
+  from acco_jax.run import streams
 
   train = run.step
   rows = train.microbatches_per_stage * cfg.batch.microbatch_size
-  stream = build.batch_stream(run, cfg, run.tokens.train, rows, seed=cfg.train.seed)
+  stream = streams.batch_stream(run, cfg, run.tokens.train, rows, seed=cfg.train.seed)
   state = train.init(model.init_params(run.model_cfg, cfg.train.seed))
   losses = []
   for _ in range(cfg.train.num_updates):
