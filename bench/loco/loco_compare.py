@@ -61,37 +61,17 @@ SETTING = dict(
   eval_batches=12,
   lr=2e-3,
 )
-SMOKE = dict(
-  devices=8,
-  workers=8,
-  D=32,
-  N=2,
-  H=2,
-  tokenizer="byte",
-  seq_len=32,
-  microbatch_size=1,
-  microbatches=2,
-  num_updates=4,
-  eval_every=2,
-  eval_batches=2,
-  lr=2e-3,
-)
+# SETTING's, but:
+SMOKE = {
+  **SETTING,
+  **dict(D=32, H=2, tokenizer="byte", seq_len=32, microbatches=2, num_updates=4),
+  **dict(eval_every=2, eval_batches=2),
+}
 # the long runs (loco_overlap.py --setting long): 2,000 steps of a byte-level model, 66 syncs at H = 30
-LONG = dict(
-  devices=8,
-  workers=8,
-  D=64,
-  N=2,
-  H=4,
-  tokenizer="byte",
-  seq_len=64,
-  microbatch_size=1,
-  microbatches=2,
-  num_updates=2000,
-  eval_every=50,
-  eval_batches=4,
-  lr=2e-3,
-)
+LONG = {  # SETTING's, but:
+  **SETTING,
+  **dict(D=64, tokenizer="byte", microbatches=2, num_updates=2000, eval_every=50, eval_batches=4),
+}
 SETTINGS = {"d8": SETTING, "long": LONG, "smoke": SMOKE}
 SYNC_EVERY = 50
 DEMO_LR = 1e-3  # DeMo's sign step (constant, like the others' AdamW lr)
