@@ -112,6 +112,7 @@ class Loop:
       run.total_stages, origin.stage, profile_window=window, workdir=workdir, max_stages=max_stages
     )
     self.watch = monitor.Watch(config, workdir, launch)
+    run.step.watch_stop(lambda: self.watch.preempt.requested is not None)  # a wait gives up
     self.rows = Rows(run, workdir, origin, self.pace, self.watch)
     baseline = data.unigram_entropy(data.loss_tokens(run.tokens.train))
     self.rows.summary["unigram_baseline"] = baseline
