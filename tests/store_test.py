@@ -128,7 +128,7 @@ def test_members_can_give_up_after_a_timeout(tmp_path):
 
 def test_members_gives_up_at_once_when_its_stop_turns_true(tmp_path):
   """A preemption while a worker waits: a thread sets the stop 0.2 s in; the wait (which would
-  last the 60 s grace for worker 1) raises Stopped within a second and leaves the round
+  last the 60 s grace for worker 1) raises Stopped at once (within a poll) and leaves the round
   undecided, worker 0's payload in it; a round that can be decided is decided all the same."""
   stores = workers(tmp_path, 2, grace_s=60.0, poll_s=0.01)
   stores[0].publish(0, blocks(0))
@@ -137,7 +137,7 @@ def test_members_gives_up_at_once_when_its_stop_turns_true(tmp_path):
   start = time.monotonic()
   with pytest.raises(store_lib.Stopped, match="round 0"):
     stores[0].members(0, 2, stop=requested.is_set)
-  assert 0.2 <= time.monotonic() - start < 1.0
+  assert 0.2 <= time.monotonic() - start < 5.0  # the grace is 60 s: a slow CI machine, not a wait
   assert stores[0].decided(0) is None and stores[0].arrived(0, 2) == [0]
   stores[1].publish(0, blocks(1))
   assert stores[0].members(0, 2, stop=requested.is_set) == [0, 1]
