@@ -1,6 +1,6 @@
 """bench.loco.store_faults: its clock anchoring (bench.loco.faults.watch) and rates
 (bench.loco.faults.analysis) on hand-made metrics (default suite), and its smoke run, two worker
-processes meeting through a store directory (slow)."""
+processes meeting through a store directory (slow); bench.loco.store_faults_pace's step times."""
 
 import json
 import math
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.loco import store_faults_pace
 from bench.loco.faults import analysis, watch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,3 +63,19 @@ def test_store_faults_smoke(tmp_path):
   assert [x["round"] for x in r["rounds_detail"]] == list(range(6))
   assert all(sorted(x["members"]) == [0, 1] for x in r["rounds_detail"])
   assert r["rounds"] == {"closed": 6, "members": {"2": 6}}
+
+
+def test_pace_times_the_rows_from_stage_20_and_the_syncs_apart():
+  # 10 ms a step, 500 ms more at every 10th stage's next row (a sync and a checkpoint), 2 s at 11
+  rows, wall = [], 1.0
+  for stage in range(1, 101):
+    wall += 0.01 + (0.5 if stage % 10 == 1 and stage > 1 else 0.0) + (2.0 if stage == 11 else 0.0)
+    rows.append({"stage": stage, "wall_s": wall, "worker_loss": [3.0, 3.0, 3.0]})
+  p = store_faults_pace.pace(rows)
+  assert p["workers_in_a_row"] == 3
+  assert p["median_ms"] == pytest.approx(10.0)
+  assert p["mean_ms_by_stage_mod_10"][1] == pytest.approx(510.0)
+  assert p["mean_ms_by_stage_mod_10"][5] == pytest.approx(10.0)
+  assert p["largest_gaps"][0] == [11, 2.51]  # before stage 20: not in the rate
+  # stages 20 to 100: 80 steps of 10 ms and 8 syncs of 500 ms in 4.8 s
+  assert p["stages_per_min"] == round(60 * 80 / 4.8)
