@@ -43,13 +43,17 @@ class Rows:
     self.evaluated_at = None
 
   def queue(self, stage: int, update: int, m: dict, lr, budgets) -> None:
-    """Keeps the device values of this call's row (and of the syncs since the last row)."""
+    """Keeps the device values of this call's row (and of the syncs since the last row): the
+    metrics, the learning rate (its state is donated to the next call) and the non-finite flag
+    copied by one program, readable on every process (across processes, one meeting a row)."""
+    on_device = lr if isinstance(lr, jax.Array) else None
+    metrics, lr_copy, flag = self.step.replicated((m, on_device, self.watch.nonfinite))
     self.pending = {
       "stage": stage,
       "update": update,
-      "metrics": readable(self.step, m),
-      "nonfinite": self.watch.nonfinite,
-      "lr": self.step.replicated(lr) if isinstance(lr, jax.Array) else lr,  # donated next
+      "metrics": metrics,
+      "nonfinite": flag,
+      "lr": lr if on_device is None else lr_copy,
       "tokens_seen": self.tokens_seen,
       "budgets": None if budgets is None else budgets.tolist(),
       "sent": self.sent,
