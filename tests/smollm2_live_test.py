@@ -142,8 +142,9 @@ def finetuned(smollm2, tmp_path_factory):
     "data.chat_template": "hf",
     "data.eval_fraction": 0.1,
     # one device: the session's XLA_FLAGS (8 simulated devices, tests/conftest.py) win over
-    # mesh.cpu_devices, and mesh.fit_memory would take 2 of them (twice the rows: measured 296 s of
-    # CPU for the run instead of 250 s, a host peak of 15 GB predicted instead of 11)
+    # mesh.cpu_devices, and mesh.fit_memory would take 2 of them (twice the rows; this run alone on
+    # 2 idle cores: 208 s, 320 s of CPU, on 2 devices; 150 s, 212 s of CPU, on one; a host peak of
+    # 15 GB predicted instead of 11)
     "mesh.cpu_devices": 1,
     "mesh.num_devices": 1,
     "batch.microbatch_size": 2,
