@@ -35,7 +35,7 @@ def one_update_per_stage(stage: int) -> int:
 
 
 class Packing(NamedTuple):
-  """A family's rule on ``data.packing``: it must be ``required`` (True or False) because ``why``."""
+  """A family's rule on ``data.packing``: it must be ``required`` (True or False), for ``why``."""
 
   required: bool
   why: str

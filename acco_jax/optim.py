@@ -180,10 +180,12 @@ def hyperparams(opt_state) -> dict:
 
 
 def from_config(config, shapes, decay_mask=model.decay_mask, view=None):
-  """The inner optimizer of a run's ``config`` (its ``opt`` group, over ``train.num_updates``); ``decay_mask`` maps the parameters' shapes to the weight-decay
-  mask of ``opt.decay=matrices`` (its layout is the step's). ``view`` maps a per-leaf tree like
-  the parameters (a mask) to the structure the optimizer sees (the owner layout's
-  :meth:`acco_jax.dp.owner.OwnerLayout.view`); default: that structure is the parameters'."""
+  """The inner optimizer of a run's ``config`` (its ``opt`` group, over ``train.num_updates``).
+
+  ``decay_mask`` maps the parameters' shapes to the weight-decay mask of ``opt.decay=matrices``
+  (its layout is the step's). ``view`` maps a per-leaf tree like the parameters (a mask) to the
+  structure the optimizer sees (the owner layout's :meth:`acco_jax.dp.owner.OwnerLayout.view`);
+  default: that structure is the parameters'."""
   if config.opt.decay not in ("matrices", "all"):
     raise errors.UserValueError(f"opt.decay={config.opt.decay!r}: choose 'matrices' or 'all'")
   view = view or (lambda tree: tree)

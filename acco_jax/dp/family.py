@@ -1,6 +1,6 @@
-"""The data-parallel family as the run shell sees it (:class:`acco_jax.family_api.Family`): its methods,
-their update count (:mod:`acco_jax.dp.updates`) and the builder (:mod:`acco_jax.dp.build`, imported
-on call)."""
+"""The data-parallel family as the run shell sees it (:class:`acco_jax.family_api.Family`): its
+methods and the builder (:mod:`acco_jax.dp.build`, imported on call), whose run counts updates by
+:mod:`acco_jax.dp.updates`."""
 
 from acco_jax import family_api
 from acco_jax.dp.methods import METHODS

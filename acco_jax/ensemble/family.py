@@ -1,6 +1,6 @@
-"""The HDEE family as the run shell sees it (:class:`acco_jax.family_api.Family`): ``method=hdee`` is no
-single trainer run; :func:`acco_jax.ensemble.recipe.train_and_evaluate` trains each expert as one
-(imported on call)."""
+"""The HDEE family as the run shell sees it (:class:`acco_jax.family_api.Family`): ``method=hdee``
+is no single trainer run; :func:`acco_jax.ensemble.recipe.train_and_evaluate` trains each expert as
+one (imported on call)."""
 
 from acco_jax import family_api
 

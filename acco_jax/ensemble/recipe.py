@@ -1,12 +1,12 @@
 """The HDEE recipe from one config: seeds, then iterations of independent experts, then evaluation.
 
-``train_and_evaluate(config, workdir)`` is what ``train.py`` calls for ``method=hdee``. Every training job (a seed
-model, one expert on one domain, the dense reference) is an ordinary run of the project's
-trainer in its own sub-workdir, ``<workdir>/<job>``: its checkpoints, metrics and resume are the
-trainer's. A finished job leaves ``params.npz`` (its final parameters), which the next iteration
-of the same expert starts from. Rerunning the command skips finished jobs, resumes the one in
-progress from its checkpoint, and evaluates at the end. ``hdee.jobs`` (globs over job names) gives
-a run a share of the jobs: runs on other processes or hosts share the workdir (a shared
+``train_and_evaluate(config, workdir)`` is what ``train.py`` calls for ``method=hdee``. Every
+training job (a seed model, one expert on one domain, the dense reference) is an ordinary run of the
+project's trainer in its own sub-workdir, ``<workdir>/<job>``: its checkpoints, metrics and resume
+are the trainer's. A finished job leaves ``params.npz`` (its final parameters), which the next
+iteration of the same expert starts from. Rerunning the command skips finished jobs, resumes the one
+in progress from its checkpoint, and evaluates at the end. ``hdee.jobs`` (globs over job names)
+gives a run a share of the jobs: runs on other processes or hosts share the workdir (a shared
 filesystem), each trains its share, and the run that finds every job done evaluates.
 
 Why a run per job rather than the experts as device groups of one job: the experts share nothing

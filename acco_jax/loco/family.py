@@ -1,6 +1,6 @@
-"""The low-communication family as the run shell sees it (:class:`acco_jax.family_api.Family`): one update
-per stage; the builder and the checkpoints' reader (:mod:`acco_jax.loco.build`) are imported on
-call."""
+"""The low-communication family as the run shell sees it (:class:`acco_jax.family_api.Family`): one
+update per stage; the builder and the checkpoints' reader (:mod:`acco_jax.loco.build`) are imported
+on call."""
 
 from acco_jax import family_api
 from acco_jax.loco import METHODS

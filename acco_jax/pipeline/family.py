@@ -1,7 +1,7 @@
-"""The pipeline family as the run shell sees it (:class:`acco_jax.family_api.Family`): ``method=pipeline``,
-one update per flush (``pipeline.data_method=acco``: :func:`acco_jax.pipeline.build.updates_done`);
-its builder (:func:`acco_jax.pipeline.build.build_run`) is imported on
-call."""
+"""The pipeline family as the run shell sees it (:class:`acco_jax.family_api.Family`):
+``method=pipeline``, one update per flush (``pipeline.data_method=acco``:
+:func:`acco_jax.pipeline.build.updates_done`); its builder
+(:func:`acco_jax.pipeline.build.build_run`) is imported on call."""
 
 from acco_jax import family_api
 

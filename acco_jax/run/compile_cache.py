@@ -24,11 +24,11 @@ several times slower with it on.
 Several processes. Every process of a multi-process run reads the cache; JAX writes only from
 process 0. On CPU (jax 0.10.2) the other processes never hit it: JAX's key includes the devices'
 topology fingerprint, which differs between the processes of one job, so every process but 0
-compiles every program at every launch and restart (measured with 3 processes: 19 hits on
-process 0, 19 misses each on 1 and 2, 39-42 s of compiles; docs/benchmarks/loco.md). GPU jobs
-were not measured. Runs that are independent of each other (two jobs on one host) may write the same entry
-at once (the same bytes: compilation is deterministic); an entry that cannot be read is reported
-by JAX as a warning and compiled anew.
+compiles every program at every launch and restart (measured with 3 processes: 19 hits on process 0,
+19 misses each on 1 and 2, 39-42 s of compiles; docs/benchmarks/loco.md). GPU jobs were not
+measured. Runs that are independent of each other (two jobs on one host) may write the same entry at
+once (the same bytes: compilation is deterministic); an entry that cannot be read is reported by JAX
+as a warning and compiled anew.
 
 An unwritable directory costs one warning line; the run goes on without the cache.
 """

@@ -16,8 +16,8 @@ Where it compiles (``--mode``, default ``auto`` = the first that applies):
   ``--devices`` devices it reports ``skipped`` with the reasons, never an error.
 * ``aot``: no GPU needed, only the CUDA PJRT plugin (``pip install jax-cuda12-pjrt==<jaxlib
   version>``): XLA:GPU compiles for an abstract topology of ``--target`` GPUs
-  (:func:`acco_jax.parallel.gpu_aot_devices`). Same compiler passes and scheduler as on the GPU, with
-  the target's published figures in place of a queried device.
+  (:func:`acco_jax.parallel.gpu_aot_devices`). Same compiler passes and scheduler as on the GPU,
+  with the target's published figures in place of a queried device.
 * ``cpu``: checks what a CPU can (the jaxpr dataflow precondition on GPT-2, the reduce-scatter ->
   all-gather chain in the compiled CPU module of a small model); XLA:CPU has no async collectives.
 
