@@ -370,8 +370,11 @@ def ef_scale(step, t):
 def accumulate(step, x: dict, buffers: dict, t) -> dict:
   """``β e + c_t x``: the error feedback ``buffers`` with payload ``x`` added, before its top-k
   is sent (what a worker whose payload was not taken keeps)."""
-  decay, c = step.method.sparse.decay, ef_scale(step, t)
-  return jax.tree.map(lambda e, xi: decay * e + c * xi.astype(jnp.float32), buffers, x)
+  keys = list(buffers)
+  summed = sparse_lib.accumulate(
+    [x[k] for k in keys], [buffers[k] for k in keys], step.method.sparse.decay, ef_scale(step, t)
+  )
+  return dict(zip(keys, summed, strict=True))
 
 
 def sparse_encode(step, keys: list, rows: dict, buffers: dict, t):

@@ -283,12 +283,19 @@ class SparseCodec(NamedTuple):
     return out
 
 
+def accumulate(rows: list, buffers: list, decay: float, scale=1.0) -> list:
+  """The error feedback with the payload added, before anything is sent: ``β e + c x`` (float32)."""
+  return [
+    decay * b + scale * jnp.asarray(x, jnp.float32) for x, b in zip(rows, buffers, strict=True)
+  ]
+
+
 def feedback_compress(
   codec: SparseCodec, rows: list, buffers: list, decay: float, scale=1.0
 ) -> tuple[jax.Array, list]:
   """Error feedback around :meth:`SparseCodec.compress`: ``e ← β e + c x``, send the top-k of
   ``e``, keep the rest: ``e ← e − sent``. Returns ``(wire, new buffers)``; ``e_before = e_after +
   sent`` up to rounding."""
-  e = [decay * b + scale * jnp.asarray(x, jnp.float32) for x, b in zip(rows, buffers, strict=True)]
+  e = accumulate(rows, buffers, decay, scale)
   wire, sent = codec.compress(e)
   return wire, [a - s for a, s in zip(e, sent, strict=True)]
