@@ -85,7 +85,7 @@ def test_slowed_keeps_gradients_and_sleeps_only_on_its_worker():
   mesh = parallel.make_mesh(8)
   loss = lambda w, x: (jnp.sum(jnp.sin(w * x)), {"n": jnp.float32(1)})
   delays = np.zeros(8)
-  delays[5] = 0.3
+  delays[5] = 1.0  # far above what a loaded machine takes for the same call without the sleep
   slow = hetero.slowed(loss, delays, "data")
 
   def per_device(fn):
@@ -99,11 +99,11 @@ def test_slowed_keeps_gradients_and_sleeps_only_on_its_worker():
   np.testing.assert_allclose(jax.device_get(slowed(w, x)), jax.device_get(plain(w, x)), rtol=1e-6)
   start = time.perf_counter()
   jax.block_until_ready(slowed(w, x))
-  assert time.perf_counter() - start >= 0.3
+  assert time.perf_counter() - start >= 1.0
   delays[5] = 0.0  # the callback reads the delays at run time: no sleep left
   start = time.perf_counter()
   jax.block_until_ready(slowed(w, x))
-  assert time.perf_counter() - start < 0.25
+  assert time.perf_counter() - start < 0.9
 
 
 # -- the budget path through the trainer ----------------------------------------------------------
