@@ -108,3 +108,122 @@ def test_sigint_in_process_checkpoints_at_the_stage_boundary(tmp_path):
   assert Checkpointer(workdir / "checkpoints").latest_step() == stopped
   events = [json.loads(x) for x in rows.read_text().splitlines()]
   assert {"event": "stopped", "reason": "SIGINT", "stage": stopped} in events
+
+
+def test_synced_preemption_passes_every_stage_to_jax_and_leaves_sigterm_to_it(monkeypatch):
+  """Across processes: JAX's handler keeps SIGTERM (a Python one would replace it), and each stage
+  of a call that spans several is passed to the sync point, so that it is not stepped over."""
+  from acco_jax.run import monitor
+
+  asked = []
+  sync_at = 6  # what JAX's protocol would have agreed on
+  fake = lambda stage: asked.append(stage) or stage == sync_at
+  monkeypatch.setattr(monitor.multihost_utils, "reached_preemption_sync_point", fake)
+  monkeypatch.setattr(monitor, "jax_preemption_service", lambda: True)
+  before, before_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+  p = monitor.Preemption(synced=True)
+  try:
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(signal.SIGINT) is not before_int  # Ctrl-C: still the flag
+    p.begin(3)  # a resumed run: the stages before it too
+    assert p.at_boundary(4) is None
+    assert p.at_boundary(8) == "SIGTERM"  # a call of 4 stages, the sync point inside it
+    assert asked == [1, 2, 3, 4, 5, 6, 7, 8]
+    late = monitor.Preemption(synced=True)  # the notice came while the run was starting
+    sync_at = 2
+    late.begin(3)
+    assert late.requested == "SIGTERM" and late.at_boundary(4) == "SIGTERM"
+    late.restore()
+  finally:
+    p.restore()
+  alone = monitor.Preemption(synced=False)  # one process: both signals are the flag's
+  try:
+    assert signal.getsignal(signal.SIGTERM) is not before
+    alone.begin(0)
+    assert alone.at_boundary(5) is None and len(asked) == 12
+  finally:
+    alone.restore()
+  assert signal.getsignal(signal.SIGTERM) is before
+
+
+# -- two processes, SIGTERM to one ----------------------------------------------------------------
+
+HANG_S = 15  # health.hang_timeout_s: without an agreed stage, the watchdog ends the hang (exit 75)
+
+
+def two_process_cmds(workdir, port: int) -> list[list[str]]:
+  flags = {
+    "dist.coordinator_address": f"127.0.0.1:{port}",
+    "dist.num_processes": 2,
+    "mesh.cpu_devices": 1,
+    "train.num_updates": 200,
+    "train.log_every": 1,
+    "train.eval_every": 0,
+    "train.sample_tokens": 0,
+    "ckpt.every": 0,
+    "ckpt.async_save": False,
+    "hetero.slowdown": "1:0.01",  # 10 ms a microbatch: the run outlasts the sync protocol
+    "health.hang_timeout_s": HANG_S,
+    "data.cache_dir": REPO / ".pytest_cache" / "acco_data",
+  }
+  base = [sys.executable, str(REPO / "train.py"), "--config", "configs/gpt2_acco.py:tiny"]
+  base += ["--workdir", str(workdir), *(f"--config.{k}={v}" for k, v in flags.items())]
+  return [base + [f"--config.dist.process_id={i}"] for i in range(2)]
+
+
+def run_two(workdir, logs, *, signal_when=None, timeout=120) -> list[int]:
+  """Both processes of the run, to their end; ``signal_when(log of process 0)``: SIGTERM to
+  process 1 only, once it holds. Returns the exit codes (fails the test past ``timeout``)."""
+  from tests.multiprocess_test import free_port, worker_env
+
+  procs, port = [], free_port()
+  try:
+    for cmd, log in zip(two_process_cmds(workdir, port), logs, strict=True):
+      with open(log, "w") as out:
+        procs.append(
+          subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=out, stderr=subprocess.STDOUT)
+        )
+    deadline = time.time() + timeout
+    if signal_when is not None:
+      while not signal_when(logs[0].read_text()):
+        assert time.time() < deadline and procs[1].poll() is None, tails(logs)
+        time.sleep(0.1)
+      procs[1].send_signal(signal.SIGTERM)
+    for p in procs:
+      p.wait(timeout=max(deadline - time.time(), 1))
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"the processes did not end within {timeout} s:\n{tails(logs)}")
+  finally:
+    for p in procs:  # only the processes started here, by their handles
+      if p.poll() is None:
+        p.kill()
+        p.wait(timeout=10)
+  return [p.returncode for p in procs]
+
+
+def tails(logs) -> str:
+  return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in logs if p.exists())
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_stage(tmp_path):
+  """A scheduler's (or a user's) SIGTERM reaches one process: JAX's preemption sync point makes
+  every process stop at the same stage, where the collective checkpoint is written."""
+  workdir, logs = tmp_path / "run", [tmp_path / f"p{i}.log" for i in range(2)]
+  started = lambda text: any(line.startswith("stage ") for line in text.splitlines())
+  codes = run_two(workdir, logs, signal_when=started, timeout=60 + HANG_S)
+  assert codes == [0, 0], f"exit codes {codes}:\n{tails(logs)}"
+  text = logs[0].read_text()
+  assert "SIGTERM: checkpoint saved at stage " in text, tails(logs)
+  stopped = int(text.split("checkpoint saved at stage ")[1].split(";")[0])
+  assert 1 <= stopped < 400
+  ckpts = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert ckpts == [stopped], ckpts
+
+  rerun = [tmp_path / f"rerun{i}.log" for i in range(2)]
+  codes = run_two(workdir, rerun, timeout=240)
+  assert codes == [0, 0], f"exit codes {codes}:\n{tails(rerun)}"
+  summary = json.loads(rerun[0].read_text().strip().splitlines()[-1])
+  assert summary["stages"] == 400 and summary["updates"] == 200
+  events = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert any(e.get("event") == "restored" and e["stage"] == stopped for e in events)

@@ -111,6 +111,9 @@ class Checkpointer:
       create=not read_only,
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    # JAX's preemption sync point is the trainer's (monitor.Preemption): orbax also reports its
+    # steps there (only to log them), from its finalize thread at any time, which can split the stop
+    self._manager.reached_preemption = lambda step: False
     self._bad: set[int] = set()  # steps this object found corrupt (may be replaced by a save)
     self._last_saved: int | None = None
 

@@ -13,7 +13,9 @@ In the spirit of C4 (collective timings expose slow or dead ranks), with what a 
   :data:`HANG_EXIT_CODE` (the main thread is stuck inside the collective, so nothing can be saved;
   rerunning resumes from the last checkpoint).
 * **Preemption.** :class:`Preemption` turns SIGTERM/SIGINT into a request the loop reads at the next
-  stage boundary, where it checkpoints and stops.
+  stage boundary, where it checkpoints and stops. Across processes, SIGTERM goes through JAX's
+  preemption sync point, so that every process stops at the same stage (the checkpoint is
+  collective), even when the signal reaches one process only or each at another stage.
 * **Compiling is not hanging.** A process that waits in a collective for a peer that is still
   compiling makes no progress either. Each heartbeat says whether its process is compiling (from
   JAX's own monitoring events, :class:`CompileClock`), and no process is declared hung while
@@ -116,12 +118,21 @@ _TRANSPORT_ERRORS = (
 
 class Preemption:
   """SIGTERM/SIGINT ask the training loop to checkpoint at the next stage boundary and stop
-  (``requested``: the signal's name); ``restore`` puts the previous handlers back."""
+  (``requested``: the signal's name); ``restore`` puts the previous handlers back.
 
-  def __init__(self):
-    self.requested = None
+  With ``synced`` (a multi-process run whose ``jax.distributed`` started JAX's preemption service,
+  the default), SIGTERM is left to JAX's own handler: the process that receives it tells the others
+  through the coordination service, and :meth:`at_boundary` stops every process at the same stage
+  (``multihost_utils.reached_preemption_sync_point``). A Python handler would replace JAX's, and a
+  process that stops alone waits in the collective checkpoint for peers that went on to the next
+  stage. SIGINT (Ctrl-C) keeps the per-process flag.
+  """
+
+  def __init__(self, synced: bool = False):
+    self.requested, self._passed = None, 0
+    self.synced = synced and jax_preemption_service()
     self._old = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGINT,) if self.synced else (signal.SIGTERM, signal.SIGINT):
       try:
         self._old[sig] = signal.signal(sig, self._handle)
       except ValueError:  # not the main thread
@@ -130,9 +141,39 @@ class Preemption:
   def _handle(self, signum, frame):
     self.requested = signal.Signals(signum).name
 
+  def begin(self, stage: int) -> None:
+    """The loop starts at ``stage`` (a resumed run's), every process alike: the stages up to it
+    are passed to JAX's sync point too, so that a notice that came while the run was starting
+    (JAX then agreed on a stage before this one) stops it at the first boundary."""
+    self._passed = 0
+    self.at_boundary(stage)
+
+  def at_boundary(self, stage: int) -> str | None:
+    """The reason to stop at this stage boundary (the loop is at ``stage``), or None.
+
+    Every process calls it at every boundary. Synced, it passes each stage since the last call to
+    JAX's sync point: when the notice arrives, JAX freezes each process's last stage passed and
+    agrees on the stage after the furthest one; a call may span several stages, and every process
+    stops at the boundary of the call that holds the agreed stage."""
+    if self.synced:
+      for s in range(self._passed + 1, stage + 1):
+        if multihost_utils.reached_preemption_sync_point(s):
+          self.requested = "SIGTERM"
+      self._passed = stage
+    return self.requested
+
   def restore(self):
     for sig, old in self._old.items():
       signal.signal(sig, old)
+
+
+def jax_preemption_service() -> bool:
+  """Whether ``jax.distributed`` started JAX's preemption sync manager (its SIGTERM notifier)."""
+  try:
+    from jax._src import distributed
+  except ImportError:  # pragma: no cover - moved in a future JAX
+    return False
+  return distributed.global_state.preemption_sync_manager is not None
 
 
 def is_collective_failure(error: BaseException) -> bool:
@@ -359,7 +400,8 @@ class Watch:
   ``health.on_slow=exclude`` acts on; and the device-side flag of a non-finite loss.
 
   Attributes:
-    preempt: SIGTERM/SIGINT, read at each stage boundary (:class:`Preemption`).
+    preempt: SIGTERM/SIGINT, read at each stage boundary (:class:`Preemption`; SIGTERM synced
+      across processes).
     watchdog: the watchdog of hung collectives (:class:`Watchdog`), or None (one process, or
       ``health.hang_timeout_s=0``).
     recorder: its verdict's writer (:class:`acco_jax.run.health.Recorder`), or None (one process).
@@ -370,7 +412,7 @@ class Watch:
   """
 
   def __init__(self, config, workdir: str, launch=None):
-    self.preempt = Preemption()
+    self.preempt = Preemption(synced=jax.process_count() > 1)
     self.watchdog, self.recorder, self.slow, self.nonfinite = None, None, None, None
     self.on_nonfinite = config.train.on_nonfinite
     if jax.process_count() == 1:

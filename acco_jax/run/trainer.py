@@ -113,6 +113,7 @@ class Loop:
     )
     self.watch = monitor.Watch(config, workdir, launch)
     run.step.watch_stop(lambda: self.watch.preempt.requested is not None)  # a wait gives up
+    self.watch.preempt.begin(self.stage)  # across processes, SIGTERM stops all at one stage
     self.rows = Rows(run, workdir, origin, self.pace, self.watch)
     baseline = data.unigram_entropy(data.loss_tokens(run.tokens.train))
     self.rows.summary["unigram_baseline"] = baseline
@@ -154,7 +155,7 @@ class Loop:
     try:
       while self.stage < total:
         self.call()
-        reason = self.watch.preempt.requested or (
+        reason = self.watch.preempt.at_boundary(self.stage) or (
           "max_stages" if stop_at is not None and self.stage >= stop_at else None
         )
         if reason and self.stage < total:
