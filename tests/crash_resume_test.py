@@ -67,7 +67,6 @@ MODULES = {
   "pipeline_acco": (gpt2_pipeline, {}),
   "diloco_eager": (gpt2_diloco, {}),
   "acco_muon": (gpt2_acco, {}),
-  "zero1_muon": (gpt2_zero1, {}),
   "diloco_muon": (gpt2_diloco, {}),
   "diloco_acco": (gpt2_diloco, {}),
   "streaming_eager": (gpt2_streaming_diloco, {}),
@@ -113,9 +112,11 @@ METHOD_OVERRIDES = {
     "loco.workers": 4,
     "train.num_updates": 24,
   },
-  # Muon on the blocks' matrices, AdamW on the rest: comm.layout=auto picks the owner layout
+  # Muon on the blocks' matrices, AdamW on the rest: comm.layout=auto picks the owner layout. No
+  # zero1_muon: its checkpoint is zero1's parameters (the "zero1" run) with the owner layout's
+  # optimizer state, which acco_muon saves and restores the same way (both methods' owner path is
+  # TrainStep.owner in acco_jax/dp/step.py: vmapped init, restore, reshard); ACCO adds a buffer
   "acco_muon": {"opt.name": "muon", "model.N": 2},
-  "zero1_muon": {"opt.name": "muon", "model.N": 2},
   # MuLoCo: Muon inside 4 workers of 2 devices (each worker's matrices owned whole by one of its
   # devices), DiLoCo's blocking sync every 3 inner steps
   "diloco_muon": {
