@@ -82,6 +82,7 @@ LONG_FIRST = (
   "loco_acco_test",
   "init_from_test",
   "pipeline_multiprocess_test",
+  "preemption_multiprocess_test",
   "gpu_throughput_test",
   "loco_overlap_bench_test",
   "loco_train_test",

@@ -183,14 +183,13 @@ def check_per_leaf(tx, name: str, view_like, clip: float | None = None) -> None:
     for x in jax.tree.leaves(view_like)
   ]
   treedef = jax.tree.structure(view_like)
-  keys = jax.random.split(jax.random.key(0), 2 * len(small))
-  grads = [jax.random.normal(k, x.shape) for k, x in zip(keys, small, strict=False)]
+  # the probes drawn on the host: an eager jax.random call compiles a program per leaf shape
+  rng = np.random.default_rng(0)
+  grads = [rng.standard_normal(x.shape, np.float32) for x in small]
   if clip is not None:  # every probe's norm well below the clip: 100 x the whole norm < clip / 2
-    whole = float(np.sqrt(sum(float(jnp.sum(g * g)) for g in grads)))
-    grads = [g * (clip / (200 * whole)) for g in grads]
-  params = treedef.unflatten(
-    [jax.random.normal(k, x.shape) for k, x in zip(keys[len(small) :], small, strict=True)]
-  )
+    whole = float(np.sqrt(sum(float(np.sum(g * g)) for g in grads)))
+    grads = [g * np.float32(clip / (200 * whole)) for g in grads]
+  params = treedef.unflatten([rng.standard_normal(x.shape, np.float32) for x in small])
 
   @jax.jit  # one program for the three probes (run eagerly, each optax op compiles on its own)
   def update(scales):  # a global-norm clip that takes the norm as an argument reads nothing else
