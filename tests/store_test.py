@@ -133,8 +133,8 @@ def test_members_gives_up_at_once_when_its_stop_turns_true(tmp_path):
   stores = workers(tmp_path, 2, grace_s=60.0, poll_s=0.01)
   stores[0].publish(0, blocks(0))
   requested = threading.Event()
+  start = time.monotonic()  # before the timer starts: it cannot fire sooner than 0.2 s after this
   threading.Timer(0.2, requested.set).start()
-  start = time.monotonic()
   with pytest.raises(store_lib.Stopped, match="round 0"):
     stores[0].members(0, 2, stop=requested.is_set)
   assert 0.2 <= time.monotonic() - start < 5.0  # the grace is 60 s: a slow CI machine, not a wait
