@@ -46,7 +46,6 @@ from configs import (
   gpt2_skippipe,
   gpt2_sparseloco,
   gpt2_streaming_diloco,
-  gpt2_zero1,
   sft_acco,
 )
 from tests.train_test import SMALL
@@ -60,9 +59,11 @@ RUN_TIMEOUT_S = 600  # one process, compilation included (2 busy cores; the refe
 # Streaming DiLoCo compiles a phase program per fragment, over a minute each under load)
 # method -> (config module, top-level overrides); "pipeline": SkipPipe's scheduled plan on 2 lanes x
 # 4 stages, microbatches crossing lanes (tests/pipeline_train_test.py)
+# No zero1 or zero1_muon (CI time): ZeRO-1's checkpoint is ACCO's without the gradient buffer (the
+# same TrainStep saves and restores both; acco and acco_muon run it, elementwise and owner layouts),
+# and its one stage per update is the pipelines' and the LoCo methods' too
 MODULES = {
   "acco": (gpt2_acco, {}),
-  "zero1": (gpt2_zero1, {}),
   "pipeline": (gpt2_skippipe, {"method": "pipeline"}),
   "pipeline_acco": (gpt2_pipeline, {}),
   "diloco_eager": (gpt2_diloco, {}),
@@ -112,10 +113,8 @@ METHOD_OVERRIDES = {
     "loco.workers": 4,
     "train.num_updates": 24,
   },
-  # Muon on the blocks' matrices, AdamW on the rest: comm.layout=auto picks the owner layout. No
-  # zero1_muon: its checkpoint is zero1's parameters (the "zero1" run) with the owner layout's
-  # optimizer state, which acco_muon saves and restores the same way (both methods' owner path is
-  # TrainStep.owner in acco_jax/dp/step.py: vmapped init, restore, reshard); ACCO adds a buffer
+  # Muon on the blocks' matrices, AdamW on the rest: comm.layout=auto picks the owner layout
+  # (TrainStep.owner in acco_jax/dp/step.py: vmapped init, restore, reshard)
   "acco_muon": {"opt.name": "muon", "model.N": 2},
   # MuLoCo: Muon inside 4 workers of 2 devices (each worker's matrices owned whole by one of its
   # devices), DiLoCo's blocking sync every 3 inner steps

@@ -26,7 +26,7 @@ def two_process_cmds(workdir, port: int) -> list[list[str]]:
     "dist.coordinator_address": f"127.0.0.1:{port}",
     "dist.num_processes": 2,
     "mesh.cpu_devices": 1,
-    "train.num_updates": 200,
+    "train.num_updates": 100,
     "train.log_every": 1,
     "train.eval_every": 0,
     "train.sample_tokens": 0,
@@ -84,7 +84,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_stage(tmp_path):
   text = logs[0].read_text()
   assert "SIGTERM: checkpoint saved at stage " in text, tails(logs)
   stopped = int(text.split("checkpoint saved at stage ")[1].split(";")[0])
-  assert 1 <= stopped < 400
+  assert 1 <= stopped < 200
   ckpts = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
   assert ckpts == [stopped], ckpts
 
@@ -92,6 +92,6 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_stage(tmp_path):
   codes = run_two(workdir, rerun, timeout=240)
   assert codes == [0, 0], f"exit codes {codes}:\n{tails(rerun)}"
   summary = json.loads(rerun[0].read_text().strip().splitlines()[-1])
-  assert summary["stages"] == 400 and summary["updates"] == 200
+  assert summary["stages"] == 200 and summary["updates"] == 100
   events = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert any(e.get("event") == "restored" and e["stage"] == stopped for e in events)

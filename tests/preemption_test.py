@@ -1,81 +1,15 @@
-"""SIGTERM during training: checkpoint at the next stage boundary, exit cleanly, resume to the end."""
+"""SIGTERM/SIGINT during training: checkpoint at the next stage boundary and stop. The command line's
+end to end (two processes, SIGTERM to one, exit 0, the rerun resumes to the end) is
+``tests/preemption_multiprocess_test.py``; one process takes the same stop with its own flag,
+which SIGINT here and the stand-in test below cover."""
 
 import json
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 import time
 
-import pytest
-
 REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
-def train_cmd(workdir, cache):
-  return [
-    sys.executable,
-    str(REPO / "train.py"),
-    "--config",
-    str(REPO / "configs" / "gpt2_acco.py") + ":tiny",
-    "--workdir",
-    str(workdir),
-    f"--config.data.cache_dir={cache}",
-    "--config.train.num_updates=150",
-    "--config.train.log_every=1",
-    "--config.train.eval_every=0",
-    "--config.ckpt.every=0",
-    "--config.train.sample_tokens=0",
-  ]
-
-
-@pytest.mark.slow
-def test_sigterm_checkpoints_and_resumes(tmp_path):
-  env = dict(os.environ, PYTHONUNBUFFERED="1")
-  cache = tmp_path / "cache"
-  proc = subprocess.Popen(
-    train_cmd(tmp_path / "run", cache),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-    env=env,
-    cwd=REPO,
-  )
-  lines = []
-  try:
-    deadline = time.time() + 240
-    for line in proc.stdout:  # wait until training is under way
-      lines.append(line)
-      if line.startswith("stage "):  # the first progress line: compiled and running
-        proc.send_signal(signal.SIGTERM)
-        break
-      assert time.time() < deadline, "".join(lines[-20:])
-    out, _ = proc.communicate(timeout=120)
-  finally:
-    proc.kill()
-  lines.append(out)
-  text = "".join(lines)
-  assert proc.returncode == 0, text[-3000:]
-  assert "SIGTERM: checkpoint saved at stage" in text, text[-3000:]
-  stopped = int(text.split("checkpoint saved at stage ")[1].split(";")[0])
-  assert 1 <= stopped < 300
-  ckpts = [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()]
-  assert str(stopped) in ckpts, ckpts
-
-  done = subprocess.run(
-    train_cmd(tmp_path / "run", cache),
-    capture_output=True,
-    text=True,
-    env=env,
-    cwd=REPO,
-    timeout=600,
-  )
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  summary = json.loads(done.stdout.strip().splitlines()[-1])
-  assert summary["stages"] == 300 and summary["updates"] == 150
-  events = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-  assert any(e.get("event") == "restored" and e["stage"] == stopped for e in events)
 
 
 def test_sigint_in_process_checkpoints_at_the_stage_boundary(tmp_path):
